@@ -1,0 +1,440 @@
+"""The Platform contract: the one module a backend (in-tree or third-party) imports from portside.
+
+A backend supplies a `Platform` subclass and three parts:
+
+- an `AttentionBackend`: writes K/V into its paged cache at `slot_mapping` and attends over
+  `block_tables` for a mixed batch of prefill chunks and decodes;
+- a `GraphRunner`: runs the model for one step, replaying a captured graph where it can;
+- a `Communicator`: the collectives tensor parallelism needs.
+
+It registers through the entry-point group ``portside.platforms`` with a cheap ``register()``
+function that returns the dotted path of its `Platform` class (``"pkg.module:Class"``), or None
+when the package knows at once that it cannot run here. Nothing in this module imports a vendor
+runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # config imports nothing from here; this only names the type.
+    from portside.config import EngineConfig
+
+__all__ = [
+    "Availability",
+    "DeviceInfo",
+    "KVCacheSpec",
+    "AttentionMetadata",
+    "ForwardContext",
+    "GraphCaptureSupport",
+    "AttentionBackend",
+    "GraphRunner",
+    "EagerGraphRunner",
+    "ModelFn",
+    "Communicator",
+    "SingleRankCommunicator",
+    "TorchDistributedCommunicator",
+    "Platform",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Identity and probing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Result of `Platform.is_available()`: usable, or the reason why not."""
+
+    available: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> "Availability":
+        return cls(True, "")
+
+    @classmethod
+    def no(cls, reason: str) -> "Availability":
+        return cls(False, reason)
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str  # human-readable, e.g. "NVIDIA H200" or "x86_64 CPU (AVX2)"
+    count: int  # devices of this kind visible to the process
+    total_memory: int  # bytes, per device
+    free_memory: int  # bytes, per device
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer stores per token; the pool is sized from this."""
+
+    num_layers: int
+    num_kv_heads: int  # per tensor-parallel rank
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once per batch by the model runner.
+
+    The batch is a flat list of tokens, grouped by request in `query_start_loc` order. Request i
+    owns query tokens ``query_start_loc[i]:query_start_loc[i+1]``; these are the *last*
+    ``query_len_i`` tokens of its sequence of ``seq_lens[i]`` tokens, so a decode has
+    query_len 1 and a prefill chunk attends causally to its cached prefix plus itself.
+
+    Tensors live on the model's device. The `*_cpu` lists are host copies made while building
+    the batch, so backends that loop or bucket on the host need no device sync.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset); -1 = skip
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32: cached + new tokens, per request
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32 (padding entries are 0)
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    num_decode_tokens: int = 0  # decodes come first in the batch: requests [0, num_decodes) have query_len 1
+    backend_data: Any = None  # whatever `AttentionBackend.prepare` adds
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+class GraphCaptureSupport(enum.Enum):
+    """How far an attention backend can be captured in a graph."""
+
+    NEVER = "never"  # eager only
+    DECODE_ONLY = "decode_only"  # uniform batches of query_len 1
+    ALWAYS = "always"  # any batch shape (static metadata buffers)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one platform. Stateless apart from configuration.
+
+    The cache of one layer is a single tensor whose shape the backend chooses (see
+    `kv_cache_shape`); core only allocates it and hands it back.
+    """
+
+    name: ClassVar[str] = "abstract"
+    graph_support: ClassVar[GraphCaptureSupport] = GraphCaptureSupport.NEVER
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache (K and V together)."""
+
+    @abstractmethod
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store key/value ([num_tokens, num_kv_heads, head_size]) at `slot_mapping` (-1: skip)."""
+
+    @abstractmethod
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read back K and V ([len(slots), num_kv_heads, head_size]) at `slots`. For tests and
+        the conformance kit; not on the hot path."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write key/value into `kv_cache`, then attend. Returns [num_tokens, num_heads, head_size]."""
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Add backend-specific data (`metadata.backend_data`) once per step. Default: nothing."""
+        return metadata
+
+    def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
+        """None if this configuration is supported, else the reason why not."""
+        return None
+
+
+@dataclass
+class ForwardContext:
+    """Everything attention layers need for one forward pass, passed explicitly (no globals)."""
+
+    backend: AttentionBackend
+    kv_caches: Sequence[torch.Tensor]  # one per layer (may be empty for a cache-less forward)
+    metadata: AttentionMetadata
+
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Graph capture
+# --------------------------------------------------------------------------------------------
+
+# model_fn(input_ids [T], positions [T], ctx) -> hidden states [T, hidden] (before the LM head).
+ModelFn = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
+
+
+class GraphRunner(ABC):
+    """Runs the model for one step; may capture and replay graphs for shapes it prepared.
+
+    `capture` is called once after the KV cache exists (it may run the model on dummy inputs);
+    `__call__` then runs every step with exactly the arguments `model_fn` takes.
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, model_fn: ModelFn, config: "EngineConfig") -> None:
+        self.model_fn = model_fn
+        self.config = config
+
+    def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
+        """Prepare graphs. `make_dummy_context(num_decodes)` builds a decode-only context
+        (with valid scratch KV slots) for a padded batch of that size. Default: nothing."""
+
+    @abstractmethod
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+
+class EagerGraphRunner(GraphRunner):
+    """No capture: every step runs the model eagerly. The fallback every platform can use."""
+
+    name = "eager"
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model_fn(input_ids, positions, ctx)
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives
+# --------------------------------------------------------------------------------------------
+
+
+class Communicator(ABC):
+    """Collectives over one tensor-parallel group. All methods are collective calls."""
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks; returns the result (may be `x` reduced in place)."""
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim`, in rank order."""
+
+    @abstractmethod
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`src`'s tensor on every rank."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def destroy(self) -> None:
+        """Release the group. Default: nothing."""
+
+
+class SingleRankCommunicator(Communicator):
+    """World size 1: every collective is the identity."""
+
+    name = "single"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return x
+
+    def barrier(self) -> None:
+        return None
+
+
+class TorchDistributedCommunicator(Communicator):
+    """Collectives through an initialised torch.distributed process group (gloo, nccl, ...).
+
+    Backends whose collectives torch.distributed already speaks subclass this and only choose
+    the process-group backend name (`Platform.dist_backend`).
+    """
+
+    name = "torch.distributed"
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            self._dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size > 1:
+            self._dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._dist.barrier(group=self.group)
+
+
+# --------------------------------------------------------------------------------------------
+# The platform
+# --------------------------------------------------------------------------------------------
+
+
+class Platform(ABC):
+    """One kind of hardware. Capabilities are class-level data; parts are built on request.
+
+    Subclasses set the class variables and implement the abstract methods. `is_available` must be
+    cheap and must not initialise the device runtime (no context creation, no allocation).
+    """
+
+    name: ClassVar[str]  # the --device value: "cuda", "rocm", "tpu", "cpu", or a vendor's
+    device_type: ClassVar[str]  # torch device type: "cuda", "xla", "cpu", "privateuseone", ...
+    dist_backend: ClassVar[str]  # torch.distributed backend: "nccl", "gloo", "xla", ...
+    priority: ClassVar[int] = 0  # auto-selection: highest available wins (cpu is 0)
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    block_sizes: ClassVar[tuple[int, ...]] = (16,)  # allowed KV block sizes
+    default_block_size: ClassVar[int] = 16
+
+    # ---- probe and device ------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> Availability:
+        """Can this platform run here? Cheap; never initialises the device runtime."""
+
+    @classmethod
+    @abstractmethod
+    def device_info(cls) -> DeviceInfo: ...
+
+    @classmethod
+    def device(cls, local_rank: int = 0) -> torch.device:
+        return torch.device(cls.device_type, local_rank) if cls.device_type != "cpu" else torch.device("cpu")
+
+    @classmethod
+    def set_device(cls, local_rank: int) -> None:
+        """Make `local_rank`'s device current for this process. Default: nothing."""
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for queued device work. Default: nothing (synchronous devices)."""
+
+    @classmethod
+    def inference_mode(cls) -> contextlib.AbstractContextManager:
+        return torch.inference_mode()
+
+    @classmethod
+    def seed(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        """What dtype "auto" means here when the checkpoint's own dtype is not supported well."""
+        return torch.float32
+
+    # ---- configuration -----------------------------------------------------------------------
+
+    @classmethod
+    def check_and_update_config(cls, config: "EngineConfig") -> "EngineConfig":
+        """Return a (new, frozen) config adjusted for this platform, or raise ValueError naming the
+        fix. Default: fill in the block size and check it and the dtype."""
+        import dataclasses
+
+        cache = config.cache
+        if cache.block_size is None:
+            cache = dataclasses.replace(cache, block_size=cls.default_block_size)
+        if cache.block_size not in cls.block_sizes:
+            raise ValueError(
+                f"block size {cache.block_size} is not supported by the {cls.name} platform; "
+                f"use one of {list(cls.block_sizes)}"
+            )
+        if config.model.dtype not in cls.supported_dtypes:
+            raise ValueError(
+                f"dtype {config.model.dtype} is not supported by the {cls.name} platform; "
+                f"use one of {[str(d).removeprefix('torch.') for d in cls.supported_dtypes]}"
+            )
+        return dataclasses.replace(config, cache=cache)
+
+    # ---- the three parts -----------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def attention_backend(cls, config: "EngineConfig") -> AttentionBackend: ...
+
+    @classmethod
+    def graph_runner(cls, model_fn: ModelFn, config: "EngineConfig") -> GraphRunner:
+        return EagerGraphRunner(model_fn, config)
+
+    @classmethod
+    def communicator(cls, group: Any = None) -> Communicator:
+        """Collectives over `group` (None: the default process group, or world size 1 when
+        torch.distributed is not initialised)."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return SingleRankCommunicator()
+        return TorchDistributedCommunicator(group)
+
+    # ---- description ---------------------------------------------------------------------------
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """Implementation names for `portside devices`, without building anything heavy."""
+        return {
+            "attention": getattr(cls, "attention_name", "?"),
+            "graph": getattr(cls, "graph_name", "eager"),
+            "collectives": getattr(cls, "collectives_name", cls.dist_backend),
+        }
+

@@ -1,0 +1,59 @@
+"""Frozen engine configuration. Adjust with `dataclasses.replace`; each component gets only the
+sub-config it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # local folder with config.json + safetensors, or a .gguf file
+    tokenizer: str | None = None  # defaults to `path`
+    dtype: torch.dtype = torch.float32
+    max_model_len: int = 2048
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int | None = None  # None: the platform's default
+    num_kv_blocks: int | None = None  # exact pool size; wins over kv_cache_memory
+    # bytes (int > 1) or a fraction (0 < x <= 1) of the device's free memory
+    kv_cache_memory: float = 0.5
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_num_seqs: int = 128  # running requests at once
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str | None = None  # platform name; None: auto-detect
+    # platform-specific options (e.g. {"cpu_graph": "inductor"}), validated by the platform
+    platform_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.platform_options).get(key, default)

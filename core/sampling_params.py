@@ -1,0 +1,72 @@
+"""Sampling parameters, vLLM-compatible names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives to return besides the sampled token
+    prompt_logprobs: int | None = None  # accepted for API compatibility; not computed
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)  # normalised `stop`
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter when a value is out of range."""
+        checks = [
+            (self.n >= 1, "n", "must be at least 1"),
+            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or at least 1"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "must not exceed max_tokens",
+            ),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def clone_for_sample(self, index: int) -> "SamplingParams":
+        """Parameters for sample `index` of an n>1 request: n=1, and a distinct derived seed."""
+        import dataclasses
+
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

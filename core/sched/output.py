@@ -1,0 +1,64 @@
+"""The two dataclasses that cross the scheduler <-> model-runner boundary.
+
+`SchedulerOutput` is a diff: a request's full state is sent once (`NewRequestData`, also after a
+preemption), afterwards only what changed (`CachedRequestData`). The runner keeps the rest, and
+appends the tokens it sampled itself. This keeps per-step messages small for multi-process
+tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from portside.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after preemption (recompute)
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit (or fork) length: the runner computes from here
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]  # blocks appended since the request was last scheduled
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step. Iteration order is the batch order the runner must
+    # use: decodes (1 token) first, then prefill chunks.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # requests the runner must forget (finished, aborted, or preempted since the last step)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token: the top-k token ids and logprobs (sampled token first), and its rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # req_id -> tokens sampled this step (empty for a prefill chunk that did not reach the end)
+    sampled_token_ids: dict[str, list[int]]
+    # req_id -> logprobs of the sampled token(s), for requests that asked for logprobs
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
