@@ -34,8 +34,7 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    # req_id -> tokens to compute this step. Iteration order is the batch order the runner must
-    # use: decodes (1 token) first, then prefill chunks.
+    # req_id -> tokens to compute this step (the runner orders the batch itself)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     # requests the runner must forget (finished, aborted, or preempted since the last step)
