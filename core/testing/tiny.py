@@ -1,0 +1,244 @@
+"""Tiny random-weight models and a locally trained tokenizer, for tests.
+
+Everything here is built in a second or two, deterministically, without a network:
+
+- `make_tiny_tokenizer(path)`: a ~400-token byte-level BPE trained on a built-in English text,
+  wrapped as a `transformers.PreTrainedTokenizerFast` with ChatML special tokens and template.
+- `make_tiny_model(path, arch=...)`: a Hugging Face folder (config.json, safetensors, tokenizer)
+  whose weights `transformers` itself initialises (then re-drawn wider so that greedy decoding
+  does not collapse onto one token).
+- `hf_greedy(path, prompt_ids, n)`: the oracle: transformers' greedy `generate` in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TINY_ARCHS",
+    "make_tiny_tokenizer",
+    "make_tiny_model",
+    "hf_greedy",
+    "hf_logits",
+]
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The harbour town woke early. Fishing boats slipped out past the lighthouse while the bakers
+lit their ovens, and the smell of fresh bread drifted along the quay. By seven the market was
+full: traders called out the price of apples, cheese, rope and lamp oil, and children ran
+between the stalls with their dogs.
+
+A ship arrived from the south in the afternoon. Her captain, a tall woman with a grey coat,
+asked the harbour master where she could find a carpenter, because the storm had cracked her
+mast. He pointed to a small workshop behind the church. "Ask for Thomas," he said. "He is slow,
+but his work will outlast the both of us."
+
+What is the capital of France? The capital of France is Paris. What is the largest ocean? The
+Pacific Ocean is the largest. How many days are there in a week? There are seven days in a
+week. Can you help me write a letter? Of course, I would be glad to help you write a letter.
+
+Engines, servers and schedulers process requests in batches. Each request has a prompt, a
+number of tokens to generate, and a set of sampling parameters such as the temperature, top-k
+and top-p. The scheduler decides which requests run in each step, and the model computes the
+next token for every running sequence at once. Memory for keys and values is split into
+blocks, so that sequences of different lengths can share one pool without waste.
+
+In winter the town grew quiet. Snow covered the roofs, the boats stayed in the harbour, and
+people gathered in the tavern to tell stories about the sea: of whales and waves, of lost
+ships and lucky returns, of the old lighthouse keeper who could read the weather in the clouds.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024. Punctuation: , . ; : ! ? ( ) [ ] { } - " ' / @ #.
+"""
+
+TINY_ARCHS: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 400) -> Any:
+    """Train a byte-level BPE on the built-in corpus, save it as a HF tokenizer at `path`.
+
+    Special tokens: ``<|endoftext|>`` (pad, id 0), ``<|im_start|>`` (id 1), ``<|im_end|>``
+    (eos, id 2); ChatML chat template; no BOS. Returns the `PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.chat_template = CHATML_TEMPLATE
+    Path(path).mkdir(parents=True, exist_ok=True)
+    hf_tok.save_pretrained(str(path))
+    return hf_tok
+
+
+def _hf_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, overrides: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
+    if arch == "llama":
+        cls = LlamaConfig
+    elif arch == "mistral":
+        cls = MistralConfig
+        kwargs["sliding_window"] = None
+        kwargs["head_dim"] = 16
+    elif arch == "qwen2":
+        cls = Qwen2Config
+        kwargs["use_sliding_window"] = False
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; use one of {sorted(TINY_ARCHS)}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+@torch.no_grad()
+def _widen_init(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Re-draw every weight wider than HF's default init (std 0.02 makes every logit ~equal, so
+    greedy decoding repeats one token). Norm weights are ~1 (but not exactly, so loading them
+    is tested); biases are small."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if "norm" in name:
+            p.copy_(1.0 + 0.1 * noise)
+        elif name.endswith("bias"):
+            p.copy_(0.1 * noise)
+        elif "embed_tokens" in name:
+            p.copy_(noise)
+        else:
+            p.copy_(std * noise)
+
+
+def make_tiny_model(
+    path: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    init_std: float = 0.25,
+    max_shard_size: int | str | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random-weight HF model folder at `path` and return it.
+
+    Shape: hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 16, intermediate 128, vocab =
+    the tiny tokenizer's, max_position_embeddings 512, fp32. `arch` is "llama", "mistral"
+    (explicit head_dim, no sliding window) or "qwen2" (qkv bias). `config_overrides` go to the
+    transformers config class (e.g. ``tie_word_embeddings=True``, ``head_dim=32``,
+    ``num_hidden_layers=4``, ``rope_parameters={...}``). `max_shard_size` (e.g. ``"100KB"``)
+    writes sharded safetensors with an index.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tok = make_tiny_tokenizer(path)
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config = _hf_config(arch, len(tok), eos_id, pad_id, config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _widen_init(model, init_std, seed)
+    if config.tie_word_embeddings:  # the re-draw must not untie the shared tensor
+        model.tie_weights()
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(path), **save_kwargs)
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(path: str, mtime: float) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _hf_model(path: str | os.PathLike) -> Any:
+    p = Path(path)
+    stamp = max(f.stat().st_mtime for f in p.iterdir())
+    return _load_hf(str(p), stamp)
+
+
+@torch.no_grad()
+def hf_greedy(
+    path: str | os.PathLike, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
+    """transformers' greedy continuation of `prompt_ids` (new tokens only), in fp32.
+
+    EOS is ignored unless `eos_token_id` is given (then generation stops after emitting it).
+    """
+    model = _hf_model(path)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id if eos_token_id is not None else 0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@torch.no_grad()
+def hf_logits(path: str | os.PathLike, prompt_ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [len(prompt_ids), vocab] for a single prompt."""
+    model = _hf_model(path)
+    return model(torch.tensor([prompt_ids], dtype=torch.long)).logits[0].float()
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The folder's config.json as a dict (for tests that inspect what was written)."""
+    return json.loads((Path(path) / "config.json").read_text())
