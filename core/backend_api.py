@@ -379,10 +379,14 @@ class Platform(ABC):
     def seed(cls, seed: int) -> None:
         torch.manual_seed(seed)
 
+    # KV-cache size when the user gives none: a fraction (<= 1) of free memory, or bytes (> 1)
+    default_kv_cache_memory: ClassVar[float] = 0.9
+
     @classmethod
-    def default_dtype(cls) -> torch.dtype:
-        """What dtype "auto" means here when the checkpoint's own dtype is not supported well."""
-        return torch.float32
+    def auto_dtype(cls, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """What dtype "auto" means here for a checkpoint stored in `checkpoint_dtype`.
+        Default: the checkpoint's own dtype when supported, else the first supported one."""
+        return checkpoint_dtype if checkpoint_dtype in cls.supported_dtypes else cls.supported_dtypes[0]
 
     # ---- configuration -----------------------------------------------------------------------
 

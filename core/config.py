@@ -21,8 +21,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int | None = None  # None: the platform's default
     num_kv_blocks: int | None = None  # exact pool size; wins over kv_cache_memory
-    # bytes (int > 1) or a fraction (0 < x <= 1) of the device's free memory
-    kv_cache_memory: float = 0.5
+    # bytes (> 1) or a fraction (0 < x <= 1) of the device's free memory after loading the
+    # model; None: the platform's default
+    kv_cache_memory: float | None = None
     enable_prefix_caching: bool = True
 
 

@@ -1,0 +1,159 @@
+"""Platform discovery and selection through the ``portside.platforms`` entry-point group.
+
+Every backend, in-tree or third-party, registers the same way: an entry point naming a cheap
+``register()`` that returns ``"package.module:PlatformClass"`` (or None when it knows at once
+the hardware is absent). A plugin that fails to import, to register, or to probe is reported
+with its package and entry-point name and skipped; it never breaks discovery.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from stevedore import ExtensionManager, NamedExtensionManager
+
+from portside.backend_api import Availability, Platform
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "portside.platforms"
+PLUGINS_ENV = "PORTSIDE_PLUGINS"
+
+
+class DeviceSelectionError(RuntimeError):
+    """No usable platform for the requested device; the message lists what was found."""
+
+
+@dataclass(frozen=True)
+class PlatformEntry:
+    entry_point: str  # entry-point name
+    package: str  # distribution that provides it
+    platform: type[Platform] | None  # None when it could not be loaded
+    availability: Availability
+
+    @property
+    def name(self) -> str:
+        """The --device name (the platform's own name once loaded)."""
+        return self.platform.name if self.platform is not None else self.entry_point
+
+    def describe(self) -> dict[str, str]:
+        if self.platform is None:
+            return {"attention": "-", "graph": "-", "collectives": "-"}
+        try:
+            return self.platform.describe()
+        except Exception as e:  # a plugin's describe() must not break listing
+            return {"attention": f"error: {e}", "graph": "-", "collectives": "-"}
+
+
+def _package_of(entry_point: Any) -> str:
+    dist = getattr(entry_point, "dist", None)
+    return getattr(dist, "name", None) or "unknown package"
+
+
+def _load_entry(name: str, package: str, register: Any) -> PlatformEntry:
+    """Turn one loaded ``register`` callable into an entry, catching every plugin fault."""
+
+    def failed(reason: str) -> PlatformEntry:
+        logger.warning("platform plugin %r from %s skipped: %s", name, package, reason)
+        return PlatformEntry(name, package, None, Availability.no(reason))
+
+    try:
+        target = register()
+    except Exception as e:
+        return failed(f"register() raised {type(e).__name__}: {e}")
+    if target is None:
+        return PlatformEntry(name, package, None, Availability.no("register() found no usable hardware"))
+    if not isinstance(target, str) or ":" not in target:
+        return failed(f"register() returned {target!r}; expected 'module:PlatformClass' or None")
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:
+        return failed(f"importing {target} failed: {type(e).__name__}: {e}")
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        return failed(f"{target} is not a portside.backend_api.Platform subclass")
+    try:
+        availability = cls.is_available()
+        if not isinstance(availability, Availability):
+            return failed(f"{target}.is_available() returned {availability!r}, not an Availability")
+    except Exception as e:
+        availability = Availability.no(f"probe raised {type(e).__name__}: {e}")
+    return PlatformEntry(name, package, cls, availability)
+
+
+def discover_platforms() -> list[PlatformEntry]:
+    """Every platform plugin installed (restricted by $PORTSIDE_PLUGINS when set)."""
+    entries: list[PlatformEntry] = []
+
+    def on_load_failure(_manager: Any, entry_point: Any, exc: BaseException) -> None:
+        reason = f"import failed: {type(exc).__name__}: {exc}"
+        logger.warning("platform plugin %r from %s skipped: %s", entry_point.name, _package_of(entry_point), reason)
+        entries.append(PlatformEntry(entry_point.name, _package_of(entry_point), None, Availability.no(reason)))
+
+    allow = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    common = dict(namespace=ENTRY_POINT_GROUP, invoke_on_load=False, on_load_failure_callback=on_load_failure)
+    if allow:
+        manager = NamedExtensionManager(names=allow, name_order=True, **common)
+    else:
+        manager = ExtensionManager(**common)
+    for ext in manager:
+        entries.append(_load_entry(ext.name, _package_of(ext.entry_point), ext.plugin))
+    return sorted(entries, key=lambda e: (e.platform is None, -(e.platform.priority if e.platform else 0), e.name))
+
+
+def _table(entries: list[PlatformEntry]) -> str:
+    if not entries:
+        return "  (no platform plugins installed)"
+    return "\n".join(
+        f"  {e.name:<14} {'available' if e.availability else 'unavailable: ' + e.availability.reason}"
+        f"  [{e.package}]"
+        for e in entries
+    )
+
+
+def resolve_platform(device: str | None = None, entries: list[PlatformEntry] | None = None) -> type[Platform]:
+    """The platform for `device`, or the best available one when `device` is None."""
+    entries = discover_platforms() if entries is None else entries
+    if device is not None:
+        matches = [e for e in entries if e.name == device]
+        if not matches:
+            raise DeviceSelectionError(f"no platform named {device!r}; devices found:\n{_table(entries)}")
+    else:
+        matches = [e for e in entries if e.availability and e.platform is not None]
+        if not matches:
+            raise DeviceSelectionError(f"no available platform; devices found:\n{_table(entries)}")
+        best = max(e.platform.priority for e in matches if e.platform is not None)
+        matches = [e for e in matches if e.platform is not None and e.platform.priority == best]
+        matches = [e for e in matches if e.name == matches[0].name]
+    loaded = [e for e in matches if e.platform is not None]
+    if len(loaded) > 1:
+        packages = " and ".join(f"{e.package} ({e.entry_point})" for e in loaded)
+        raise DeviceSelectionError(
+            f"device {loaded[0].name!r} is claimed by more than one plugin: {packages}; "
+            f"uninstall one, or restrict plugins with {PLUGINS_ENV}=name,..."
+        )
+    entry = matches[0]
+    if entry.platform is None or not entry.availability:
+        raise DeviceSelectionError(
+            f"device {entry.name!r} is unavailable: {entry.availability.reason}\ndevices found:\n{_table(entries)}"
+        )
+    return entry.platform
+
+
+def format_devices(entries: list[PlatformEntry]) -> str:
+    """The `portside devices` table."""
+    header = f"{'DEVICE':<14} {'STATUS':<11} {'PACKAGE':<22} {'ATTENTION':<20} {'GRAPH':<22} {'COLLECTIVES':<12} REASON"
+    lines = [header]
+    for e in entries:
+        d = e.describe()
+        status = "available" if e.availability else "unavailable"
+        reason = "" if e.availability else e.availability.reason
+        lines.append(
+            f"{e.name:<14} {status:<11} {e.package + ':' + e.entry_point:<22} {d['attention']:<20} "
+            f"{d['graph']:<22} {d['collectives']:<12} {reason}"
+        )
+    return "\n".join(lines)
