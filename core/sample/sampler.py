@@ -1,0 +1,125 @@
+"""The sampler: one step's fp32 logits [N, V] -> one token per row (and logprobs on request).
+
+Order of operations, per row:
+
+1. raw logprobs = log_softmax(logits), kept only when some row asked for logprobs;
+2. logit_bias, then min_tokens (eos / stop ids -> -inf), then repetition, frequency and presence
+   penalties (`portside.sample.penalties`);
+3. greedy rows (temperature < 1e-5 or top_k == 1): argmax of those processed logits;
+4. random rows: divide by temperature, min-p, top-k, top-p (`portside.sample.truncation`), then
+   draw with the exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. per token, which picks
+   token t with probability probs[t]. Unseeded rows draw q from one shared generator in a single
+   batched call; a seeded row draws its own q from a generator seeded with
+   `row_seed(seed, number of output tokens so far)`, so its tokens never depend on the rest of
+   the batch, its position in it, or a preemption.
+
+Logprobs are those of the model's raw distribution (step 1: before penalties, temperature and
+truncation), as vLLM v1 returns by default. The sampled token's rank is 1 + the number of tokens
+with a strictly larger raw logprob (rank 1 = most likely; a tie with the top token is rank 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from portside.sample.metadata import SamplingMetadata
+from portside.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from portside.sample.truncation import apply_min_p, apply_top_k_top_p
+from portside.sched.output import LogprobsLists
+
+# q ~ Exp(1) can round to 0; 0/0 would be NaN, which argmax would pick
+_MIN_EXP_NOISE = 1e-30
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one step for every row, K = the batch's largest `logprobs` value."""
+
+    token_ids: torch.Tensor  # [N, 1 + K] int64: column 0 the sampled token, then the top-K by logprob
+    logprobs: torch.Tensor  # [N, 1 + K] fp32: raw log_softmax values of those tokens
+    sampled_ranks: torch.Tensor  # [N] int64: rank of the sampled token (1 = most likely)
+
+    def tolists(self, num_logprobs: list[int | None]) -> list[LogprobsLists | None]:
+        """Per row: its sampled token + top-`num_logprobs[i]` as a one-token `LogprobsLists`
+        (None for rows that did not ask). One device-to-host copy for the whole batch."""
+        ids = self.token_ids.tolist()
+        lps = self.logprobs.tolist()
+        ranks = self.sampled_ranks.tolist()
+        out: list[LogprobsLists | None] = []
+        for i, k in enumerate(num_logprobs):
+            if k is None:
+                out.append(None)
+                continue
+            out.append(LogprobsLists(token_ids=[ids[i][: 1 + k]], logprobs=[lps[i][: 1 + k]], sampled_ranks=[ranks[i]]))
+        return out
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None = None  # None when no row asked for logprobs
+
+
+class Sampler:
+    """Stateless apart from the generator shared by unseeded rows.
+
+    `generator=None` uses torch's default generator of the logits' device (seeded by the
+    platform's `seed(n)`).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Samples one token per row of `logits` [N, V] (left unmodified)."""
+        md = metadata
+        if logits.shape[0] != md.num_rows:
+            raise ValueError(f"logits have {logits.shape[0]} rows, metadata {md.num_rows}")
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None  # [N, V]
+
+        if md.needs_logits_processing:
+            logits = apply_logit_bias(logits, md)
+            logits = apply_min_tokens(logits, md)
+            logits = apply_penalties(logits, md)
+
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)  # [N]
+        else:
+            sampled = self._sample_random(logits, md)
+            if not md.all_random:
+                sampled = torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
+
+        lp = None
+        if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None
+            lp = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, truncation and the exponential race for every row; [N] int64."""
+        logits = logits / md.temperature[:, None]  # [N, V]
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(dim=-1)  # [N, V], 0 on masked tokens
+        q = torch.empty_like(probs)
+        if len(md.generators) < probs.shape[0]:
+            q.exponential_(generator=self.generator)  # one batched draw for the unseeded rows
+        for row, gen in md.generators.items():
+            q[row].exponential_(generator=gen)
+        return probs.div_(q.clamp_(min=_MIN_EXP_NOISE)).argmax(dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    """Sampled token's logprob and rank plus the top-k of `raw_logprobs` [N, V], sorted descending."""
+    sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [N, 1]
+    ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1  # [N]
+    top_lp, top_ids = raw_logprobs.topk(k, dim=-1)  # [N, k] each, sorted
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled[:, None], top_ids], dim=1),
+        logprobs=torch.cat([sampled_lp, top_lp], dim=1),
+        sampled_ranks=ranks,
+    )
