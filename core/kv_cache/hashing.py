@@ -1,0 +1,30 @@
+"""Chained block hashes for the prefix cache.
+
+A full block's hash covers its tokens and, through its parent's hash, every token before it, so
+equal hashes mean equal prefixes unless the hash collides. Collisions are harmless: a hit is
+confirmed against the stored tokens (see `BlockPool.lookup`). Python's `hash` of an int tuple is
+deterministic, and only the scheduler's process ever compares these hashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of one full block, chained on the previous block's hash (None for the first)."""
+    return hash((parent_hash, token_ids))
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, hashes: list[int], num_blocks: int | None = None
+) -> list[int]:
+    """Extend `hashes` (the chain so far) to cover the full blocks of `token_ids`, or the first
+    `num_blocks` of them, and return it. Existing entries are reused, never recomputed."""
+    num_full = len(token_ids) // block_size
+    if num_blocks is not None:
+        num_full = min(num_full, num_blocks)
+    for i in range(len(hashes), num_full):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+    return hashes

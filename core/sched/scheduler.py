@@ -1,0 +1,309 @@
+"""Continuous batching: one step's token budget spent on running requests, then waiting ones.
+
+There is no prefill phase and decode phase. Every request has `num_computed_tokens` (KV in the
+cache) and `num_tokens` (prompt + outputs); each step schedules, within the token budget, tokens
+so that the first catches up with the second. A prompt is one chunk (or several, with chunked
+prefill), a decode is one token, a recompute after preemption is a prefill of prompt + outputs,
+and a prefix-cache hit or a fork simply starts a request with `num_computed_tokens > 0`.
+
+Blocks run out -> preemption by recompute: the victim (policy.py) frees its blocks, goes back
+to the waiting queue with `num_computed_tokens = 0`, and the runner is told to forget it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from portside.kv_cache.manager import KVCacheManager, cdiv
+from portside.request import Request, RequestStatus
+from portside.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from portside.sched.policy import make_policy
+from portside.sched.request_queue import WaitingQueue
+
+if TYPE_CHECKING:  # portside.config imports torch (for dtypes); the scheduler must not
+    from portside.config import SchedulerConfig
+
+
+class Scheduler:
+    """Decides, once per step, which tokens of which requests the model runner computes."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.policy = make_policy(scheduler_config.policy)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()  # for the next output's finished_req_ids
+        self._num_sent_blocks: dict[str, int] = {}  # req_id -> block ids the runner knows
+        self._in_flight: dict[str, int] = {}  # scheduled by the last schedule(), not yet updated
+
+    # ---- intake ------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError for one that can never be scheduled."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; it must have 1 to {self.max_model_len}"
+            )
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Spend this step's token budget: running requests first, then waiting ones."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
+        preempted: list[Request] = []
+        budget = self._schedule_running(scheduled, preempted, budget)
+        new_reqs: list[Request] = []
+        if not preempted:  # the pool is exhausted: admitting now would only thrash
+            self._schedule_waiting(scheduled, new_reqs, budget)
+
+        output = SchedulerOutput(
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=self._finished_ids | {r.request_id for r in preempted},
+        )
+        self._finished_ids = set()
+        new_ids = {r.request_id for r in new_reqs}
+        for req_id in scheduled:
+            request = self.requests[req_id]
+            if req_id in new_ids:
+                output.scheduled_new_reqs.append(self._new_request_data(request))
+            else:
+                output.scheduled_cached_reqs.append(self._cached_request_data(request))
+        self._in_flight = dict(scheduled)
+        return output
+
+    def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request], budget: int) -> int:
+        """One decode token or the next prefill chunk for each running request, preempting when
+        the pool runs dry. Returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request} has nothing to compute: the runner sampled no token for it"
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.policy.pick_victim(self.running)
+                budget += scheduled.pop(victim.request_id, 0)  # undo if it was scheduled earlier
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, scheduled: dict[str, int], new_reqs: list[Request], budget: int) -> None:
+        """Admit waiting requests in policy order while budget, seats and blocks last. A child
+        sample whose parent's prompt is still being computed is skipped, not waited on."""
+        for request in self.waiting:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            parent = self._live_parent(request)
+            if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue
+            if parent is not None:
+                computed_blocks, num_computed = self.kv.get_fork_blocks(parent, request)
+            else:
+                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                # without chunked prefill a prompt waits for a step with room; only a recompute
+                # longer than a whole step (prompt + outputs after preemption) is chunked anyway
+                if not self.config.enable_chunked_prefill and (
+                    budget < self.config.max_num_batched_tokens or request.num_prompt_tokens >= num_new
+                ):
+                    return
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, new_computed_blocks=computed_blocks) is None:
+                return
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            scheduled[request.request_id] = num_new
+            new_reqs.append(request)
+            budget -= num_new
+
+    def _live_parent(self, request: Request) -> Request | None:
+        if request.parent_id is None:
+            return None
+        parent = self.requests.get(request.parent_id)
+        return parent if parent is not None and not parent.is_finished else None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        self.running.remove(request)
+        self._num_sent_blocks.pop(request.request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        block_ids = self.kv.get_block_ids(request.request_id)
+        self._num_sent_blocks[request.request_id] = len(block_ids)
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(self, request: Request) -> CachedRequestData:
+        block_ids = self.kv.get_block_ids(request.request_id)
+        num_sent = self._num_sent_blocks[request.request_id]
+        self._num_sent_blocks[request.request_id] = len(block_ids)
+        return CachedRequestData(
+            req_id=request.request_id,
+            new_block_ids=block_ids[num_sent:],
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance each scheduled request, append its sampled tokens, check stops, free finished
+        requests. Returns every request that got new tokens or finished this step."""
+        touched: list[Request] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) after it was scheduled
+            request.num_computed_tokens += num_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk short of the end samples nothing
+            new_tokens = runner_output.sampled_token_ids.get(req_id, [])
+            for token in new_tokens:
+                request.output_token_ids.append(token)
+                if self._check_stop(request, token):
+                    break
+            if request.is_finished:
+                self._free_finished(request)
+            if new_tokens or request.is_finished:
+                touched.append(request)
+        self._in_flight = {}
+        return touched
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        """Set the finished status if `token` (just appended) ends the request. A stop token
+        wins over the length limit when both apply."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
+            if token in (params.stop_token_ids or ()):
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): blocks are freed at once and the
+        ids reach the runner in the next output. Unknown or finished ids are ignored."""
+        assert status.finished, status
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status != RequestStatus.RUNNING:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_finished(request)
+
+    def _free_finished(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._num_sent_blocks.pop(request.request_id, None)
+        self._in_flight.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    # ---- state and stats ---------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv.prefix_cache_stats.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv.prefix_cache_stats.hits
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's and the KV-cache manager's invariants."""
+        self.kv.check_integrity()
+        waiting = list(self.waiting)
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in waiting]
+        assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
+        assert set(running_ids) | set(waiting_ids) == set(self.requests), "requests lost or duplicated"
+        assert not set(running_ids) & set(waiting_ids)
+        assert len(self.running) <= self.config.max_num_seqs
+        assert set(self.kv.req_to_blocks) <= set(running_ids), "a waiting request holds blocks"
+        for request in waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert request.num_computed_tokens == 0, request
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            assert 0 <= request.num_computed_tokens <= request.num_tokens <= self.max_model_len, request
+            pending = self._in_flight.get(request.request_id, 0)
+            num_blocks = len(self.kv.req_to_blocks.get(request.request_id, []))
+            # at most one partly filled block per sequence
+            assert num_blocks == cdiv(request.num_computed_tokens + pending, self.block_size), (
+                f"{request} holds {num_blocks} blocks"
+            )
