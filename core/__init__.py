@@ -1,8 +1,22 @@
 """portside: a hardware-portable LLM inference and serving engine."""
 
-from portside.sampling_params import SamplingParams
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
+from portside.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch and transformers: import it on first use, so that
+    # `import portside` (and `portside devices`) stays cheap.
+    if name == "LLM":
+        from portside.engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from portside.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'portside' has no attribute {name!r}")

@@ -1,0 +1,155 @@
+"""User-facing engine arguments (shared by `LLM`, `LLMEngine.from_args` and the CLI) and their
+resolution into a frozen `EngineConfig` for one platform."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from portside.backend_api import Platform
+from portside.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF folder or .gguf file; None: the embedded default model
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    device: str | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: float | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    platform_options: dict[str, str] = field(default_factory=dict)
+
+    def resolve_model_path(self) -> str:
+        if self.model is None:
+            from portside.default_model import default_model_path
+
+            return str(default_model_path())
+        if not os.path.exists(self.model):
+            raise ValueError(
+                f"model path {self.model!r} does not exist; pass a local Hugging Face folder "
+                "(config.json + safetensors) or a .gguf file (no model hub is contacted)"
+            )
+        if self.model.endswith(".gguf"):
+            from portside.model.gguf_loader import resolve_model_path
+
+            return str(resolve_model_path(self.model))
+        return self.model
+
+    def create_engine_config(self, platform: type[Platform]) -> EngineConfig:
+        """Resolve every default for `platform` and let the platform adjust the result."""
+        path = self.resolve_model_path()
+        hf = _read_hf_config(path)
+        dtype = self._resolve_dtype(hf, platform)
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
+        max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        config = EngineConfig(
+            model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory=self.kv_cache_memory,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_batched,
+                max_num_seqs=self.max_num_seqs,
+                policy=self.scheduling_policy,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device=platform.name,
+            platform_options=tuple(sorted(self.platform_options.items())),
+        )
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
+                "with chunked prefill disabled: a long prompt could never be scheduled; raise it or enable chunked prefill"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        return platform.check_and_update_config(config)
+
+    def _resolve_dtype(self, hf: dict[str, Any], platform: type[Platform]) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype != "auto":
+            if self.dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, float16 or bfloat16")
+            return DTYPES[self.dtype]
+        stored = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        chosen = platform.auto_dtype(DTYPES.get(str(stored), torch.float32))
+        logger.info("dtype auto: checkpoint %s -> %s on %s", stored, str(chosen).removeprefix("torch."), platform.name)
+        return chosen
+
+
+def _read_hf_config(path: str) -> dict[str, Any]:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{path!r} has no config.json; expected a Hugging Face model folder or a .gguf file")
+    with open(config_file) as f:
+        hf = json.load(f)
+    # multimodal-style configs nest the language model's settings
+    return hf.get("text_config", hf) | {k: v for k, v in hf.items() if k in ("torch_dtype", "dtype")}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags shared by `portside generate` and `portside serve`."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="platform to run on (cpu, cuda, rocm, tpu, or a plugin's); default: the best available; see `portside devices`")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (auto: the checkpoint's dtype where the device is fast at it, else float32)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for unseeded sampling")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output); default: the model's")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block; default: the platform's")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache size: bytes (> 1) or a fraction (<= 1) of free device memory after loading the model")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill splits longer prompts)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs", help="order of waiting requests and choice of preemption victims")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
+    g.add_argument("--cpu-graph", choices=["eager", "inductor"], default=None, help="cpu only: how the model step runs")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineArgs keyword arguments from parsed CLI flags."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "platform_options"}
+    kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    options = {}
+    if getattr(args, "cpu_graph", None):
+        options["cpu_graph"] = args.cpu_graph
+    kwargs["platform_options"] = options
+    return kwargs

@@ -1,0 +1,105 @@
+"""`LLM`: the offline API, vLLM-compatible: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from portside.engine.args import EngineArgs
+from portside.engine.llm_engine import LLMEngine
+from portside.outputs import RequestOutput
+from portside.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        device: str | None = None,
+        max_model_len: int | None = None,
+        block_size: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: float | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 128,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, device=device, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size, **kwargs,
+        )  # fmt: skip
+        self.engine = LLMEngine(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        return self._run(texts, sampling_params, use_tqdm, None, add_special_tokens=False)
+
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                rid = str(next(self._counter))
+                text_or_ids = prompt.get("prompt_token_ids", prompt.get("prompt")) if isinstance(prompt, dict) else prompt
+                self.engine.add_request(rid, text_or_ids, sp, priority=priority[i] if priority else 0,
+                                        add_special_tokens=add_special_tokens)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[r] for r in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one tokenized prompt
+    return prompts

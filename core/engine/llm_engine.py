@@ -1,0 +1,236 @@
+"""LLMEngine: add_request / abort_request / step, the synchronous heart of portside.
+
+One step: schedule -> execute on every rank -> update the scheduler -> detokenize and emit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from portside.engine.args import EngineArgs
+from portside.engine.executor import make_executor
+from portside.engine.output_processor import OutputProcessor, RequestGroup, SampleState
+from portside.engine.detokenizer import IncrementalDetokenizer
+from portside.outputs import RequestOutput
+from portside.platform import resolve_platform
+from portside.request import Request, RequestStatus
+from portside.sampling_params import SamplingParams
+from portside.sched.output import ModelRunnerOutput
+from portside.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    num_used_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found in the cache
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from transformers import AutoTokenizer
+
+        self.platform = resolve_platform(args.device)
+        self.config = config = args.create_engine_config(self.platform)
+        self.platform.seed(config.model.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
+        self.eos_token_id, self.extra_eos_ids = _eos_ids(config.model.path, self.tokenizer)
+        self.max_model_len = config.model.max_model_len
+        self.executor = make_executor(config, self.platform, self.eos_token_id)
+        block_size = config.cache.block_size
+        assert block_size is not None
+        num_blocks = self.executor.determine_num_blocks()
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
+                f"fewer than max_model_len {self.max_model_len}: one long request could never finish. "
+                "Raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+            )
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(
+            config.scheduler,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.vocab_size = self.executor.runner.vocab_size if hasattr(self.executor, "runner") else len(self.tokenizer)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("portside engine ready: %s on %s, dtype %s, %d KV blocks of %d",
+                    config.model.path, self.platform.name, config.model.dtype, num_blocks, block_size)
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineArgs(**kwargs))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the problem for bad input. A chat prompt
+        rendered by the template already has its special tokens: pass add_special_tokens=False."""
+        params = params or SamplingParams()
+        if request_id in self.outputs.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        self._validate(prompt_ids, params)
+        max_tokens = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        stop_ids = list(params.stop_token_ids or []) + [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or [])]
+        samples: dict[str, SampleState] = {}
+        requests = []
+        for k in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{k}"
+            sp = params if params.n == 1 else params.clone_for_sample(k)
+            if stop_ids != sp.stop_token_ids and not sp.ignore_eos:
+                sp = _with_stop_ids(sp, stop_ids)
+            requests.append(
+                Request(
+                    request_id=rid,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=sp,
+                    eos_token_id=self.eos_token_id,
+                    max_tokens=max_tokens,
+                    priority=priority,
+                    parent_id=None if k == 0 else f"{request_id}#0",
+                )
+            )
+            samples[rid] = SampleState(
+                index=k,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+        self.outputs.add(
+            RequestGroup(
+                request_id=request_id,
+                prompt=prompt_text,
+                prompt_token_ids=prompt_ids,
+                samples=samples,
+                stops=params.stop_strings,
+                include_stop=params.include_stop_str_in_output,
+                want_logprobs=params.logprobs is not None,
+            )
+        )
+        for req in requests:
+            self.scheduler.add_request(req)
+        self.prompt_tokens_total += len(prompt_ids)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.vocab_size}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it leaves no room for output; shorten the prompt or raise max_model_len"
+            )
+        for tid in (params.logit_bias or {}):
+            if not 0 <= int(tid) < self.vocab_size:
+                raise ValueError(f"logit_bias token id {tid} is out of range for vocabulary size {self.vocab_size}")
+        for tid in params.stop_token_ids or []:
+            if not 0 <= tid < self.vocab_size:
+                raise ValueError(f"stop_token_ids entry {tid} is out of range for vocabulary size {self.vocab_size}")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now; their KV blocks are freed at once (the runner forgets them next step)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for gid in ids:
+            group = self.outputs.groups.get(gid)
+            if group is None:
+                continue
+            self.scheduler.finish_requests(list(group.samples), RequestStatus.FINISHED_ABORTED)
+            self.outputs.abort(gid)
+
+    # ---- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            return []
+        runner_output: ModelRunnerOutput = self.executor.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids.values())
+        outputs, stopped = self.outputs.process(updated, runner_output.logprobs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        usage = s.kv_cache_usage
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=usage,
+            num_used_blocks=round(usage * self.num_blocks),
+            num_total_blocks=self.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> str:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass one (--chat-template)")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, stop_token_ids=stop_ids)
+
+
+def _eos_ids(model_path: str, tokenizer: Any) -> tuple[int | None, list[int]]:
+    """The primary eos id and any extra ones the generation config lists."""
+    ids: list[int] = []
+    gen = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    primary = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else (ids[0] if ids else None)
+    return primary, [t for t in ids if t != primary]

@@ -1,0 +1,161 @@
+"""Turns scheduler requests into `RequestOutput`s: detokenizes, applies stop strings, collects
+logprobs, and groups the samples of an n>1 request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from portside.engine.detokenizer import IncrementalDetokenizer, find_stop
+from portside.outputs import CompletionOutput, Logprob, RequestOutput
+from portside.request import Request
+from portside.sched.output import LogprobsLists
+
+
+@dataclass
+class SampleState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestGroup:
+    """One user request: n samples that finish independently."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, SampleState]  # internal request id -> state
+    stops: list[str]
+    include_stop: bool
+    want_logprobs: bool
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+    def hold_back(self) -> int:
+        """Characters withheld from unfinished text: a stop string may still be forming there."""
+        return max((len(s) for s in self.stops), default=1) - 1
+
+    def to_output(self) -> RequestOutput:
+        outs = []
+        hb = self.hold_back()
+        for s in sorted(self.samples.values(), key=lambda s: s.index):
+            text = s.detok.text
+            if s.finish_reason is None and hb:
+                text = text[: max(0, len(text) - hb)]
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=text,
+                    token_ids=list(s.token_ids),
+                    cumulative_logprob=s.cumulative_logprob if self.want_logprobs else None,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=metrics,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}  # user request id -> group
+        self.owner: dict[str, str] = {}  # internal request id -> user request id
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for rid in group.samples:
+            self.owner[rid] = group.request_id
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def process(self, requests: list[Request], logprobs: dict[str, LogprobsLists]) -> tuple[list[RequestOutput], list[str]]:
+        """Update groups from the requests the scheduler advanced. Returns the outputs to emit and
+        the internal ids that hit a stop string (the caller finishes them in the scheduler)."""
+        touched: dict[str, RequestGroup] = {}
+        stopped: list[str] = []
+        now = time.monotonic()
+        for req in requests:
+            gid = self.owner.get(req.request_id)
+            if gid is None:
+                continue
+            group = self.groups[gid]
+            sample = group.samples[req.request_id]
+            if sample.finish_reason is not None:
+                continue
+            touched[gid] = group
+            new_tokens = req.output_token_ids[len(sample.token_ids) :]
+            if new_tokens and group.first_token_time is None:
+                group.first_token_time = now
+            if req.num_cached_tokens > group.num_cached_tokens:
+                group.num_cached_tokens = req.num_cached_tokens
+            self._add_logprobs(sample, logprobs.get(req.request_id))
+            for tok in new_tokens:
+                sample.token_ids.append(tok)
+                delta = sample.detok.add(tok)
+                hit = find_stop(sample.detok.text, len(delta), group.stops, group.include_stop)
+                if hit is not None:
+                    sample.detok.text, sample.stop_reason = hit
+                    sample.finish_reason = "stop"
+                    stopped.append(req.request_id)
+                    break
+            if sample.finish_reason is None and req.is_finished:
+                sample.finish_reason = req.status.finish_reason
+                sample.stop_reason = req.stop_reason
+        outputs = []
+        for gid, group in touched.items():
+            outputs.append(group.to_output())
+            if group.finished:
+                self.remove(gid)
+        return outputs, stopped
+
+    def _add_logprobs(self, sample: SampleState, lp: LogprobsLists | None) -> None:
+        if lp is None or sample.logprobs is None:
+            return
+        for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_ranks):
+            entry = {ids[0]: Logprob(vals[0], rank, self._decode_token(ids[0]))}
+            for r, (tid, val) in enumerate(zip(ids[1:], vals[1:]), start=1):
+                entry.setdefault(tid, Logprob(val, r, self._decode_token(tid)))
+            sample.logprobs.append(entry)
+            sample.cumulative_logprob += vals[0]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for s in group.samples.values():
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        out = group.to_output()
+        self.remove(request_id)
+        return out
+
+    def remove(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for rid in group.samples:
+                self.owner.pop(rid, None)

@@ -1,0 +1,255 @@
+"""The model runner: turns a `SchedulerOutput` (block ids, token counts) into tensors, runs the
+model through the platform's graph runner and attention backend, and samples.
+
+It keeps a copy of each running request's tokens and blocks, updated from the scheduler's diffs
+and from the tokens it samples itself, so per-step messages stay small.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from portside.backend_api import AttentionMetadata, Communicator, ForwardContext, KVCacheSpec, Platform
+from portside.config import EngineConfig
+from portside.sample.metadata import SamplingMetadata
+from portside.sample.sampler import Sampler
+from portside.sampling_params import SamplingParams
+from portside.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+@dataclass
+class BatchInputs:
+    req_ids: list[str]  # batch order: decodes first
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled]: row of hidden states to sample from
+    sampled_req_ids: list[str]  # requests whose chunk reaches their last known token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: type[Platform],
+        comm: Communicator,
+        eos_token_id: int | None,
+        rank: int = 0,
+        local_rank: int = 0,
+    ) -> None:
+        from portside.model.registry import load_model
+
+        self.config = config
+        self.platform = platform
+        self.comm = comm
+        self.eos_token_id = eos_token_id
+        platform.set_device(local_rank)
+        self.device = platform.device(local_rank)
+        tp = config.parallel.tensor_parallel_size
+        self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp)
+        self.vocab_size = self.model.config.vocab_size
+        self.attn_backend = platform.attention_backend(config)
+        self.graph_runner = platform.graph_runner(self.model.forward, config)
+        self.sampler = Sampler()
+        assert config.cache.block_size is not None
+        self.block_size: int = config.cache.block_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.scratch_block = -1  # a block never handed out, for padded graph entries
+
+    # ---- KV cache ---------------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.model.kv_cache_spec()
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the configured KV-cache memory (or exactly `num_kv_blocks`)."""
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = self.kv_cache_spec().bytes_per_block(self.block_size)
+        free = self.platform.device_info().free_memory
+        memory = cache.kv_cache_memory if cache.kv_cache_memory is not None else self.platform.default_kv_cache_memory
+        budget = memory * free if memory <= 1 else min(memory, 0.9 * free)
+        num_blocks = int(budget // per_block)
+        # Never more than every sequence at full length, twice over (the rest is prefix cache).
+        blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
+        cap = 2 * self.config.scheduler.max_num_seqs * blocks_per_seq
+        if num_blocks > cap:
+            num_blocks = cap
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        spec = self.kv_cache_spec()
+        shape = self.attn_backend.kv_cache_shape(num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.scratch_block = num_blocks
+        with self.platform.inference_mode():
+            self.graph_runner.capture(self._dummy_decode_context)
+
+    def _dummy_decode_context(self, num_decodes: int) -> ForwardContext:
+        """A decode-only batch of `num_decodes` one-token requests writing to the scratch block."""
+        d = self.device
+        slot = self.scratch_block * self.block_size
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_decodes,), slot, dtype=torch.int64, device=d),
+            query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32, device=d),
+            seq_lens=torch.ones(num_decodes, dtype=torch.int32, device=d),
+            block_tables=torch.full((num_decodes, 1), self.scratch_block, dtype=torch.int32, device=d),
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=self.block_size,
+            query_start_loc_cpu=list(range(num_decodes + 1)),
+            seq_lens_cpu=[1] * num_decodes,
+            num_decode_tokens=num_decodes,
+        )
+        return ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(md))
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        batch = self._prepare_inputs(scheduler_output)
+        with self.platform.inference_mode():
+            ctx = ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(batch.metadata))
+            hidden = self.graph_runner(batch.input_ids, batch.positions, ctx)
+            sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
+            logprobs: dict[str, LogprobsLists] = {}
+            if batch.sampled_req_ids:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+                states = [self.requests[rid] for rid in batch.sampled_req_ids]
+                meta = SamplingMetadata.build(
+                    [s.sampling_params for s in states],
+                    [s.prompt_token_ids for s in states],
+                    [s.output_token_ids for s in states],
+                    eos_token_id=self.eos_token_id,
+                    vocab_size=self.vocab_size,
+                    device=self.device,
+                )
+                out = self.sampler(logits, meta)
+                tokens = out.sampled_token_ids.tolist()
+                for i, (state, tok) in enumerate(zip(states, tokens)):
+                    state.output_token_ids.append(tok)
+                    sampled[state.req_id] = [tok]
+                logprobs = _logprobs_lists(out, batch.sampled_req_ids, states)
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
+        counts = so.num_scheduled_tokens
+        # decodes (one query token) first, so attention backends can batch them
+        req_ids = sorted(counts, key=lambda r: counts[r] != 1)
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts = [], []
+        seq_lens, qsl = [], [0]
+        logits_rows, sampled = [], []
+        num_decodes = 0
+        max_blocks = 0
+        for rid in req_ids:
+            state = self.requests[rid]
+            start, n = state.num_computed_tokens, counts[rid]
+            end = start + n
+            ids.extend(state.token_slice(start, end))
+            pos = np.arange(start, end, dtype=np.int64)
+            blocks = np.asarray(state.block_ids, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            max_blocks = max(max_blocks, len(state.block_ids))
+            num_decodes += n == 1
+            if end >= state.num_tokens:  # the chunk reaches the last known token: sample
+                logits_rows.append(qsl[-1] - 1)
+                sampled.append(rid)
+        table = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
+        for i, rid in enumerate(req_ids):
+            b = self.requests[rid].block_ids
+            table[i, : len(b)] = b
+        d = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(d),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=d),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=d),
+            block_tables=torch.from_numpy(table).to(d),
+            max_query_len=max(counts.values()),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            num_decode_tokens=num_decodes,
+        )
+        return BatchInputs(
+            req_ids=req_ids,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
+            positions=torch.from_numpy(np.concatenate(pos_parts)).to(d),
+            metadata=md,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=d),
+            sampled_req_ids=sampled,
+        )
+
+
+def _logprobs_lists(out, req_ids: list[str], states: list[CachedRequestState]) -> dict[str, LogprobsLists]:
+    """Per-request logprobs of the sampled token (first) plus its top-k alternatives."""
+    if getattr(out, "logprobs", None) is None:
+        return {}
+    result = {}
+    lp = out.logprobs
+    for i, (rid, state) in enumerate(zip(req_ids, states)):
+        k = state.sampling_params.logprobs
+        if k is None:
+            continue
+        ids = lp.token_ids[i, : k + 1].tolist()
+        vals = lp.logprobs[i, : k + 1].tolist()
+        result[rid] = LogprobsLists(token_ids=[ids], logprobs=[vals], sampled_ranks=[int(lp.sampled_ranks[i])])
+    return result
