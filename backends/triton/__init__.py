@@ -1,0 +1,12 @@
+"""Portable Triton kernels shared by the cuda and rocm backends (and any plugin that wants them).
+
+A kernel library, not a platform. Modules:
+
+- `launch`: per-architecture launch heuristics (pure functions);
+- `kv_cache`: the KV-cache write at `slot_mapping`;
+- `paged_attention`: mixed prefill/decode paged attention with a split-KV (flash-decoding) path;
+- `attention`: `TritonAttentionBackend`, the kernels behind the `AttentionBackend` contract;
+- `graphs`: the device-graph runner (CUDA and HIP graphs) shared by cuda and rocm; no triton.
+
+Importing this package imports nothing heavy; import the submodule you need.
+"""

@@ -1,0 +1,101 @@
+"""`TritonAttentionBackend`: the portable Triton kernels behind the `AttentionBackend` contract.
+
+Used by the cuda and rocm platforms (and open to any plugin whose device Triton targets). On CPU
+tensors it runs under the Triton interpreter (``TRITON_INTERPRET=1``), which is how it is tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backends.triton import kv_cache as _kv
+from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch
+from portside.backends.triton.paged_attention import paged_attention
+
+__all__ = ["TritonAttentionBackend"]
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in one Triton launch per layer (plus a reduce kernel on the split-KV path).
+
+    Cache layout: the canonical ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+    Graph support is DECODE_ONLY. The kernels read every per-request value (query offsets,
+    sequence lengths, block tables, slots) from device tensors and size their grids from tensor
+    shapes alone, so a captured decode batch replays correctly at any context length. The only
+    host-side choice, the number of KV splits, is made from ``metadata.max_seq_len``; a graph
+    runner captures with ``max_seq_len`` set to the model's maximum length, an upper bound valid
+    for every replay. Mixed prefill/decode batches change ``num_tokens`` and the row tiling each
+    step, so they run eagerly.
+    """
+
+    name = "triton"
+    graph_support = GraphCaptureSupport.DECODE_ONLY
+
+    def __init__(self, arch: ArchInfo | None = None, num_splits: int | None = None) -> None:
+        """`arch`: override device detection (tests, heuristics studies). `num_splits`: force the
+        split-KV partition count (None: chosen per batch by `choose_num_splits`)."""
+        self._arch = arch
+        self._num_splits = num_splits
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            return f"head size {head_size} is not supported by the Triton kernels (supported: {list(SUPPORTED_HEAD_SIZES)})"
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            return f"block size {block_size} is not supported by the Triton kernels (supported: {list(SUPPORTED_BLOCK_SIZES)})"
+        if dtype not in SUPPORTED_DTYPES:
+            return f"dtype {dtype} is not supported by the Triton kernels (use float16, bfloat16 or float32)"
+        return None
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        _kv.write_kv(kv_cache, key, value, slot_mapping)
+
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+        return flat[0, slots.long()], flat[1, slots.long()]
+
+    def arch(self, device: torch.device) -> ArchInfo:
+        if self._arch is None:
+            self._arch = detect_arch(device)
+        return self._arch
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        _kv.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        query = query.contiguous() if query.stride(-1) != 1 else query
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
+        arch = self.arch(query.device)
+        num_heads, head_size = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        launch = choose_attention_launch(arch, head_size, num_heads // num_kv_heads, metadata.max_query_len, query.dtype)
+        splits = self._num_splits or choose_num_splits(
+            arch, metadata.num_reqs, num_kv_heads, metadata.max_query_len, metadata.max_seq_len, metadata.block_size
+        )
+        return paged_attention(
+            query,
+            kv_cache,
+            out,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            scale,
+            launch,
+            num_splits=splits,
+        )

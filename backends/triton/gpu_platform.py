@@ -1,0 +1,139 @@
+"""What the cuda and rocm platforms share: torch exposes both as the ``cuda`` device type.
+
+`TorchGpuPlatform` implements the device methods, the configuration hook, the parts (Triton
+attention, device graphs, torch.distributed collectives) and the probe's common steps; the
+cuda and rocm packages subclass it with their identity and their build check. It lives in the
+shared Triton package because a backend never imports another backend's module. Importing it
+imports neither triton nor the CUDA runtime.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from portside.backend_api import (
+    AttentionBackend,
+    Availability,
+    Communicator,
+    DeviceInfo,
+    GraphRunner,
+    ModelFn,
+    Platform,
+    SingleRankCommunicator,
+    TorchDistributedCommunicator,
+)
+from portside.backends.triton.graphs import (
+    GRAPH_SIZES_OPTION,
+    DeviceGraphRunner,
+    default_graph_sizes,
+    parse_graph_sizes,
+    with_graph_sizes,
+)
+
+if TYPE_CHECKING:
+    from portside.config import EngineConfig
+
+__all__ = ["TorchGpuPlatform", "gpu_availability", "update_gpu_config", "KNOWN_OPTIONS"]
+
+ENFORCE_EAGER_OPTION = "enforce_eager"  # "1"/"true": no graphs
+KNOWN_OPTIONS = (GRAPH_SIZES_OPTION, ENFORCE_EAGER_OPTION)
+
+
+def gpu_availability(build_error: str | None, has_triton: bool, device_count: int, no_device: str) -> Availability:
+    """The probe's decision from its facts, in the order a user should fix them."""
+    if build_error:
+        return Availability.no(build_error)
+    if not has_triton:
+        return Availability.no("triton is not installed (pip install 'portside[cuda]' or 'portside[rocm]')")
+    if device_count <= 0:
+        return Availability.no(no_device)
+    return Availability.yes()
+
+
+def update_gpu_config(config: "EngineConfig", platform_name: str, bf16_supported: bool) -> "EngineConfig":
+    """The GPU-specific part of `check_and_update_config`, as a pure function.
+
+    Rejects unknown platform options, bf16 on devices without it, and records the decode-graph
+    buckets (option ``graph_sizes``; empty with ``enforce_eager=1``) in the returned config.
+    """
+    options = dict(config.platform_options)
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown {platform_name} platform option(s) {unknown}; known: {list(KNOWN_OPTIONS)}")
+    if config.model.dtype == torch.bfloat16 and not bf16_supported:
+        raise ValueError(f"this {platform_name} device does not support bfloat16; use dtype float16")
+    max_seqs = config.scheduler.max_num_seqs
+    if options.get(ENFORCE_EAGER_OPTION, "0").lower() in ("1", "true", "yes"):
+        sizes: tuple[int, ...] = ()
+    elif GRAPH_SIZES_OPTION in options:
+        sizes = tuple(s for s in parse_graph_sizes(options[GRAPH_SIZES_OPTION]) if s <= max_seqs)
+    else:
+        sizes = default_graph_sizes(max_seqs)
+    return with_graph_sizes(config, sizes)
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class TorchGpuPlatform(Platform):
+    """Base of the cuda and rocm platforms (not registered itself)."""
+
+    device_type = "cuda"
+    dist_backend = "nccl"  # RCCL answers to this name on ROCm builds of torch
+    block_sizes: ClassVar[tuple[int, ...]] = (16, 32, 64)
+    default_block_size = 16
+    attention_name = "triton"
+    communicator_cls: ClassVar[type[TorchDistributedCommunicator]] = TorchDistributedCommunicator
+    graph_runner_cls: ClassVar[type[DeviceGraphRunner]] = DeviceGraphRunner
+
+    @classmethod
+    def device_info(cls) -> DeviceInfo:
+        index = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
+        return DeviceInfo(
+            name=torch.cuda.get_device_name(index), count=torch.cuda.device_count(), total_memory=total, free_memory=free
+        )
+
+    @classmethod
+    def set_device(cls, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    @classmethod
+    def synchronize(cls) -> None:
+        torch.cuda.synchronize()
+
+    @classmethod
+    def seed(cls, seed: int) -> None:
+        torch.manual_seed(seed)  # seeds every CUDA device too
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    @classmethod
+    def check_and_update_config(cls, config: "EngineConfig") -> "EngineConfig":
+        config = super().check_and_update_config(config)
+        bf16 = config.model.dtype != torch.bfloat16 or torch.cuda.is_bf16_supported()
+        return update_gpu_config(config, cls.name, bf16)
+
+    @classmethod
+    def attention_backend(cls, config: "EngineConfig") -> AttentionBackend:
+        from portside.backends.triton.attention import TritonAttentionBackend  # imports triton
+
+        return TritonAttentionBackend()
+
+    @classmethod
+    def graph_runner(cls, model_fn: ModelFn, config: "EngineConfig") -> GraphRunner:
+        return cls.graph_runner_cls(model_fn, config)
+
+    @classmethod
+    def communicator(cls, group: Any = None) -> Communicator:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return SingleRankCommunicator()
+        return cls.communicator_cls(group)

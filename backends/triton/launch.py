@@ -1,0 +1,126 @@
+"""Launch configurations for the Triton kernels, chosen per architecture by simple heuristics.
+
+Pure functions over small dataclasses, so the choices are unit-testable without a GPU. Every
+`tl.dot` tile the kernels use is at least 16 on each side (the interpreter accepts smaller
+tiles; GPUs do not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ArchInfo",
+    "AttentionLaunch",
+    "detect_arch",
+    "next_power_of_2",
+    "choose_attention_launch",
+    "choose_num_splits",
+]
+
+MIN_TILE = 16  # smallest tl.dot tile side a GPU accepts
+MAX_SPLITS = 16  # split-KV partitions at most (scratch is num_tokens * num_heads * MAX_SPLITS * head)
+SPLIT_MIN_CONTEXT = 512  # below this many keys, one partition is always enough
+TILES_PER_SPLIT_MIN = 4  # a partition covers at least this many KV blocks
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What the heuristics need to know about the device."""
+
+    vendor: str  # "nvidia", "amd" or "interpreter" (TRITON_INTERPRET on CPU tensors)
+    num_sms: int  # streaming multiprocessors (NVIDIA) / compute units (AMD)
+    warp_size: int = 32  # 64 on AMD CDNA (wave64)
+    capability: tuple[int, int] = (0, 0)  # NVIDIA compute capability; (0, 0) elsewhere
+    arch_name: str = ""  # e.g. "gfx942" on AMD
+
+    @property
+    def is_amd(self) -> bool:
+        return self.vendor == "amd"
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Tile sizes and compiler hints for one attention launch."""
+
+    block_m: int  # query rows (tokens x query heads of one KV head) per program, >= 16
+    num_warps: int
+    num_stages: int
+    input_precision: str  # tl.dot precision for fp32 operands: "ieee" or "tf32"
+    extra: tuple[tuple[str, Any], ...] = ()  # vendor-only launch options (AMD: waves_per_eu, ...)
+
+    def kernel_options(self) -> dict[str, Any]:
+        """Keyword arguments for the kernel launch (the interpreter ignores them)."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+_INTERPRETER = ArchInfo(vendor="interpreter", num_sms=2)
+
+
+def detect_arch(device: torch.device) -> ArchInfo:
+    """Describe `device`. CPU tensors mean the Triton interpreter; CUDA tensors on a ROCm build
+    of torch mean AMD."""
+    if device.type != "cuda":
+        return _INTERPRETER
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        name = getattr(props, "gcnArchName", "") or ""
+        return ArchInfo(vendor="amd", num_sms=props.multi_processor_count, warp_size=64, arch_name=name.split(":")[0])
+    return ArchInfo(vendor="nvidia", num_sms=props.multi_processor_count, capability=(props.major, props.minor))
+
+
+def choose_attention_launch(
+    arch: ArchInfo, head_size: int, num_queries_per_kv: int, max_query_len: int, dtype: torch.dtype
+) -> AttentionLaunch:
+    """Pick tiles for the paged-attention kernel.
+
+    Decode-only batches get the smallest row tile that holds one token's query heads (the
+    kernel is bandwidth-bound: more rows would only waste registers). Batches with prefill
+    chunks get 64 rows (NVIDIA) / 32 rows (AMD, whose 64-wide waves already fill the MFMA
+    units) so a program reuses each K/V tile for several query tokens.
+    """
+    head_p2 = next_power_of_2(head_size)
+    group_p2 = next_power_of_2(num_queries_per_kv)
+    if max_query_len <= 1:
+        block_m = max(MIN_TILE, group_p2)
+    else:
+        block_m = max(32 if arch.is_amd else 64, group_p2)
+    # fp16/bf16 operands are upcast to fp32 on load (see the kernel); their products are exact in
+    # tf32, so tensor cores may be used. fp32 inputs keep full precision.
+    precision = "ieee" if dtype == torch.float32 or arch.is_amd else "tf32"
+    if arch.is_amd:
+        num_warps = 8 if head_p2 >= 256 else 4  # 4 waves of 64 lanes = 256 threads
+        extra: tuple[tuple[str, Any], ...] = (("waves_per_eu", 2),)
+        if arch.arch_name.startswith("gfx9"):
+            extra += (("matrix_instr_nonkdim", 16),)  # CDNA MFMA 16x16 instructions
+        return AttentionLaunch(block_m, num_warps, 1, precision, extra)
+    num_warps = 8 if (head_p2 >= 256 or block_m >= 64 and head_p2 >= 128) else 4
+    num_stages = 3 if arch.capability >= (8, 0) else 2
+    return AttentionLaunch(block_m, num_warps, num_stages, precision)
+
+
+def choose_num_splits(
+    arch: ArchInfo, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, block_size: int
+) -> int:
+    """How many KV partitions (flash-decoding) a decode-only batch should use; 1 = no split.
+
+    Splitting pays when the grid (one program per request and KV head) cannot fill the device
+    and contexts are long: each partition then reads a slice of the context in parallel, and a
+    small reduce kernel merges the partial softmaxes.
+    """
+    if max_query_len > 1 or max_seq_len < SPLIT_MIN_CONTEXT:
+        return 1
+    programs = num_reqs * num_kv_heads
+    target = 2 * arch.num_sms
+    if programs >= target:
+        return 1
+    wanted = -(-target // programs)
+    by_length = max(1, max_seq_len // (block_size * TILES_PER_SPLIT_MIN))
+    return max(1, min(MAX_SPLITS, wanted, by_length))

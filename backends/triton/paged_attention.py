@@ -1,0 +1,267 @@
+"""Paged attention for a mixed batch of prefill chunks and decodes, in one launch.
+
+Grid: ``(num_q_programs, num_kv_heads, num_splits)``. A program owns ``BLOCK_Q`` consecutive
+query tokens of one request and all ``GQ`` query heads that share one KV head, i.e. a
+``BLOCK_M = BLOCK_Q * GQ_P2`` row tile (row ``m`` = token ``m // GQ_P2``, head ``m % GQ_P2``),
+so GQA reads each K/V tile once for the whole group. It walks the request's block table one
+KV block (``BLOCK_SIZE`` keys) at a time with an online softmax in fp32.
+
+Request i's programs start at index ``query_start_loc[i] // BLOCK_Q + i`` (a binary search
+finds a program's request), so the grid size ``num_tokens // BLOCK_Q + num_reqs`` depends only
+on tensor shapes: nothing is read back to the host and the launch can be graph-captured.
+
+Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one contiguous slice of
+its KV tiles and writes an unnormalised partial output with its running max and sum; a reduce
+kernel merges the slices. Maxima are kept in base-2 units (scores are scaled by log2(e)).
+
+Numerics: every load is upcast to fp32 at once (the interpreter computes bf16 wrongly, and
+fp32 accumulation is wanted anyway); outputs are cast on store. Head sizes that are not powers
+of two (80, 96) are padded to the next power of two with masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from portside.backends.triton.launch import AttentionLaunch, next_power_of_2
+
+__all__ = ["paged_attention"]
+
+_LOG2E = 1.4426950408889634  # log2(e)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest request i whose first program index (query_start_loc[i] // BLOCK_Q + i) <= target."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_size]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_size]           (NUM_SPLITS == 1)
+    part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_P2] fp32 (NUM_SPLITS > 1)
+    part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    block_tables_ptr,  # [num_reqs, max_num_blocks] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    scale_log2,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_bt,
+    GQ: tl.constexpr,  # query heads per KV head
+    GQ_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # = BLOCK_M // GQ_P2
+    HEAD: tl.constexpr,
+    HEAD_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # KV-cache block size = keys per tile
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, pid_q, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block = pid_q - (q_start // BLOCK_Q + req)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # cached tokens before this request's query tokens
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GQ_P2  # (M,) token index within the request
+    head_in_group = offs_m % GQ_P2
+    row_ok = (tok < q_len) & (head_in_group < GQ)
+    head = kv_head * GQ + head_in_group  # (M,) query head
+    q_pos = context_len + tok  # (M,) absolute position of each row's token
+    offs_d = tl.arange(0, HEAD_P2)
+    d_ok = offs_d < HEAD
+
+    q_offs = (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (M, D)
+
+    # Keys this tile of queries can see: [0, kv_end), causal for its last token.
+    last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = context_len + last_tok + 1
+    num_tiles = tl.cdiv(kv_end, BLOCK_SIZE)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
+    offs_n = tl.arange(0, BLOCK_SIZE)
+    for t in range(tile_lo, tile_hi):
+        blk = tl.load(block_tables_ptr + req * stride_bt + t).to(tl.int64)
+        k_pos = t * BLOCK_SIZE + offs_n  # (N,)
+        kv_ok = k_pos < kv_end  # never read stale slots: they may hold NaN
+        base = blk * stride_cb + kv_head * stride_ch
+        k = tl.load(
+            k_cache_ptr + base + offs_n[None, :] * stride_co + offs_d[:, None],
+            mask=d_ok[:, None] & kv_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # (D, N)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # (M, N)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + base + offs_n[:, None] * stride_co + offs_d[None, :],
+            mask=kv_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # (N, D)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = (q_start + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        num_heads = tl.num_programs(1) * GQ
+        row = ((q_start + tok).to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # (M,)
+        tl.store(part_max_ptr + row, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + row, l_i, mask=row_ok)
+        tl.store(part_out_ptr + row[:, None] * HEAD_P2 + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_P2] fp32
+    part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    part_sum_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD: tl.constexpr,
+    HEAD_P2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_P2)
+    row = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_max_ptr + row + offs_s, mask=s_ok, other=float("-inf"))  # (S,)
+    l = tl.load(part_sum_ptr + row + offs_s, mask=s_ok, other=0.0)
+    acc = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_P2 + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)  # finite: split 0 always sees key 0
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / total  # (D,)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], written
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_num_blocks] int32
+    scale: float,
+    launch: AttentionLaunch,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Causal paged attention of each request's query tokens over its cached sequence."""
+    num_tokens, num_heads, head_size = query.shape
+    k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kvh, D)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert query.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    group_p2 = next_power_of_2(group)
+    block_m = max(launch.block_m, group_p2)
+    block_q = block_m // group_p2
+    head_p2 = next_power_of_2(head_size)
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, head_p2), dtype=torch.float32, device=query.device)
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # unused
+    _paged_attention_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_reqs,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GQ=group,
+        GQ_P2=group_p2,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        HEAD=head_size,
+        HEAD_P2=head_p2,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        PRECISION=launch.input_precision,
+        **launch.kernel_options(),
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_max,
+            part_sum,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD=head_size,
+            HEAD_P2=head_p2,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=max(2, next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
