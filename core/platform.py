@@ -9,6 +9,7 @@ with its package and entry-point name and skipped; it never breaks discovery.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -50,8 +51,14 @@ class PlatformEntry:
 
 
 def _package_of(entry_point: Any) -> str:
+    """The distribution that declares `entry_point` (stevedore's cached entry points lack it)."""
     dist = getattr(entry_point, "dist", None)
-    return getattr(dist, "name", None) or "unknown package"
+    if getattr(dist, "name", None):
+        return dist.name
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == entry_point.name and ep.value == entry_point.value and ep.dist is not None:
+            return ep.dist.name
+    return "unknown package"
 
 
 def _load_entry(name: str, package: str, register: Any) -> PlatformEntry:
@@ -66,6 +73,7 @@ def _load_entry(name: str, package: str, register: Any) -> PlatformEntry:
     except Exception as e:
         return failed(f"register() raised {type(e).__name__}: {e}")
     if target is None:
+        logger.info("platform plugin %r from %s: register() found no usable hardware", name, package)
         return PlatformEntry(name, package, None, Availability.no("register() found no usable hardware"))
     if not isinstance(target, str) or ":" not in target:
         return failed(f"register() returned {target!r}; expected 'module:PlatformClass' or None")
@@ -102,7 +110,7 @@ def discover_platforms() -> list[PlatformEntry]:
         manager = ExtensionManager(**common)
     for ext in manager:
         entries.append(_load_entry(ext.name, _package_of(ext.entry_point), ext.plugin))
-    return sorted(entries, key=lambda e: (e.platform is None, -(e.platform.priority if e.platform else 0), e.name))
+    return sorted(entries, key=lambda e: (not e.availability, -(e.platform.priority if e.platform else 0), e.name))
 
 
 def _table(entries: list[PlatformEntry]) -> str:

@@ -160,10 +160,13 @@ class ModelRunner:
                 )
                 out = self.sampler(logits, meta)
                 tokens = out.sampled_token_ids.tolist()
-                for i, (state, tok) in enumerate(zip(states, tokens)):
+                for state, tok in zip(states, tokens):
                     state.output_token_ids.append(tok)
                     sampled[state.req_id] = [tok]
-                logprobs = _logprobs_lists(out, batch.sampled_req_ids, states)
+                if out.logprobs is not None:
+                    for rid, lists in zip(batch.sampled_req_ids, out.logprobs.tolists(meta.num_logprobs)):
+                        if lists is not None:
+                            logprobs[rid] = lists
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
@@ -238,18 +241,3 @@ class ModelRunner:
             sampled_req_ids=sampled,
         )
 
-
-def _logprobs_lists(out, req_ids: list[str], states: list[CachedRequestState]) -> dict[str, LogprobsLists]:
-    """Per-request logprobs of the sampled token (first) plus its top-k alternatives."""
-    if getattr(out, "logprobs", None) is None:
-        return {}
-    result = {}
-    lp = out.logprobs
-    for i, (rid, state) in enumerate(zip(req_ids, states)):
-        k = state.sampling_params.logprobs
-        if k is None:
-            continue
-        ids = lp.token_ids[i, : k + 1].tolist()
-        vals = lp.logprobs[i, : k + 1].tolist()
-        result[rid] = LogprobsLists(token_ids=[ids], logprobs=[vals], sampled_ranks=[int(lp.sampled_ranks[i])])
-    return result

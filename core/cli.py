@@ -1,0 +1,123 @@
+"""The `portside` command: generate, serve, devices.
+
+Usage errors (a bad flag, an unknown or unavailable device, a missing model) print one message
+naming the fix and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+EXIT_USAGE = 2
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from portside.platform import discover_platforms, format_devices
+
+    print(format_devices(discover_platforms()))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from portside.engine.args import engine_kwargs
+    from portside.engine.llm import LLM
+    from portside.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop or None,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(**{**engine_kwargs(args), "model": args.model})
+    if args.raw:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        if not getattr(llm.get_tokenizer(), "chat_template", None):
+            print("note: the model has no chat template; sending the prompt as plain text (--raw)", file=sys.stderr)
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+        else:
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    for completion in outputs[0].outputs:
+        prefix = f"[{completion.index}] " if args.n > 1 else ""
+        print(prefix + completion.text.strip())
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from portside.server.main import run_server
+
+    return run_server(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from portside.engine.args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="portside", description="Hardware-portable LLM inference and serving.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("devices", help="list every discovered platform and why unavailable ones are")
+    p.set_defaults(func=_cmd_devices)
+
+    p = sub.add_parser("generate", help="generate a reply to one prompt")
+    p.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("-n", type=int, default=1, help="number of samples")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    try:
+        from portside.server.cli import add_serve_args
+    except ImportError:  # the server extra is missing
+        add_serve_args = None
+    if add_serve_args is not None:
+        add_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from portside.platform import DeviceSelectionError
+
+    try:
+        return args.func(args)
+    except DeviceSelectionError as e:
+        print(f"portside: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, FileNotFoundError) as e:
+        print(f"portside: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
