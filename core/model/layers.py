@@ -1,0 +1,228 @@
+"""Tensor-parallel building blocks. With ``tp_size == 1`` each is a plain layer.
+
+Every parameter carries a ``weight_loader(param, full_tensor, shard_id=None)`` that receives the
+*full* checkpoint tensor and copies only this rank's slice, so no rank keeps the whole model.
+Collectives go through a `portside.backend_api.Communicator`.
+
+Sharding (rank r of n):
+- `ColumnParallelLinear` / `MergedColumnParallelLinear` / `QKVParallelLinear`: output rows split
+  (no collective; the next row-parallel layer consumes the local slice);
+- `RowParallelLinear`: input columns split, partial outputs summed with ``all_reduce``;
+- `VocabParallelEmbedding`: vocabulary rows split, lookups of other ranks' rows are zero, summed
+  with ``all_reduce``; `ParallelLMHead` gathers the vocabulary slices with ``all_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from portside.backend_api import Communicator, SingleRankCommunicator
+
+__all__ = [
+    "RMSNorm",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "default_weight_loader",
+]
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+def _param(*shape: int, dtype: torch.dtype, loader: Callable) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)  # filled by the loader
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint slice has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """Replicated parameter: copy the whole tensor."""
+    _copy(param.data, loaded, "weight")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, loader=default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim] -> [T, dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks: y is this rank's slice."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.out_local = _divide(out_features, tp_size, "output features")
+        self.weight = _param(self.out_local, in_features, dtype=dtype, loader=self.weight_loader)
+        self.bias = _param(self.out_local, dtype=dtype, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        n = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp]
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (e.g. gate and
+    up). Checkpoint part i (shard_id i) fills rows ``[sum(local sizes before i), +local size)``."""
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, tp_rank: int, tp_size: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size, dtype)
+        self.local_sizes = [_divide(s, tp_size, "output features") for s in output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int), "merged linear needs the index of the part being loaded"
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size), "merged weight")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projection. Query heads are split across ranks; KV heads are split when
+    there are at least as many as ranks, else each rank keeps (a replica of) the one KV head its
+    query heads use."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "attention heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "KV heads")
+            self.kv_head_start = tp_rank * self.num_kv_heads
+        else:
+            _divide(tp_size, num_kv_heads, "tensor-parallel size / KV heads")  # replicas must be even
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank * num_kv_heads // tp_size
+        out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out_local, bias, 0, 1, dtype)  # sizes already per rank
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            dst, src_start, size = 0, self.tp_rank * q_size, q_size
+        elif shard_id in ("k", "v"):
+            dst = q_size if shard_id == "k" else q_size + kv_size
+            src_start, size = self.kv_head_start * d, kv_size
+        else:
+            raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        _copy(param.data.narrow(0, dst, size), loaded.narrow(0, src_start, size), f"{shard_id}_proj")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split: x is this rank's slice, partial products are
+    summed over ranks (all_reduce), then the (replicated) bias is added once."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        comm: Communicator | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.comm = comm or SingleRankCommunicator()
+        self.in_local = _divide(in_features, tp_size, "input features")
+        self.weight = _param(out_features, self.in_local, dtype=dtype, loader=self.weight_loader)
+        self.bias = _param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        n = self.in_local
+        _copy(param.data, loaded.narrow(1, self.tp_rank * n, n), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            y = self.comm.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with vocabulary rows split across ranks (the last shard zero-padded)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        comm: Communicator | None = None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.comm = comm or SingleRankCommunicator()
+        self.rows = -(-vocab_size // tp_size)  # per rank, padded
+        self.start = tp_rank * self.rows
+        self.weight = _param(self.rows, hidden_size, dtype=dtype, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding has {loaded.shape[0]} rows, expected vocab size {self.vocab_size}")
+        n = max(0, min(self.rows, self.vocab_size - self.start))
+        param.data.zero_()
+        _copy(param.data[:n], loaded.narrow(0, self.start, n), "embedding")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = h.masked_fill(outside.unsqueeze(-1), 0)
+        return self.comm.all_reduce(h)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharing the embedding's vocabulary split; logits are gathered so that
+    every rank returns the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        logits = F.linear(hidden, self.weight)  # [N, rows]
+        if self.tp_size > 1:
+            logits = self.comm.all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab]
+        return logits

@@ -1,0 +1,74 @@
+"""Architecture name -> model class, and `load_model`, the one call the model runner makes."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from portside.backend_api import Communicator, SingleRankCommunicator
+from portside.config import ModelConfig
+from portside.model.args import ModelArgs
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "model_class", "read_model_args", "load_model"]
+
+# config.json "architectures" entry -> (module, class); imported only when used.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    module, cls = SUPPORTED_ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(module), cls)
+
+
+def read_model_args(folder: str | Path, max_model_len: int | None = None) -> ModelArgs:
+    """`ModelArgs` from a HF folder's config.json (and generation_config.json for eos ids)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(folder))
+    archs = getattr(hf, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"{folder}/config.json names no architecture; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
+    model_class(archs[0])  # fail early with the list of supported ones
+    return ModelArgs.from_hf(hf, folder, max_model_len)
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    comm: Communicator | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> nn.Module:
+    """Build the model for `model_config.path` (HF folder or .gguf file) on `device` in
+    `model_config.dtype`, holding only this rank's tensor-parallel shard, and load its weights.
+
+    Parameters are allocated uninitialised on the device and filled straight from the
+    checkpoint, so no full-model copy is made.
+    """
+    from portside.model.gguf_loader import resolve_model_path
+    from portside.model.loader import load_checkpoint
+
+    folder = resolve_model_path(model_config.path)
+    args = read_model_args(folder, model_config.max_model_len)
+    if args.sliding_window is not None and model_config.max_model_len > args.sliding_window:
+        raise ValueError(
+            f"{folder} uses sliding-window attention (window {args.sliding_window}), which portside does not "
+            f"implement; set max_model_len <= {args.sliding_window}"
+        )
+    cls = model_class(args.architecture)
+    with torch.device(device):
+        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype)
+    load_checkpoint(model, folder)
+    return model.eval()
