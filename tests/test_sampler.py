@@ -84,7 +84,13 @@ def build(params, prompts=None, outputs=None, eos=EOS, vocab=V):
 def test_greedy_is_argmax_and_takes_the_fast_path():
     torch.manual_seed(0)
     logits = torch.randn(5, V)
-    params = [SP(temperature=0.0), SP(temperature=1e-6), SP(top_k=1), SP(temperature=0.0, top_p=0.5), SP(top_k=1, temperature=2.0)]
+    params = [
+        SP(temperature=0.0),
+        SP(temperature=1e-6),
+        SP(top_k=1),
+        SP(temperature=0.0, top_p=0.5),
+        SP(top_k=1, temperature=2.0),
+    ]
     md = build(params)
     assert md.all_greedy and md.no_penalties and not md.needs_logits_processing
     assert md.top_k is None and md.top_p is None and md.min_p is None and md.max_num_logprobs is None
@@ -205,9 +211,7 @@ def test_penalties_bias_min_tokens_match_reference():
         want = ref_process(logits[i], p, prompts[i], outputs[i], EOS)
         torch.testing.assert_close(got[i], want, msg=f"row {i}: {p}")
     # greedy rows use the processed logits
-    greedy = [SP(temperature=0.0, **{k: getattr(p, k) for k in (
-        "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop_token_ids")})
-        for p in params]
+    greedy = [dataclasses.replace(p, temperature=0.0) for p in params]
     out = Sampler()(logits, build(greedy, prompts, outputs)).sampled_token_ids
     assert out.tolist() == got.argmax(dim=-1).tolist()
 
@@ -216,7 +220,8 @@ def test_repetition_penalty_signs():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
     md = build([SP(repetition_penalty=2.0)], prompts=[[0]], outputs=[[1]], vocab=4)
     assert apply_penalties(logits, md).tolist() == [[1.0, -4.0, 2.0, -2.0]]
-    md = build([SP(repetition_penalty=1.0, frequency_penalty=0.5, presence_penalty=1.0)], prompts=[[0]], outputs=[[1, 1, 2]], vocab=4)
+    p = SP(frequency_penalty=0.5, presence_penalty=1.0)
+    md = build([p], prompts=[[0]], outputs=[[1, 1, 2]], vocab=4)
     # prompt tokens are not penalized by presence/frequency; output ones are, per occurrence
     assert apply_penalties(logits, md).tolist() == [[2.0, -4.0, 0.5, -2.0]]
 

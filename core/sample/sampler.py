@@ -52,7 +52,9 @@ class LogprobsTensors:
             if k is None:
                 out.append(None)
                 continue
-            out.append(LogprobsLists(token_ids=[ids[i][: 1 + k]], logprobs=[lps[i][: 1 + k]], sampled_ranks=[ranks[i]]))
+            out.append(
+                LogprobsLists(token_ids=[ids[i][: 1 + k]], logprobs=[lps[i][: 1 + k]], sampled_ranks=[ranks[i]])
+            )
         return out
 
 
