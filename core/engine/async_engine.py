@@ -1,0 +1,350 @@
+"""asyncio front of the synchronous `LLMEngine`.
+
+One background thread owns the engine: it applies queued adds and aborts, runs `engine.step()`
+while there is work, and hands each step's outputs to the event loop with
+`loop.call_soon_threadsafe`. The event loop never blocks on model compute, and the engine (not
+thread-safe) is only ever touched from that thread.
+
+Each request gets a `RequestStream`: an async iterator of cumulative `RequestOutput`s that ends
+after the finished one. Closing a stream before it finishes aborts the request; the engine frees
+its KV blocks on the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from portside.outputs import RequestOutput
+from portside.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class SyncEngine(Protocol):
+    """The part of `LLMEngine` the async engine drives."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0) -> None: ...
+    def abort_request(self, request_ids: str | list[str]) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> Any: ...
+    def shutdown(self) -> None: ...
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine no longer accepts requests: it is shutting down or its step loop died."""
+
+
+@dataclass
+class RequestRecord:
+    """Timings and sizes of one finished (or aborted) request, for metrics."""
+
+    request_id: str
+    outcome: str  # "stop", "length", "abort" or "error" (the step loop died)
+    arrival_time: float  # time.monotonic()
+    first_token_time: float | None
+    finish_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+_END = object()
+
+
+class RequestStream:
+    """Cumulative outputs of one request, in order; ends after the finished output."""
+
+    def __init__(self, owner: "AsyncLLMEngine", request_id: str) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.finished = False
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last: RequestOutput | None = None
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self._owner.abort(self.request_id)
+
+    # called on the event loop by the owner
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncLLMEngine:
+    """Runs a `SyncEngine` on a background thread and streams outputs to asyncio callers.
+
+    `max_waiting_requests` bounds the requests that have been accepted but not yet produced a
+    token; past it `add_request` raises `QueueFullError`. `on_request_done` is called on the
+    event loop with a `RequestRecord` for every request that ends.
+    """
+
+    def __init__(
+        self,
+        engine: SyncEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        on_request_done: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_request_done = on_request_done
+        self._streams: dict[str, RequestStream] = {}  # event-loop thread only
+        self._commands: list[tuple[str, Any]] = []  # guarded by _cv
+        self._cv = threading.Condition()
+        self._stop = False
+        self._accepting = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last_stats: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop; call from inside the running event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._last_stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="portside-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.is_running
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Accepted requests that have not produced a token yet."""
+        return sum(1 for s in self._streams.values() if s.first_token_time is None)
+
+    def stats(self) -> Any:
+        """The engine's `EngineStats` after the latest step (never calls into the engine)."""
+        return self._last_stats
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `timeout` s, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and self.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.warning("aborting %d unfinished request(s) at shutdown", len(self._streams))
+            for rid in list(self._streams):
+                self.abort(rid)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self.engine.shutdown()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
+    ) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it.
+
+        Raises `QueueFullError`, `EngineStoppedError`, or the engine's `ValueError` for a bad request.
+        """
+        if not self.accepting:
+            raise EngineStoppedError("the server is shutting down" if self.is_running else "the engine stopped")
+        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"too many waiting requests ({self.max_waiting_requests}); retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._command("add", (request_id, prompt, params, priority))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:  # the client went away before the engine saw the request
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its cumulative outputs; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (event-loop thread). Its stream ends; blocks are freed on the next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._command("abort", request_id)
+        if not stream.accepted.done():
+            stream.accepted.cancel()
+        stream.finished = True
+        self._record(stream, "abort")
+        stream._put(_END)
+
+    # ---- event-loop side of the hand-off -----------------------------------------------------
+
+    def _command(self, kind: str, payload: Any) -> None:
+        with self._cv:
+            self._commands.append((kind, payload))
+            self._cv.notify()
+
+    def _on_accepted(self, request_id: str, error: BaseException | None) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.accepted.done():
+            return
+        if error is None:
+            stream.accepted.set_result(None)
+            return
+        del self._streams[request_id]
+        stream.finished = True
+        stream.accepted.set_exception(error)  # never ran: the caller reports it, no record
+
+    def _on_step(self, outputs: list[RequestOutput], stats: Any) -> None:
+        self._last_stats = stats
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            if stream.first_token_time is None and any(c.token_ids for c in out.outputs):
+                stream.first_token_time = now
+            stream.last = out
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                stream.finished = True
+                reasons = {c.finish_reason for c in out.outputs}
+                self._record(stream, "length" if reasons == {"length"} else "stop")
+                stream._put(_END)
+
+    def _on_dead(self, error: BaseException) -> None:
+        self._error = error
+        for rid, stream in list(self._streams.items()):
+            del self._streams[rid]
+            stream.finished = True
+            failure = EngineStoppedError(f"the engine failed: {type(error).__name__}")
+            if not stream.accepted.done():
+                stream.accepted.set_exception(failure)
+            self._record(stream, "error")
+            stream._put(failure)
+
+    def _record(self, stream: RequestStream, outcome: str) -> None:
+        if self.on_request_done is None:
+            return
+        last = stream.last
+        record = RequestRecord(
+            request_id=stream.request_id,
+            outcome=outcome,
+            arrival_time=stream.arrival_time,
+            first_token_time=stream.first_token_time,
+            finish_time=time.monotonic(),
+            num_prompt_tokens=len(last.prompt_token_ids) if last else 0,
+            num_generation_tokens=sum(len(c.token_ids) for c in last.outputs) if last else 0,
+        )
+        try:
+            self.on_request_done(record)
+        except Exception:  # metrics must never break serving
+            logger.exception("on_request_done failed")
+
+    # ---- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                    stop = self._stop
+                aborted = self._apply(commands, loop)
+                if stop and not self.engine.has_unfinished_requests():
+                    break
+                if self.engine.has_unfinished_requests() or aborted:
+                    outputs = self.engine.step()
+                    loop.call_soon_threadsafe(self._on_step, outputs, self.engine.stats())
+        except BaseException as e:  # the loop must report, never vanish silently
+            logger.exception("engine step loop died")
+            try:
+                loop.call_soon_threadsafe(self._on_dead, e)
+            except RuntimeError:  # the event loop is already closed
+                pass
+
+    def _apply(self, commands: list[tuple[str, Any]], loop: asyncio.AbstractEventLoop) -> bool:
+        aborts: list[str] = []
+        for kind, payload in commands:
+            if kind == "add":
+                request_id, prompt, params, priority = payload
+                error: BaseException | None = None
+                try:
+                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                except Exception as e:  # a bad request must not kill the loop; the caller gets it
+                    error = e
+                loop.call_soon_threadsafe(self._on_accepted, request_id, error)
+            else:
+                aborts.append(payload)
+        if aborts:
+            self.engine.abort_request(aborts)
+        return bool(aborts)

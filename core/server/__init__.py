@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`portside serve`): FastAPI app over the async engine."""

@@ -1,0 +1,168 @@
+"""The FastAPI app: routes, API-key and body-size guards, error handlers, engine lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from portside.engine.async_engine import AsyncLLMEngine, SyncEngine
+from portside.server.errors import (
+    APIError,
+    api_error_handler,
+    http_exception_handler,
+    unhandled_exception_handler,
+)
+from portside.server.metrics import CONTENT_TYPE, ServerMetrics
+from portside.server.serving_base import ServingContext
+from portside.server.serving_chat import create_chat_completion
+from portside.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    chat_template: str | None = None  # template text (a file is read by the CLI)
+    api_key: str | None = None
+    max_waiting_requests: int | None = 256
+    max_request_body_bytes: int = 8 << 20
+    shutdown_timeout: float = 60.0  # seconds in-flight requests get to finish at shutdown
+    root_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`; its step loop starts with the app's lifespan."""
+    holder: dict[str, Any] = {}
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
+    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting)
+    async_engine.on_request_done = metrics.observe
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        holder["ctx"] = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template)
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(config.shutdown_timeout)
+
+    app = FastAPI(title="portside", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
+    app.add_exception_handler(Exception, unhandled_exception_handler)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+    def ctx() -> ServingContext:
+        return holder["ctx"]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return APIError(503, "the engine is not running").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        c = ctx()
+        data = [
+            {"id": name, "object": "model", "created": c.created, "owned_by": "portside", "max_model_len": c.max_model_len}
+            for name in c.served_model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _counted(create_completion(ctx(), request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await _counted(create_chat_completion(ctx(), request))
+
+    async def _counted(handler: Awaitable[Any]) -> Any:
+        try:
+            return await handler
+        except APIError as e:  # refused before or by the engine: bad input, unknown model, queue full
+            if e.status != 499:  # a client that left mid-request is counted as an abort
+                metrics.rejected()
+            raise
+        except Exception:
+            logger.exception("error serving a generation request")
+            metrics.requests.labels("error").inc()
+            raise APIError(500, "internal server error; see the server log") from None
+
+    return app
+
+
+class APIKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on every route but /health (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        # compare_digest runs in time independent of where the strings differ
+        ok = hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
+        if not ok:
+            message = "Incorrect API key provided" if auth else "Missing API key: send 'Authorization: Bearer <key>'"
+            response = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over `max_bytes`, by Content-Length or by counting as they arrive."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large").response()
+        await response(scope, receive, send)

@@ -1,0 +1,42 @@
+"""Flags of `portside serve` beyond the shared engine flags (`portside.engine.args.add_engine_args`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add the server's own flags (MODEL, host/port, names, auth, limits) to `parser`."""
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL",
+        help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )  # fmt: skip
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    g.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="model name(s) clients put in the `model` field (default: MODEL as given, or the default model's name)",
+    )  # fmt: skip
+    g.add_argument(
+        "--chat-template", default=None,
+        help="Jinja chat template, as a file path or the template text (default: the tokenizer's)",
+    )  # fmt: skip
+    g.add_argument(
+        "--api-key", default=os.environ.get("PORTSIDE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on every route but /health (default: $PORTSIDE_API_KEY; unset: no key)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-waiting-requests", type=int, default=256,
+        help="requests that may wait for a batch slot; past it requests get 503 with Retry-After (default 256)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-request-body-bytes", type=int, default=8 << 20,
+        help="largest accepted request body in bytes; larger ones get 413 (default 8 MiB)",
+    )  # fmt: skip
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=60.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted (default 60)",
+    )  # fmt: skip
+    g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level, including its access log (default info)")

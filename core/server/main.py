@@ -1,0 +1,69 @@
+"""`portside serve`: build the engine, then run the app under uvicorn until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from portside.server.app import ServerConfig, build_app
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template` is a file path or the template text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    names = args.served_model_name or [args.model if args.model else DEFAULT_MODEL_NAME]
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError("--max-waiting-requests must be non-negative")
+    return ServerConfig(
+        served_model_names=list(names),
+        chat_template=read_chat_template(args.chat_template),
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; in-flight requests finish first. Returns the exit code."""
+    import uvicorn
+
+    from portside.engine.args import engine_kwargs
+    from portside.engine.llm_engine import LLMEngine
+
+    config = server_config(args)
+    engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
+    app = build_app(engine, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=config.shutdown_timeout,
+            lifespan="on",
+        )
+    )
+    # uvicorn re-raises the signal it shut down on once it is done; with these handlers in place
+    # that is a no-op, so a SIGTERM'd server exits 0 after its graceful shutdown.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logger.info("serving %s as %s on http://%s:%d", args.model or "the default model", config.served_model_names, args.host, args.port)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,198 @@
+"""Request bodies of the OpenAI-compatible API (pydantic models, validated in JSON mode).
+
+Validation is strict about types (``"max_tokens": "5"`` is a 400, not a silent cast) and about
+ranges the API documents; unknown fields are ignored, as vLLM does, so clients that send newer
+OpenAI fields keep working. Range checks that `SamplingParams` already makes are left to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 128  # OpenAI's documented upper bound for `n`
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no bound)
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    include_obfuscation: bool = False  # accepted; portside never adds obfuscation padding
+    continuous_usage_stats: bool = False  # vLLM extra: usage on every chunk
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling fields both endpoints share (OpenAI's plus vLLM's extras)."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: Any = None  # str | list[str]; checked below for a clear message
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a string or a list of strings")
+        if len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are supported")
+        if any(s == "" for s in v):
+            raise ValueError("must not contain empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> list[str] | list[list[int]]:
+        """Normalise to a non-empty list of text prompts or of token-id prompts."""
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v):
+                return v
+            if all(_is_int(t) for t in v):
+                return [v]
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+                return v
+        raise ValueError(
+            "must be a non-empty string, a list of strings, a non-empty list of token ids, "
+            "or a list of non-empty lists of token ids"
+        )
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of equal to n is supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo with logprobs is not supported (prompt logprobs are not computed)")
+        return self
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | list[TextPart] | None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: Any) -> str:
+        """Flatten text parts into one string; any other part type is a 400."""
+        if v is None:
+            return ""
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            texts = []
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i}: only text content parts ({{'type': 'text', 'text': ...}}) are supported")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("must be a string or a list of content parts")
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"only 'text' is supported, got {v!r}")
+        return v
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated alias of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    chat_template: str | None = None  # vLLM extra
+    add_generation_prompt: bool = True  # vLLM extra
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: tool calling is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output-length limit and the field it came from (for error messages)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,342 @@
+"""What both generation endpoints share: the serving context, request parsing, output-length
+resolution, sampling parameters, engine submission with error mapping, per-choice deltas,
+logprob formatting and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestStream
+from portside.outputs import CompletionOutput, Logprob, RequestOutput
+from portside.sampling_params import SamplingParams
+from portside.server.errors import APIError, bad_request, from_validation_error, from_value_error
+from portside.server.metrics import ServerMetrics
+from portside.server.protocol import SamplingFields
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs; one per app."""
+
+    engine: AsyncLLMEngine
+    tokenizer: Any  # a private copy of the engine's tokenizer, used on the event loop only
+    served_model_names: list[str]
+    max_model_len: int
+    metrics: ServerMetrics
+    chat_template: str | None = None
+    retry_after_s: int = 1
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None) -> "ServingContext":
+        tok = engine.engine.tokenizer
+        try:  # a copy keeps tokenization on the event loop apart from the engine thread's detokenizer
+            tok = copy.deepcopy(tok)
+        except Exception:  # pragma: no cover - tokenizers that cannot be copied are shared
+            logger.warning("could not copy the tokenizer; sharing the engine's")
+        return cls(engine, tok, served_model_names, engine.engine.max_model_len, metrics, chat_template)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_model_names)}", param="model", code="model_not_found")
+
+    def decode_token(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Read and validate a JSON body; any problem is a 400 naming the parameter."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"")
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+    """The output-length limit for one prompt, or a 400 when the prompt or limit do not fit."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has {prompt_len} tokens "
+            "(the prompt must leave room for at least one output token); shorten the prompt",
+            prompt_param,
+        )
+    if requested is None:
+        return room
+    if requested < 1:
+        raise bad_request(f"{field_name} must be at least 1, got {requested}", field_name)
+    if requested > room:
+        if not explicit:
+            return room  # the endpoint's default, not the user's choice: fit it to the context
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens "
+            f"and {field_name} is {requested}, {prompt_len + requested} in total; lower {field_name}",
+            field_name,
+        )
+    return requested
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from request fields (OpenAI defaults for fields left unset)."""
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise from_value_error(e, renames=renames) from None
+
+
+async def submit(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int, prompt_param: str) -> RequestStream:
+    """Hand a request to the engine; map its refusals to HTTP errors."""
+    try:
+        return await ctx.engine.add_request(request_id, prompt_ids, params, priority=priority)
+    except QueueFullError as e:
+        raise APIError(503, str(e), code="queue_full", headers={"Retry-After": str(ctx.retry_after_s)}) from None
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), code="unavailable", headers={"Retry-After": str(ctx.retry_after_s)}) from None
+    except ValueError as e:  # the engine's own validation
+        raise from_value_error(e, default_param=prompt_param) from None
+
+
+async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]], params: list[SamplingParams], priority: int, prompt_param: str) -> list[RequestStream]:
+    """Submit one request per prompt; if any is refused, abort those already accepted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(await submit(ctx, rid, ids, sp, priority, prompt_param))
+    except BaseException:
+        close_all(streams)
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (prompt index, output); leaving early aborts them all."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # hand the failure to the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        close_all(streams)
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    """Abort every stream that has not finished (idempotent)."""
+    for s in streams:
+        s.close()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its requests however it ends, even if never iterated."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self._streams)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work` but cancel it when the client disconnects (non-streaming requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        raise APIError(499, "client disconnected")
+    watcher.cancel()
+    return task.result()
+
+
+@dataclass
+class ChoiceCursor:
+    """What has been sent of one choice so far (for streaming deltas)."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    echo_len: int = 0  # completions with echo: the prompt text sent before the output
+    finished: bool = False
+    started: bool = False
+
+    def delta(self, c: CompletionOutput) -> tuple[str, list[int], int]:
+        """New text, new token ids, and the index of the first new token."""
+        text = c.text[self.text_len :]
+        start = self.num_tokens
+        tokens = c.token_ids[start:]
+        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
+        return text, tokens, start
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely alternatives of one position, most likely first."""
+    ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
+    return ranked[:k]
+
+
+def chat_logprobs(ctx: ServingContext, c: CompletionOutput, start: int, k: int) -> list[dict[str, Any]]:
+    """Chat `logprobs.content` entries for c's tokens from `start` on."""
+    items = []
+    for pos in range(start, len(c.token_ids)):
+        tid = c.token_ids[pos]
+        entry = c.logprobs[pos] if c.logprobs and pos < len(c.logprobs) else {}
+        lp = entry.get(tid)
+        token = ctx.decode_token(tid, lp)
+        items.append(
+            {
+                "token": token,
+                "logprob": max(lp.logprob, -9999.0) if lp else -9999.0,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := ctx.decode_token(i, alt)), "logprob": max(alt.logprob, -9999.0), "bytes": list(t.encode("utf-8"))}
+                    for i, alt in top_entries(entry, k)
+                ],
+            }
+        )
+    return items
+
+
+def completion_logprobs(ctx: ServingContext, c: CompletionOutput, start: int, k: int, text_offset: int) -> dict[str, Any]:
+    """Legacy completions `logprobs` for c's tokens from `start` on; offsets start at text_offset."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for pos in range(start, len(c.token_ids)):
+        tid = c.token_ids[pos]
+        entry = c.logprobs[pos] if c.logprobs and pos < len(c.logprobs) else {}
+        lp = entry.get(tid)
+        token = ctx.decode_token(tid, lp)
+        tokens.append(token)
+        token_logprobs.append(max(lp.logprob, -9999.0) if lp else -9999.0)
+        tops.append({ctx.decode_token(i, alt): max(alt.logprob, -9999.0) for i, alt in top_entries(entry, k)})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def stream_error(e: BaseException) -> str:
+    """An error that happens after the stream started: one SSE event with an error body."""
+    if isinstance(e, APIError):
+        return sse(e.body())
+    logger.exception("error while streaming", exc_info=e)
+    return sse(APIError(500, "internal server error; see the server log").body())
+
+
+async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    """Drain merged outputs; the last output of each prompt."""
+    finals: list[RequestOutput | None] = [None] * count
+    async for i, out in outputs:
+        finals[i] = out
+    if not all(f is not None and f.finished for f in finals):  # aborted by a shutdown
+        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+    return finals  # type: ignore[return-value]
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """Engine finish reasons as OpenAI's ("abort" never reaches a client that is still there)."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"

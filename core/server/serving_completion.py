@@ -1,0 +1,134 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from portside.outputs import RequestOutput
+from portside.server.protocol import CompletionRequest
+from portside.server.serving_base import (
+    SSE_DONE,
+    ChoiceCursor,
+    EngineStreamingResponse,
+    ServingContext,
+    collect,
+    completion_logprobs,
+    merged,
+    new_id,
+    openai_finish_reason,
+    parse_body,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    stream_error,
+    submit_all,
+    until_disconnected,
+    usage,
+)
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Any:
+    req = await parse_body(request, CompletionRequest)
+    ctx.check_model(req.model)
+    prompts_ids, prompt_texts = _tokenize(ctx, req.prompt)
+    explicit = "max_tokens" in req.model_fields_set
+    params = []
+    for ids in prompts_ids:
+        max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", explicit, len(ids), ctx.max_model_len, "prompt")
+        params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs))
+    request_id = new_id("cmpl")
+    streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt")
+    created = int(time.time())
+    echo = prompt_texts if req.echo else None
+    if req.stream:
+        return EngineStreamingResponse(_stream(ctx, req, request_id, created, merged(streams), prompts_ids, echo), streams)
+    finals = await until_disconnected(request, collect(merged(streams), len(streams)))
+    return JSONResponse(_response(ctx, req, request_id, created, finals, echo))
+
+
+def _tokenize(ctx: ServingContext, prompt: list[Any]) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt (text prompts get the tokenizer's special tokens)."""
+    if isinstance(prompt[0], str):
+        return [ctx.tokenizer(p).input_ids for p in prompt], list(prompt)
+    return [list(p) for p in prompt], [ctx.tokenizer.decode(p) for p in prompt]
+
+
+def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput], echo: list[str] | None) -> dict[str, Any]:
+    choices = []
+    prompt_tokens = completion_tokens = cached = 0
+    for i, out in enumerate(finals):
+        prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        prefix = echo[i] if echo is not None else ""
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            logprobs = completion_logprobs(ctx, c, 0, req.logprobs, len(prefix)) if req.logprobs is not None else None
+            choices.append(
+                {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": openai_finish_reason(c.finish_reason)}
+            )
+    choices.sort(key=lambda ch: ch["index"])
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    request_id: str,
+    created: int,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    prompts_ids: list[list[int]],
+    echo: list[str] | None,
+) -> AsyncIterator[str]:
+    cursors: dict[int, ChoiceCursor] = {}
+    completion_tokens = cached = 0
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(index: int, text: str, logprobs: Any, finish: str | None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse({"id": request_id, "object": "text_completion", "created": created, "model": req.model, "choices": [choice]})
+
+    try:
+        async for i, out in outputs:
+            for c in out.outputs:
+                index = i * req.n + c.index
+                cur = cursors.setdefault(index, ChoiceCursor())
+                if cur.finished:
+                    continue
+                prefix = ""
+                if not cur.started:
+                    cur.started = True
+                    prefix = echo[i] if echo is not None else ""
+                    cur.echo_len = len(prefix)
+                offset = cur.echo_len + cur.text_len
+                text, tokens, start = cur.delta(c)
+                finish = openai_finish_reason(c.finish_reason)
+                if not (prefix or text or tokens or finish):
+                    continue
+                logprobs = completion_logprobs(ctx, c, start, req.logprobs, offset) if req.logprobs is not None else None
+                if finish:
+                    cur.finished = True
+                    completion_tokens += len(c.token_ids)
+                yield chunk(index, prefix + text, logprobs, finish)
+            if out.finished:
+                cached += out.num_cached_tokens
+        if include_usage:
+            prompt_tokens = sum(len(p) for p in prompts_ids)
+            yield sse(
+                {"id": request_id, "object": "text_completion", "created": created, "model": req.model, "choices": [],
+                 "usage": usage(prompt_tokens, completion_tokens, cached)}
+            )  # fmt: skip
+    except Exception as e:
+        yield stream_error(e)
+    yield SSE_DONE
