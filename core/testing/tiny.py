@@ -28,6 +28,7 @@ __all__ = [
     "make_tiny_model",
     "hf_greedy",
     "hf_logits",
+    "make_tiny_gguf",
 ]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -242,3 +243,85 @@ def hf_logits(path: str | os.PathLike, prompt_ids: list[int]) -> torch.Tensor:
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The folder's config.json as a dict (for tests that inspect what was written)."""
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def make_tiny_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str = "F32") -> Path:
+    """Write a llama-architecture GGUF file from a tiny HF folder the way llama.cpp's converter
+    does: llama.cpp tensor names, q/k rows permuted for its rotary layout, 2-D weights stored as
+    `qtype` ("F32", "F16", "Q8_0", "Q4_0", "Q4_1"; norms stay F32), llama.* metadata and a
+    "gpt2" (byte-level BPE) tokenizer with the chat template. Returns `out_path`.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from portside.model.gguf_loader import permute_qk
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    cfg = read_config(hf_dir)
+    if cfg["architectures"] != ["LlamaForCausalLM"]:
+        raise ValueError("make_tiny_gguf writes llama GGUF files; build the HF model with arch='llama'")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    writer = gguf.GGUFWriter(str(out_path), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok["added_tokens"] if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_pad_token_id(vocab["<|endoftext|>"])
+    writer.add_add_bos_token(False)
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template") or (
+        (hf_dir / "chat_template.jinja").read_text() if (hf_dir / "chat_template.jinja").is_file() else None
+    )
+    if template:
+        writer.add_chat_template(template)
+
+    from portside.model.gguf_loader import _BLOCK, _TOP
+
+    to_gguf = {v: k for k, v in _TOP.items()}
+    to_gguf.update({f"model.layers.{{}}.{v}": k for k, v in _BLOCK.items()})
+    raw_type = getattr(gguf.GGMLQuantizationType, qtype)
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        w = tensor.float().numpy()
+        if ".q_proj." in name:
+            w = permute_qk(w, heads)
+        elif ".k_proj." in name:
+            w = permute_qk(w, kv_heads)
+        stem, kind = name.rsplit(".", 1)
+        parts = stem.split(".")
+        if parts[:2] == ["model", "layers"]:
+            gname = f"blk.{parts[2]}.{to_gguf['model.layers.{}.' + '.'.join(parts[3:])]}.{kind}"
+        else:
+            gname = f"{to_gguf[stem]}.{kind}"
+        if w.ndim == 2 and qtype not in ("F32", "F16"):
+            writer.add_tensor(gname, gguf.quants.quantize(w, raw_type), raw_dtype=raw_type)
+        elif w.ndim == 2 and qtype == "F16":
+            writer.add_tensor(gname, w.astype(np.float16))
+        else:
+            writer.add_tensor(gname, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
