@@ -1,0 +1,93 @@
+"""ARCHITECTURE.md's dependency rules, enforced on the source tree."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENDOR = ("portside.backends", "triton", "torch_xla", "openvino", "intel_extension_for_pytorch", "oneccl_bindings_for_pytorch")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module an import statement in `path` names (relative imports resolved loosely)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _attribute_chains(path: Path) -> list[tuple[int, str]]:
+    """Dotted attribute uses such as torch.cuda.synchronize."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    chains = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts = []
+            cur: ast.AST = node
+            while isinstance(cur, ast.Attribute):
+                parts.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name):
+                parts.append(cur.id)
+                chains.append((node.lineno, ".".join(reversed(parts))))
+    return chains
+
+
+def core_files() -> list[Path]:
+    return sorted((ROOT / "core").rglob("*.py"))
+
+
+def test_core_imports_no_backend_or_vendor_runtime():
+    bad = []
+    for path in core_files():
+        for line, mod in _imports(path):
+            if any(mod == v or mod.startswith(v + ".") for v in VENDOR):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+        for line, chain in _attribute_chains(path):
+            if chain.startswith("torch.cuda") or "nccl" in chain.lower():
+                bad.append(f"{path.relative_to(ROOT)}:{line} uses {chain}")
+    assert not bad, "core/ must stay hardware-agnostic:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["kv_cache", "sched"])
+def test_scheduler_and_kv_cache_are_pure_python(package):
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {mod}"
+        for p in sorted((ROOT / "core" / package).rglob("*.py"))
+        for line, mod in _imports(p)
+        if mod.split(".")[0] in ("torch", "numpy")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_backends_import_only_the_contract_and_shared_kernels():
+    """A backend imports portside.backend_api (and portside.backends.triton), never another
+    backend's module or core internals such as the scheduler."""
+    allowed_core = ("portside.backend_api", "portside.config", "portside.backends.triton")
+    bad = []
+    for backend_dir in sorted(p for p in (ROOT / "backends").iterdir() if p.is_dir() and not p.name.startswith("_")):
+        own = f"portside.backends.{backend_dir.name}"
+        for path in sorted(backend_dir.rglob("*.py")):
+            for line, mod in _imports(path):
+                if not mod.startswith("portside"):
+                    continue
+                if mod.startswith(own) or mod.startswith(allowed_core):
+                    continue
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_import_portside_is_cheap():
+    """`import portside` must not pull in torch, transformers or any backend."""
+    code = "import sys, portside; print(','.join(m for m in ('torch', 'transformers', 'portside.backends') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"import portside loaded: {out}"
