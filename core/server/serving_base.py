@@ -291,7 +291,10 @@ def completion_logprobs(ctx: ServingContext, c: CompletionOutput, start: int, k:
         token = ctx.decode_token(tid, lp)
         tokens.append(token)
         token_logprobs.append(max(lp.logprob, -9999.0) if lp else -9999.0)
-        tops.append({ctx.decode_token(i, alt): max(alt.logprob, -9999.0) for i, alt in top_entries(entry, k)})
+        top: dict[str, float] = {}
+        for i, alt in top_entries(entry, k):  # most likely first: on a text collision it wins
+            top.setdefault(ctx.decode_token(i, alt), max(alt.logprob, -9999.0))
+        tops.append(top)
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
