@@ -1,0 +1,159 @@
+"""Paged attention that traces to static shapes under XLA.
+
+Cache layout (one layer): ``[num_blocks + 1, block_size, 2 * num_kv_heads, head_size]`` with K
+and V interleaved on the head axis (head ``2h`` is K of KV head h, ``2h + 1`` its V): the layout
+torch-xla's Pallas ragged paged-attention kernel reads. The trailing extra block is this
+backend's own trash block: a skipped write (slot -1, i.e. padding) goes there, so the write is a
+single unconditional scatter (`index_copy_`) with no data-dependent control flow. Block tables
+never point at it.
+
+Two attention paths:
+
+- ``pallas``: `torch_xla.experimental.custom_kernel.ragged_paged_attention`, on TPUs.
+- ``gather`` (everywhere, and the one the CPU leg proves): each token gathers its request's block
+  table into a padded ``[S = width * block_size]`` key/value layout and attends under a mask
+  ``key_pos <= token_pos``. Memory is O(tokens x S): fine for decode and tests, the Pallas kernel
+  is the production path for long prefills.
+
+Nothing reads a device tensor on the host (`.item()`, `.tolist()`, Python `if` on values): the
+per-token request index and position are computed on the device in `prepare`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+
+__all__ = ["XlaAttentionBackend", "XlaAttentionData", "pallas_available"]
+
+
+def pallas_available() -> bool:
+    """torch-xla ships the Pallas ragged paged-attention kernel (and jax, which it needs)."""
+    try:
+        if importlib.util.find_spec("jax") is None:
+            return False
+        from torch_xla.experimental import custom_kernel
+    except Exception:  # noqa: BLE001 - any import failure means: use the gather path
+        return False
+    return hasattr(custom_kernel, "ragged_paged_attention")
+
+
+@dataclass
+class XlaAttentionData:
+    """Per-step tensors shared by every layer (built once in `prepare`, traced into the graph)."""
+
+    token_req: torch.Tensor  # [T] int64: request of each query token (padding: clamped, masked)
+    key_mask: torch.Tensor  # [T, S] bool: key position s is visible to token t
+    num_seqs: torch.Tensor  # [1] int32: requests with at least one query token (Pallas)
+
+
+class XlaAttentionBackend(AttentionBackend):
+    name = "xla-gather"
+    graph_support = GraphCaptureSupport.ALWAYS
+
+    def __init__(self, use_pallas: bool = False) -> None:
+        self.use_pallas = use_pallas
+        if use_pallas:
+            self.name = "pallas-ragged-paged"
+
+    # ---- cache ------------------------------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (num_blocks + 1, block_size, 2 * num_kv_heads, head_size)  # +1: the trash block
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        nb, bs, kvh2, d = kv_cache.shape
+        flat = kv_cache.view(nb * bs, kvh2, d)
+        trash = (nb - 1) * bs  # first slot of the trash block
+        slots = torch.where(slot_mapping < 0, trash, slot_mapping)  # [T]
+        kv = torch.stack([key, value], dim=2).reshape(key.shape[0], kvh2, d)  # [T, 2*kvh, D] interleaved
+        flat.index_copy_(0, slots, kv.to(kv_cache.dtype))
+
+    def read_kv(self, kv_cache, slots):
+        nb, bs, kvh2, d = kv_cache.shape
+        kv = kv_cache.view(nb * bs, kvh2, d)[slots.long()]  # [N, 2*kvh, D]
+        return kv[:, 0::2], kv[:, 1::2]
+
+    # ---- metadata ---------------------------------------------------------------------------
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Nothing: the model runner calls this on the unpadded batch, and lazy tensors built
+        here would be traced into the padded step's graph (changing its hash every step). The
+        graph runner calls `with_data` on the padded metadata instead."""
+        return metadata
+
+    def with_data(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """`metadata` with this backend's per-step tensors (`XlaAttentionData`) attached."""
+        md = metadata
+        device = md.slot_mapping.device
+        num_tokens = md.slot_mapping.shape[0]
+        num_reqs = md.seq_lens.shape[0]
+        qsl = md.query_start_loc.to(torch.int64)  # [R + 1]
+        t = torch.arange(num_tokens, device=device, dtype=torch.int64)  # [T]
+        # request of token t: number of requests whose query ends at or before t
+        token_req = (qsl[1:].unsqueeze(0) <= t.unsqueeze(1)).sum(dim=1).clamp(max=num_reqs - 1)  # [T]
+        # absolute position of token t: seq_len - (query end - t)
+        seq_lens = md.seq_lens.to(torch.int64)
+        token_pos = seq_lens[token_req] - qsl[1:][token_req] + t  # [T]
+        s_max = md.block_tables.shape[1] * md.block_size
+        k_pos = torch.arange(s_max, device=device, dtype=torch.int64)  # [S]
+        key_mask = (k_pos.unsqueeze(0) <= token_pos.unsqueeze(1)) | (k_pos.unsqueeze(0) == 0)  # [T, S]
+        num_seqs = (qsl[1:] > qsl[:-1]).sum().to(torch.int32).reshape(1)
+        data = XlaAttentionData(token_req=token_req, key_mask=key_mask, num_seqs=num_seqs)
+        return dataclasses.replace(md, backend_data=data)
+
+    # ---- attention --------------------------------------------------------------------------
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        data = metadata.backend_data
+        if not isinstance(data, XlaAttentionData):
+            metadata = self.with_data(metadata)
+            data = metadata.backend_data
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if self.use_pallas:
+            return self._pallas(query, kv_cache, metadata, data, scale)
+        return _gather_attention(query, kv_cache, metadata.block_tables, data, scale)
+
+    def _pallas(self, query, kv_cache, md: AttentionMetadata, data: XlaAttentionData, scale: float) -> torch.Tensor:
+        from torch_xla.experimental.custom_kernel import ragged_paged_attention
+
+        # Pallas: q [T, H, D]; kv_pages [pages, page_size, 2*kvh, D]; per-request kv lengths,
+        # page indices and cumulative query lengths; num_seqs real requests.
+        return ragged_paged_attention(
+            query,
+            kv_cache,
+            md.seq_lens.to(torch.int32),
+            md.block_tables.to(torch.int32),
+            md.query_start_loc.to(torch.int32),
+            data.num_seqs,
+            sm_scale=scale,
+        )
+
+
+def _gather_attention(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [NB, bs, 2*kvh, D]
+    block_tables: torch.Tensor,  # [R, W]
+    data: XlaAttentionData,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, d = query.shape
+    _, bs, kvh2, _ = kv_cache.shape
+    kvh = kvh2 // 2
+    group = num_heads // kvh
+    width = block_tables.shape[1]
+    blocks = block_tables.to(torch.int64)[data.token_req]  # [T, W]
+    kv = kv_cache[blocks].reshape(num_tokens, width * bs, kvh2, d)  # [T, S, 2*kvh, D]
+    k = kv[:, :, 0::2].float()  # [T, S, kvh, D]
+    v = kv[:, :, 1::2].float()
+    q = query.float().reshape(num_tokens, kvh, group, d)  # [T, kvh, G, D]
+    scores = torch.einsum("tkgd,tskd->tkgs", q, k) * scale  # [T, kvh, G, S]
+    scores = scores.masked_fill(~data.key_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("tkgs,tskd->tkgd", probs, v)  # [T, kvh, G, D]
+    return out.reshape(num_tokens, num_heads, d).to(query.dtype)

@@ -1,0 +1,372 @@
+"""The xla backend (TPU through torch-xla), proven on torch-xla's PJRT CPU device.
+
+Run in the xla leg (`ci/legs/xla.sh`): ``PJRT_DEVICE=CPU python -m pytest tests/backends/test_xla.py``.
+Tests that need torch_xla skip with the reason elsewhere; the probe and bucket tests run in
+every leg.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portside.backend_api import AttentionMetadata
+from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets, powers_of_two
+
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not importable (the xla leg installs it: ci/legs/xla.sh)")
+
+if HAS_XLA:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla starts its runtime
+
+
+# ---- probe and registration (every leg) ---------------------------------------------------------
+
+
+def test_register_does_not_import_torch_xla():
+    code = (
+        "import sys; from portside.backends.xla import register; "
+        "from portside.backends.xla.platform import XlaPlatform; "
+        "target = register(); XlaPlatform.is_available(); "
+        "assert 'torch_xla' not in sys.modules, 'torch_xla imported'; print(target)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "portside.backends.xla.platform:XlaPlatform"
+
+
+def test_probe_reasons(monkeypatch):
+    from portside.backends.xla import platform as xp
+
+    monkeypatch.setattr(xp.importlib.util, "find_spec", lambda name: None)
+    reason = xp.XlaPlatform.is_available().reason
+    assert "torch-xla is not installed" in reason and "pip install" in reason
+
+
+@needs_xla
+def test_probe_pjrt_cpu_and_tpu(monkeypatch):
+    from portside.backends.xla import platform as xp
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert xp.XlaPlatform.is_available()
+    monkeypatch.setenv("PJRT_DEVICE", "CUDA")
+    assert "not a TPU" in xp.XlaPlatform.is_available().reason
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setattr(xp, "tpu_present", lambda: False)
+    assert "no TPU found" in xp.XlaPlatform.is_available().reason
+    monkeypatch.setattr(xp, "tpu_present", lambda: True)
+    assert xp.XlaPlatform.is_available()
+
+
+def test_version_mismatch_names_both(monkeypatch):
+    from portside.backends.xla import platform as xp
+
+    monkeypatch.setattr(xp.importlib.metadata, "version", lambda name: "2.1.0")
+    monkeypatch.setattr(xp.torch, "__version__", "2.13.0+cpu")
+    msg = xp.version_mismatch()
+    assert msg is not None and "torch-xla 2.1.0" in msg and "torch 2.13.0+cpu" in msg
+
+
+# ---- buckets (every leg) ------------------------------------------------------------------------
+
+
+def test_bucket_defaults_and_selection():
+    assert powers_of_two(16, 100) == (16, 32, 64, 100)
+    assert powers_of_two(1, 1) == (1,)
+    b = Buckets.from_limits(max_num_tokens=64, max_num_reqs=4, max_width=8)
+    assert b.tokens == (16, 32, 64) and b.requests == (1, 2, 4) and b.widths == (1, 2, 4, 8)
+    assert len(b.shapes()) == 3 * 3 * 4
+    assert b.select(5, 3, 3) == (BucketShape(16, 4, 4), True)
+    assert b.select(64, 4, 8) == (BucketShape(64, 4, 8), True)
+    assert b.select(65, 1, 1) == (BucketShape(128, 1, 1), False)  # outside: next power of two
+    assert b.select(10, 5, 9) == (BucketShape(16, 8, 16), False)
+    with pytest.raises(ValueError):
+        parse_buckets("16,x")
+
+
+def test_bucket_shapes_skip_more_requests_than_tokens():
+    b = Buckets(tokens=(2, 8), requests=(1, 4), widths=(1,))
+    assert b.shapes() == [BucketShape(2, 1, 1), BucketShape(8, 1, 1), BucketShape(8, 4, 1)]
+
+
+# ---- on the XLA device ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def xla_device():
+    if not HAS_XLA:
+        pytest.skip("torch_xla is not importable")
+    from portside.backends.xla.platform import XlaPlatform
+
+    avail = XlaPlatform.is_available()
+    if not avail:
+        pytest.skip(f"tpu platform unavailable: {avail.reason}")
+    return XlaPlatform.device()
+
+
+def _backend():
+    from portside.backends.xla.attention import XlaAttentionBackend
+
+    return XlaAttentionBackend(use_pallas=False)
+
+
+@needs_xla
+def test_kv_cache_round_trip(xla_device):
+    backend = _backend()
+    nb, bs, kvh, d = 9, 4, 2, 8
+    cache = torch.zeros(backend.kv_cache_shape(nb, bs, kvh, d), device=xla_device)
+    assert cache.shape == (nb + 1, bs, 2 * kvh, d)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(nb * bs, generator=g)[:13]
+    slots_with_pad = torch.cat([slots[:6], torch.tensor([-1, -1]), slots[6:]])  # padding in the middle
+    k = torch.randn(15, kvh, d, generator=g)
+    v = torch.randn(15, kvh, d, generator=g)
+    backend.write_kv(cache, k.to(xla_device), v.to(xla_device), slots_with_pad.to(xla_device))
+    keep = slots_with_pad >= 0
+    k_back, v_back = backend.read_kv(cache, slots.to(xla_device))
+    torch.testing.assert_close(k_back.cpu(), k[keep])
+    torch.testing.assert_close(v_back.cpu(), v[keep])
+    # Every other real slot is untouched: padding went to the trash block only.
+    others = torch.tensor(sorted(set(range(nb * bs)) - set(slots.tolist())))
+    k_rest, v_rest = backend.read_kv(cache, others.to(xla_device))
+    assert k_rest.abs().sum().item() == 0 and v_rest.abs().sum().item() == 0
+
+
+def _ragged_batch(query_lens, seq_lens, block_size, num_blocks, g):
+    """Metadata (CPU tensors) for requests given (query_len, seq_len), block tables drawn at
+    random without repetition from a pool of `num_blocks`."""
+    widths = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
+    slots, at = [], 0
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        blocks = perm[at : at + widths[i]]
+        at += widths[i]
+        table[i, : widths[i]] = torch.tensor(blocks)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=table,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(seq_lens),
+        num_decode_tokens=sum(1 for q in query_lens if q == 1),
+    )
+
+
+def _to(md: AttentionMetadata, device) -> AttentionMetadata:
+    import dataclasses
+
+    return dataclasses.replace(
+        md,
+        slot_mapping=md.slot_mapping.to(device),
+        query_start_loc=md.query_start_loc.to(device),
+        seq_lens=md.seq_lens.to(device),
+        block_tables=md.block_tables.to(device),
+    )
+
+
+@needs_xla
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(4, 4, 16, 4), (8, 2, 16, 4), (8, 1, 32, 8)],
+)
+def test_attention_matches_reference(xla_device, num_heads, num_kv_heads, head_size, block_size):
+    """Ragged mixed batch: decodes (kv_len 1, block_size, block_size + 1), a prefill chunk over
+    a cached prefix and a whole prefill; history written first, then the step's tokens by forward."""
+    from portside.attention import reference
+
+    g = torch.Generator().manual_seed(num_heads * 100 + head_size)
+    query_lens = [1, 1, 1, 5, 9]
+    seq_lens = [1, block_size, block_size + 1, 2 * block_size + 3, 9]
+    num_blocks = 40
+    md = _ragged_batch(query_lens, seq_lens, block_size, num_blocks, g)
+    ref_backend, backend = reference.ReferenceAttentionBackend(), _backend()
+    ref_cache = torch.zeros(ref_backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), device=xla_device)
+    # cached history (the tokens before each request's query) into both caches
+    hist_slots = []
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        blocks = md.block_tables[i].tolist()
+        hist_slots += [blocks[p // block_size] * block_size + p % block_size for p in range(0, s - q)]
+    if hist_slots:
+        hk = torch.randn(len(hist_slots), num_kv_heads, head_size, generator=g)
+        hv = torch.randn(len(hist_slots), num_kv_heads, head_size, generator=g)
+        hs = torch.tensor(hist_slots)
+        ref_backend.write_kv(ref_cache, hk, hv, hs)
+        backend.write_kv(cache, hk.to(xla_device), hv.to(xla_device), hs.to(xla_device))
+    t = md.num_tokens
+    q = torch.randn(t, num_heads, head_size, generator=g)
+    k = torch.randn(t, num_kv_heads, head_size, generator=g)
+    v = torch.randn(t, num_kv_heads, head_size, generator=g)
+    scale = head_size**-0.5
+    expected = ref_backend.forward(q, k, v, ref_cache, md, scale)
+    xmd = backend.prepare(_to(md, xla_device))
+    got = backend.forward(q.to(xla_device), k.to(xla_device), v.to(xla_device), cache, xmd, scale)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+    # the step's K/V landed in the cache too
+    kb, vb = backend.read_kv(cache, md.slot_mapping.to(xla_device))
+    torch.testing.assert_close(kb.cpu(), k)
+    torch.testing.assert_close(vb.cpu(), v)
+
+
+@needs_xla
+def test_attention_padded_batch_matches_unpadded(xla_device):
+    """The graph runner's padding (extra tokens at slot -1, extra empty requests, wider block
+    tables) leaves the real rows' output unchanged."""
+    from portside.backend_api import ForwardContext
+    from portside.backends.xla.graph import _pad_inputs
+
+    g = torch.Generator().manual_seed(7)
+    block_size, kvh, heads, d = 4, 2, 4, 16
+    md = _ragged_batch([1, 1, 6], [3, 5, 10], block_size, 20, g)
+    backend = _backend()
+    cache = torch.randn(backend.kv_cache_shape(20, block_size, kvh, d), generator=g).to(xla_device)
+    t = md.num_tokens
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, kvh, kvh))
+    base = backend.forward(q.to(xla_device), k.to(xla_device), v.to(xla_device), cache.clone(),
+                           _to(md, xla_device), 0.25).cpu()
+    shape = BucketShape(16, 4, 8)
+    ids = torch.zeros(t, dtype=torch.int64, device=xla_device)
+    _, _, padded = _pad_inputs(shape, ForwardContext(backend, [cache], _to(md, xla_device)), block_size, xla_device,
+                               input_ids=ids, positions=ids)
+    assert padded.num_tokens == 16 and padded.num_reqs == 4 and padded.block_tables.shape[1] == 8
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(16 - t, *x.shape[1:], generator=g)]).to(xla_device)
+
+    out = backend.forward(pad(q), pad(k), pad(v), cache.clone(), backend.with_data(padded), 0.25).cpu()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:t], base, atol=1e-5, rtol=1e-5)
+
+
+@needs_xla
+def test_collectives_world_size_one(xla_device):
+    from portside.backends.xla.platform import XlaPlatform
+
+    comm = XlaPlatform.communicator()
+    assert comm.name == "xla" and comm.world_size == 1 and comm.rank == 0
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    torch.testing.assert_close(comm.all_reduce(x.to(xla_device)).cpu(), x)
+    torch.testing.assert_close(comm.all_gather(x.to(xla_device), dim=-1).cpu(), x)
+    torch.testing.assert_close(comm.all_gather(x.to(xla_device), dim=0).cpu(), x)
+    torch.testing.assert_close(comm.broadcast(x.to(xla_device), src=0).cpu(), x)
+    comm.barrier()
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+GREEDY_TOKENS = 12
+WORDS = ("the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun "
+         "and the river runs to the sea under a bright sky full of birds").split()
+# small buckets: 2 x 2 x 2 = 8 programs to precompile (a few seconds on PJRT CPU)
+BUCKET_OPTIONS = {"xla_token_buckets": "16,64", "xla_request_buckets": "1,4", "xla_width_buckets": "4,8"}
+
+
+def _prompts(tokenizer, lengths):
+    base = tokenizer.encode(" ".join(WORDS * 4))
+    return [base[3 * i : 3 * i + n] for i, n in enumerate(lengths)]
+
+
+def _llm(model_path: Path, num_kv_blocks: int, **options: str):
+    """An engine on the tpu platform. XLA caches compiled programs per process, keyed by the
+    graph: a distinct `num_kv_blocks` (cache shape) gives an engine its own programs."""
+    from portside import LLM
+
+    return LLM(model=str(model_path), device="tpu", max_model_len=128, block_size=16, max_num_seqs=4,
+               max_num_batched_tokens=64, num_kv_blocks=num_kv_blocks, enable_prefix_caching=False,
+               platform_options={**BUCKET_OPTIONS, **options})
+
+
+def _runner(llm):
+    return llm.engine.executor.runner
+
+
+@pytest.fixture(scope="module")
+def xla_llm(xla_device, tiny_llama):
+    return _llm(tiny_llama, 64, xla_strict="1")
+
+
+@needs_xla
+def test_engine_runs_on_the_xla_device(xla_llm):
+    runner = _runner(xla_llm)
+    assert runner.device.type == "xla"
+    assert next(runner.model.parameters()).device.type == "xla"
+    assert all(c.device.type == "xla" for c in runner.kv_caches)
+    assert type(runner.graph_runner).__name__ == "XlaGraphRunner"
+
+
+@needs_xla
+def test_greedy_parity_with_transformers(xla_llm, tiny_llama):
+    """Batched ragged prompts (across block boundaries, chunked by the 64-token budget) give
+    exactly transformers' greedy tokens, through the xla backend."""
+    from portside import SamplingParams
+    from portside.testing.tiny import hf_greedy
+
+    prompts = _prompts(xla_llm.get_tokenizer(), [3, 17, 40, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outs = xla_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(tiny_llama, prompt, GREEDY_TOKENS)
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+
+
+@needs_xla
+def test_no_compilation_after_warmup(xla_llm):
+    """Every bucket compiled at startup; a workload inside the buckets compiles nothing more,
+    neither in the model step (strict mode would raise) nor anywhere once its sampler shapes
+    have been seen."""
+    from portside import SamplingParams
+    from portside.backends.xla.graph import compile_count
+
+    gr = _runner(xla_llm).graph_runner
+    assert gr.stats.warmup_compiles == len(gr.buckets.shapes()) == 8
+    prompts = _prompts(xla_llm.get_tokenizer(), [5, 30, 12])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    steps_before = gr.stats.steps
+    xla_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert gr.stats.steps > steps_before
+    assert gr.stats.recompiles == 0, gr.stats.recompiled_shapes
+    # the same workload again: not one XLA program compiled in the whole engine step
+    before = compile_count()
+    xla_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert compile_count() == before
+
+
+@needs_xla
+def test_strict_mode_catches_a_shape_outside_the_buckets(xla_device, tiny_llama):
+    from portside import SamplingParams
+    from portside.backends.xla.graph import RecompilationError
+
+    llm = _llm(tiny_llama, 37, xla_strict="1", xla_token_buckets="16")
+    prompt = _prompts(llm.get_tokenizer(), [40])[0]  # 40 tokens: beyond the only token bucket (16)
+    with pytest.raises(RecompilationError, match="outside the buckets"):
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+
+
+@needs_xla
+def test_portside_devices_lists_tpu():
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    line = next((ln for ln in out.stdout.splitlines() if ln.split()[:1] == ["tpu"]), None)
+    assert line is not None, out.stdout
+    assert "available" in line and "not available" not in line.lower(), line
+    env["PJRT_DEVICE"] = "TPU"
+    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert "no TPU found" in out.stdout or "tpu" in out.stdout
