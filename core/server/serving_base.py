@@ -41,6 +41,7 @@ class ServingContext:
     max_model_len: int
     metrics: ServerMetrics
     chat_template: str | None = None
+    vocab_size: int = 0
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -51,7 +52,8 @@ class ServingContext:
             tok = copy.deepcopy(tok)
         except Exception:  # pragma: no cover - tokenizers that cannot be copied are shared
             logger.warning("could not copy the tokenizer; sharing the engine's")
-        return cls(engine, tok, served_model_names, engine.engine.max_model_len, metrics, chat_template)
+        vocab = int(getattr(engine.engine, "vocab_size", 0) or len(tok))
+        return cls(engine, tok, served_model_names, engine.engine.max_model_len, metrics, chat_template, vocab)
 
     def check_model(self, name: str) -> None:
         if name not in self.served_model_names:
@@ -77,7 +79,7 @@ def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, p
     room = max_model_len - prompt_len
     if room < 1:
         raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has {prompt_len} tokens "
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt ({prompt_param}) has {prompt_len} tokens "
             "(the prompt must leave room for at least one output token); shorten the prompt",
             prompt_param,
         )

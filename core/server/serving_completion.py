@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from portside.outputs import RequestOutput
+from portside.server.errors import bad_request
 from portside.server.protocol import CompletionRequest
 from portside.server.serving_base import (
     SSE_DONE,
@@ -35,7 +36,7 @@ from portside.server.serving_base import (
 async def create_completion(ctx: ServingContext, request: Request) -> Any:
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
-    prompts_ids, prompt_texts = _tokenize(ctx, req.prompt)
+    prompts_ids, echo = _tokenize(ctx, req.prompt, req.echo)
     explicit = "max_tokens" in req.model_fields_set
     params = []
     for ids in prompts_ids:
@@ -44,18 +45,23 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
     request_id = new_id("cmpl")
     streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt")
     created = int(time.time())
-    echo = prompt_texts if req.echo else None
     if req.stream:
         return EngineStreamingResponse(_stream(ctx, req, request_id, created, merged(streams), prompts_ids, echo), streams)
     finals = await until_disconnected(request, collect(merged(streams), len(streams)))
     return JSONResponse(_response(ctx, req, request_id, created, finals, echo))
 
 
-def _tokenize(ctx: ServingContext, prompt: list[Any]) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt (text prompts get the tokenizer's special tokens)."""
+def _tokenize(ctx: ServingContext, prompt: list[Any], echo: bool) -> tuple[list[list[int]], list[str] | None]:
+    """Token ids of each prompt (text prompts get the tokenizer's special tokens), and their
+    text when it is to be echoed."""
     if isinstance(prompt[0], str):
-        return [ctx.tokenizer(p).input_ids for p in prompt], list(prompt)
-    return [list(p) for p in prompt], [ctx.tokenizer.decode(p) for p in prompt]
+        return [ctx.tokenizer(p).input_ids for p in prompt], list(prompt) if echo else None
+    ids = [list(p) for p in prompt]
+    for p in ids:
+        bad = [t for t in p if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise bad_request(f"prompt token id {bad[0]} is out of range for vocabulary size {ctx.vocab_size}", "prompt")
+    return ids, [ctx.tokenizer.decode(p) for p in ids] if echo else None
 
 
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput], echo: list[str] | None) -> dict[str, Any]:
