@@ -6,7 +6,8 @@ A kernel library, not a platform. Modules:
 - `kv_cache`: the KV-cache write at `slot_mapping`;
 - `paged_attention`: mixed prefill/decode paged attention with a split-KV (flash-decoding) path;
 - `attention`: `TritonAttentionBackend`, the kernels behind the `AttentionBackend` contract;
-- `graphs`: the device-graph runner (CUDA and HIP graphs) shared by cuda and rocm; no triton.
+- `graphs`: the device-graph runner (CUDA and HIP graphs) shared by cuda and rocm; no triton;
+- `gpu_platform`: `TorchGpuPlatform`, the base of the cuda and rocm platforms; no triton.
 
 Importing this package imports nothing heavy; import the submodule you need.
 """

@@ -193,6 +193,7 @@ class DeviceGraphRunner(GraphRunner):
         self._graphs: dict[int, _Captured] = {}
         self._batch: StaticDecodeBatch | None = None
         self._cache_key: tuple[int, ...] = ()
+        self.num_replays = 0  # steps served by a graph (for checks and metrics)
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -248,6 +249,7 @@ class DeviceGraphRunner(GraphRunner):
         self._batch.fill(input_ids, positions, ctx.metadata, size)
         captured = self._graphs[size]
         captured.graph.replay()
+        self.num_replays += 1
         return captured.output[: ctx.metadata.num_reqs].clone()  # the next replay overwrites output
 
 

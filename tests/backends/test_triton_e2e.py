@@ -10,6 +10,7 @@ chunked prefill across block boundaries.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,10 @@ from portside.backends.cpu.platform import CpuPlatform
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.triton
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton on CPU tensors: interpreter only"),
+]
 
 MAX_TOKENS = 10
 WORDS = "the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun".split()
