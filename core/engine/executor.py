@@ -13,6 +13,10 @@ class UniProcExecutor:
 
         self.runner = ModelRunner(config, platform, platform.communicator(), eos_token_id)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
@@ -27,7 +31,18 @@ class UniProcExecutor:
 
 
 def make_executor(config: EngineConfig, platform: type[Platform], eos_token_id: int | None):
-    if config.parallel.tensor_parallel_size == 1:
+    """One rank: in-process. More: one spawned worker per rank on this machine, unless a
+    launcher (torchrun) started this process as rank 0 of a WORLD_SIZE > 1 world, whose other
+    ranks run `python -m portside.distributed.worker`."""
+    from portside.distributed.env import launcher_env
+
+    tp = config.parallel.tensor_parallel_size
+    env = launcher_env()
+    if tp > 1 and env is not None and env.world_size > 1:
+        from portside.distributed.launched import LaunchedExecutor
+
+        return LaunchedExecutor(config, platform, eos_token_id, env)
+    if tp == 1:
         return UniProcExecutor(config, platform, eos_token_id)
     from portside.engine.multiproc_executor import MultiprocExecutor
 

@@ -52,14 +52,18 @@ class LLMEngine:
         self.executor = make_executor(config, self.platform, self.eos_token_id)
         block_size = config.cache.block_size
         assert block_size is not None
-        num_blocks = self.executor.determine_num_blocks()
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-                f"fewer than max_model_len {self.max_model_len}: one long request could never finish. "
-                "Raise kv_cache_memory / num_kv_blocks or lower max_model_len"
-            )
-        self.executor.initialize_kv_cache(num_blocks)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            if num_blocks * block_size < self.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
+                    f"fewer than max_model_len {self.max_model_len}: one long request could never finish. "
+                    "Raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+                )
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a failed start
+            raise
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
             config.scheduler,
@@ -69,7 +73,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.outputs = OutputProcessor(self.tokenizer)
-        self.vocab_size = self.executor.runner.vocab_size if hasattr(self.executor, "runner") else len(self.tokenizer)
+        self.vocab_size = self.executor.vocab_size
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("portside engine ready: %s on %s, dtype %s, %d KV blocks of %d",

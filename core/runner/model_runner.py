@@ -159,7 +159,11 @@ class ModelRunner:
                     device=self.device,
                 )
                 out = self.sampler(logits, meta)
-                tokens = out.sampled_token_ids.tolist()
+                token_ids = out.sampled_token_ids  # [num_sampled]
+                if self.comm.world_size > 1:
+                    # Every rank continues from rank 0's tokens, whatever its own sampler drew.
+                    token_ids = self.comm.broadcast(token_ids.contiguous(), src=0)
+                tokens = token_ids.tolist()
                 for state, tok in zip(states, tokens):
                     state.output_token_ids.append(tok)
                     sampled[state.req_id] = [tok]

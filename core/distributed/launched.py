@@ -1,0 +1,92 @@
+"""LaunchedExecutor: tensor parallelism over a world started by a launcher (torchrun, a job
+scheduler): every process is one rank, on one machine or many.
+
+Rank 0 runs the engine and its own shard in-process; it broadcasts each step's `SchedulerOutput`
+to the other ranks (``python -m portside.distributed.worker``) with `broadcast_object_list` over a
+gloo control group. A peer that dies makes rank 0's next collective fail (gloo notices the closed
+connection; otherwise after PORTSIDE_DIST_TIMEOUT seconds), which is raised as a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from portside.backend_api import Platform
+from portside.config import EngineConfig
+from portside.distributed.env import LauncherEnv, init_process_group
+from portside.distributed.messages import InitKVCache, Shutdown, WorkerSetup
+from portside.distributed.worker import (
+    Worker,
+    broadcast_message,
+    control_group,
+    destroy_process_group_quietly,
+    limit_threads,
+)
+from portside.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class LaunchedExecutor:
+    def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None, env: LauncherEnv) -> None:
+        tp = config.parallel.tensor_parallel_size
+        if env.world_size != tp:
+            raise ValueError(
+                f"WORLD_SIZE={env.world_size} from the launcher but tensor_parallel_size={tp}; "
+                "portside uses the whole launched world as one tensor-parallel group: make them equal"
+            )
+        if env.rank != 0:
+            raise RuntimeError(
+                f"this process is rank {env.rank}: only rank 0 runs the engine; "
+                "run `python -m portside.distributed.worker` on the other ranks"
+            )
+        self.world_size = tp
+        self._closed = False
+        limit_threads(platform, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        init_process_group(platform, 0, tp, env.init_method)
+        try:
+            self._group = control_group()
+            broadcast_message(WorkerSetup(config, eos_token_id), self._group)
+            self.worker = Worker(config, platform, eos_token_id, 0, env.local_rank)
+            self.vocab_size: int = self.worker.runner.vocab_size
+        except BaseException:
+            destroy_process_group_quietly()
+            raise
+
+    def determine_num_blocks(self) -> int:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        self._guard(lambda: dist.all_gather_object(gathered, self.worker.ready().num_blocks, group=self._group))
+        return min(gathered)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        msg = InitKVCache(num_blocks)
+        self._guard(lambda: (broadcast_message(msg, self._group), self.worker.handle(msg)))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        def step() -> ModelRunnerOutput:
+            broadcast_message(scheduler_output, self._group)
+            return self.worker.handle(scheduler_output)
+
+        return self._guard(step)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            broadcast_message(Shutdown(), self._group)
+        except Exception:
+            pass
+        destroy_process_group_quietly()
+
+    def _guard(self, fn: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("the tensor-parallel executor has been shut down")
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo/nccl errors are RuntimeErrors (DistBackendError)
+            raise RuntimeError(
+                f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); "
+                "another rank has probably died: see its log"
+            ) from e

@@ -1,0 +1,202 @@
+"""MultiprocExecutor: tensor parallelism on one machine, one spawned worker process per rank.
+
+Every rank, rank 0 included, runs in its own worker process; the engine process holds no model
+shard and never enters a collective. That keeps the engine's failure handling simple: it only
+ever waits on pipes and process sentinels, with timeouts, so a worker that dies (even inside a
+collective, where its peers would block) or raises turns into a `RuntimeError` naming the rank
+within about a second, never a hang. It also keeps the engine process free of torch.distributed
+state (the async server runs the engine in a thread).
+
+Per step the engine pickles ONE `SchedulerOutput` to every rank's pipe and reads the
+`ModelRunnerOutput` from rank 0 (every rank continues from rank 0's sampled tokens, which the
+runner broadcasts).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn
+
+from portside.backend_api import KVCacheSpec, Platform
+from portside.config import EngineConfig
+from portside.distributed.env import free_port
+from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
+from portside.distributed.worker import run_pipe_worker
+from portside.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Longest wait for one reply (loading a shard, one step) while every worker is still alive.
+WORKER_TIMEOUT_S = float(os.environ.get("PORTSIDE_WORKER_TIMEOUT", "900"))
+_POLL_S = 0.5  # how often a wait wakes up to check deadlines
+_GRACE_S = 1.0  # after a failure: how long to wait for the other ranks' exits (to name the cause)
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None) -> None:
+        self.world_size = tp = config.parallel.tensor_parallel_size
+        self._error: RuntimeError | None = None
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        # Stops the workers when the executor is garbage-collected or at interpreter exit,
+        # even if nobody calls shutdown(). It must not reference self.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        for rank in range(tp):
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=run_pipe_worker,
+                args=(rank, tp, init_method, config, platform, eos_token_id, child),
+                name=f"portside-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()  # only the worker holds its end: its exit shows as EOF here
+            self._procs.append(proc)
+            self._conns.append(parent)
+        logger.info("started %d tensor-parallel workers: pids %s", tp, [p.pid for p in self._procs])
+        ready: dict[int, WorkerReady] = self._collect(range(tp), WorkerReady, "loading its model shard")
+        self.vocab_size: int = ready[0].vocab_size
+        self.kv_cache_spec: KVCacheSpec = ready[0].kv_cache_spec  # per rank
+        self._num_blocks = min(r.num_blocks for r in ready.values())
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def determine_num_blocks(self) -> int:
+        """The smallest pool any rank can hold (every rank caches the same blocks)."""
+        return self._num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast(InitKVCache(num_blocks))
+        self._collect(range(self.world_size), KVCacheReady, "allocating its KV cache")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(scheduler_output)
+        return self._collect([0], ModelRunnerOutput, "running a step")[0]
+
+    def shutdown(self) -> None:
+        """Stop every worker (Shutdown, then terminate, then kill); idempotent."""
+        self._finalizer()
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    def _broadcast(self, msg: Any) -> None:
+        self._check()
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(msg)
+            except (OSError, EOFError) as e:  # its pipe closed: it died
+                self._fail(f"rank {rank} could not be sent a message ({type(e).__name__}: {e})")
+
+    def _collect(self, ranks: Any, kind: type, doing: str) -> dict[int, Any]:
+        """One `kind` reply from each of `ranks`, watching every worker: a `WorkerError` or an
+        exit from any rank, or no reply within WORKER_TIMEOUT_S, raises RuntimeError."""
+        self._check()
+        want = set(ranks)
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        index = {id(c): r for r, c in enumerate(self._conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while want - got.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = sorted(want - got.keys())
+                self._fail(f"rank(s) {waiting} gave no reply within {WORKER_TIMEOUT_S:.0f} s while {doing} "
+                           "(raise PORTSIDE_WORKER_TIMEOUT if that is expected)")
+            ready = wait([*self._conns, *sentinels], timeout=min(_POLL_S, left))
+            for obj in ready:
+                if isinstance(obj, int):  # a sentinel: that process exited
+                    rank = sentinels[obj]
+                    if not self._conns[rank].poll():  # nothing left to read: report the death
+                        self._fail(f"rank {rank} exited while {doing}")
+                    continue
+                rank = index[id(obj)]
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    self._fail(f"rank {rank} closed its pipe without a reply while {doing}")
+                if isinstance(msg, WorkerError):
+                    self._fail(None, first_error=msg)
+                if rank not in want or not isinstance(msg, kind):
+                    self._fail(f"protocol error: rank {rank} sent {type(msg).__name__} while {doing}")
+                got[rank] = msg
+        return got
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if not self._finalizer.alive:
+            raise RuntimeError("the tensor-parallel executor has been shut down")
+
+    def _fail(self, reason: str | None, first_error: WorkerError | None = None) -> NoReturn:
+        """Name the failed rank and its cause, stop every worker, and raise."""
+        errors = [first_error] if first_error else []
+        # Give the other ranks a moment to exit or report: a rank killed inside a collective
+        # makes its peers raise too, and the killed one is the cause.
+        grace_end = time.monotonic() + _GRACE_S
+        while any(p.exitcode is None for p in self._procs) and time.monotonic() < grace_end:
+            wait([p.sentinel for p in self._procs if p.exitcode is None], timeout=grace_end - time.monotonic())
+        for rank, conn in enumerate(self._conns):
+            try:
+                while conn.poll():
+                    msg = conn.recv()
+                    if isinstance(msg, WorkerError) and msg not in errors:
+                        errors.append(msg)
+            except (EOFError, OSError):
+                pass
+        reported = {e.rank for e in errors}
+        dead = [(r, p) for r, p in enumerate(self._procs) if p.exitcode is not None and r not in reported]
+        causes = [f"rank {r} (pid {p.pid}) {_describe_exit(p.exitcode)}" for r, p in dead]
+        causes += [f"rank {e.rank} raised {e.error}" for e in errors]
+        if not causes and reason is not None:
+            causes.append(reason)
+        message = "tensor-parallel worker failed: " + "; then ".join(causes or ["unknown cause"])
+        for e in errors[:1]:
+            message += f"\n--- rank {e.rank} traceback ---\n{e.traceback}"
+        self._error = RuntimeError(message)
+        logger.error("%s", message)
+        self._finalizer()
+        raise self._error
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _stop_workers(procs: list[BaseProcess], conns: list[Connection], timeout: float = 5.0) -> None:
+    """Ask every worker to stop, then terminate and kill stragglers; leaves no process behind."""
+    for conn in conns:
+        try:
+            conn.send(Shutdown())
+        except (OSError, EOFError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+    for conn in conns:
+        conn.close()
