@@ -125,10 +125,14 @@ def test_hit_on_free_blocks_counts_them_as_taken() -> None:
     assert kv.allocate_slots(b, 9, new_computed_blocks=blocks) is None  # 3 hits + 3 new > 4
     assert ref_cnts(kv) == before and kv.get_block_ids("b") == [] and kv.num_free_blocks == 4
     kv.check_integrity()
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (12, 0)  # b not admitted
     b2 = make_request("b2", list(range(12)) + [7])  # 3 hits + 1 new == 4
     blocks, num_hit = kv.get_computed_blocks(b2)
+    assert kv.get_computed_blocks(b2) == (blocks, num_hit)  # a retry counts once
     assert compute(kv, b2, 1, blocks, num_hit) == [3]
     assert kv.num_free_blocks == 0
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (12 + 13, 12)
+    assert kv.prefix_cache_stats.hit_rate == pytest.approx(12 / 25)
 
 
 def test_allocation_failure_allocates_nothing() -> None:

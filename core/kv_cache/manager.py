@@ -25,7 +25,9 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixCacheStats:
-    """Token counts since start: `queries` tokens looked up, `hits` of them served from cache."""
+    """Token counts since start: `queries` tokens looked up, `hits` of them served from cache.
+    A lookup counts once, when the request is admitted with it (see `allocate_slots`), so a
+    request retried for several steps is not counted several times."""
 
     queries: int = 0
     hits: int = 0
@@ -47,6 +49,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}  # chain hashes of full blocks, by request
         self._num_cached_blocks: dict[str, int] = {}  # blocks already offered to the cache
+        self._pending_lookups: dict[str, tuple[int, int]] = {}  # req_id -> (queries, hits)
         self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -72,7 +75,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of `request.all_token_ids`, in whole blocks, never covering the
         last token (its logits must be computed). Takes no reference: pass the blocks to
-        `allocate_slots(..., new_computed_blocks=...)` before anything else touches the pool."""
+        `allocate_slots(..., new_computed_blocks=...)` before anything else touches the pool;
+        the lookup enters the hit-rate stats when that allocation succeeds."""
         if not self.enable_prefix_caching:
             return [], 0
         tokens = request.all_token_ids
@@ -87,8 +91,7 @@ class KVCacheManager:
                 break
             hit.append(block)
         num_hit_tokens = len(hit) * self.block_size
-        self.prefix_cache_stats.queries += len(tokens)
-        self.prefix_cache_stats.hits += num_hit_tokens
+        self._pending_lookups[request.request_id] = (len(tokens), num_hit_tokens)
         return hit, num_hit_tokens
 
     def get_fork_blocks(self, parent: Request, child: Request) -> tuple[list[KVCacheBlock], int]:
@@ -133,6 +136,9 @@ class KVCacheManager:
         num_reclaimed = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
             return None
+        queries, hits = self._pending_lookups.pop(request.request_id, (0, 0))
+        self.prefix_cache_stats.queries += queries
+        self.prefix_cache_stats.hits += hits
         if new_computed:
             self.pool.touch(new_computed)
             blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -169,6 +175,7 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         self._req_to_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
+        self._pending_lookups.pop(req_id, None)
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._req_to_hashes.setdefault(request.request_id, [])
