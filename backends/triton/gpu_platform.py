@@ -115,6 +115,13 @@ class TorchGpuPlatform(Platform):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     @classmethod
+    def auto_dtype(cls, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The checkpoint's dtype; bf16 becomes fp16 on devices without bf16 (pre-Ampere)."""
+        if checkpoint_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return super().auto_dtype(checkpoint_dtype)
+
+    @classmethod
     def check_and_update_config(cls, config: "EngineConfig") -> "EngineConfig":
         config = super().check_and_update_config(config)
         bf16 = config.model.dtype != torch.bfloat16 or torch.cuda.is_bf16_supported()
