@@ -106,9 +106,9 @@ class XlaPlatform(Platform):
     block_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
     default_block_size = 16
     default_kv_cache_memory = 0.9
-    attention_name = "pallas-ragged-paged|xla-gather"
-    graph_name = "xla-bucketed-precompile"
-    collectives_name = "xla (xm.all_reduce/all_gather)"
+    attention_name = "pallas|xla-gather"
+    graph_name = "xla-buckets"
+    collectives_name = "xla"
 
     # ---- probe and device ------------------------------------------------------------------
 
