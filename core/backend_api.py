@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
@@ -179,6 +180,16 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Write key/value into `kv_cache`, then attend. Returns [num_tokens, num_heads, head_size]."""
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed cache tensor for one layer. On host memory the zeros come from calloc, so
+        pages are mapped lazily as blocks are first written (gigabytes cost nothing at start)."""
+        if device.type == "cpu":
+            import numpy as np
+
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Add backend-specific data (`metadata.backend_data`) once per step. Default: nothing."""

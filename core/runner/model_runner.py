@@ -112,7 +112,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         spec = self.kv_cache_spec()
         shape = self.attn_backend.kv_cache_shape(num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.kv_caches = [self.attn_backend.allocate_kv_cache(shape, spec.dtype, self.device) for _ in range(spec.num_layers)]
         self.scratch_block = num_blocks
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
