@@ -1,0 +1,145 @@
+"""The kit's shape set and batch builder: requests -> tensors and `AttentionMetadata`.
+
+A request is ``(num_cached, num_new)``: `num_cached` tokens already in the cache, `num_new`
+computed now. A request with num_new == 1 is a decode; decodes come first in a batch, as the
+model runner orders them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from portside.backend_api import AttentionMetadata, Platform
+from portside.config import CacheConfig, EngineConfig, ModelConfig
+
+Request = tuple[int, int]  # (num_cached, num_new)
+
+GQA_SHAPES = ((4, 4), (8, 2), (8, 1))  # (num_heads, num_kv_heads): GQA ratios 1, 4, 8
+HEAD_SIZES = (64, 128)
+POOL_BYTES = 16 * 2**20  # per case: the block pool is as large as this allows (<= MAX_POOL)
+MAX_POOL = 4096
+
+
+def batches(block_size: int) -> dict[str, tuple[Request, ...]]:
+    """The standard batches for one block size: kv_len 1, block_size, block_size + 1, ragged
+    decodes, ragged prefills, and mixed prefill chunks (with a cached prefix) plus decodes."""
+    bs = block_size
+    return {
+        "kv_len_1": ((0, 1),),
+        "decodes": ((bs - 1, 1), (bs, 1), (0, 1), (3 * bs + 1, 1)),  # seq_lens bs, bs+1, 1, 3bs+2
+        "prefills": ((0, bs), (0, bs + 1), (0, 3)),
+        "mixed": ((bs, 1), (0, 1), (bs + 1, 3), (2 * bs, bs + 2), (0, 5)),
+    }
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def id(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        return f"bs{self.block_size}-h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{dt}"
+
+
+def standard_cases(block_sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...], default_block_size: int) -> list[AttentionCase]:
+    """fp32 (when declared) over every declared block size; each reduced-precision dtype at the
+    default block size (where it is cheap enough on any machine). Every case runs every batch."""
+    cases = []
+    for dtype in dtypes:
+        sizes = block_sizes if dtype == torch.float32 else (default_block_size,)
+        for bs in sizes:
+            for heads, kv_heads in GQA_SHAPES:
+                for d in HEAD_SIZES:
+                    cases.append(AttentionCase(bs, heads, kv_heads, d, dtype))
+    return cases
+
+
+def pool_size(needed: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+    """A large pool (so block ids are big and scattered), bounded by POOL_BYTES."""
+    per_block = 2 * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+    return max(2 * needed + 1, min(MAX_POOL, POOL_BYTES // per_block))
+
+
+def random_block_tables(requests: tuple[Request, ...], block_size: int, pool: int, gen: torch.Generator) -> list[list[int]]:
+    """Distinct, non-contiguous block ids from the whole pool, per request."""
+    counts = [-(-(c + n) // block_size) for c, n in requests]
+    ids = torch.randperm(pool, generator=gen)[: sum(counts)].tolist()
+    tables, at = [], 0
+    for n in counts:
+        tables.append(ids[at : at + n])
+        at += n
+    return tables
+
+
+def ordered(requests: tuple[Request, ...]) -> tuple[Request, ...]:
+    """Decodes first (stable), as the model runner orders a batch."""
+    return tuple(sorted(requests, key=lambda r: r[1] != 1))
+
+
+def build_metadata(
+    requests: tuple[Request, ...], tables: list[list[int]], block_size: int, device: torch.device, extra_columns: int = 1
+) -> AttentionMetadata:
+    """Metadata for a batch (decodes must come first). The block table gets `extra_columns`
+    padding entries (0) beyond the widest row, as real tables are wider than needed."""
+    slots: list[int] = []
+    qsl, seq_lens = [0], []
+    for (cached, new), table in zip(requests, tables):
+        for p in range(cached, cached + new):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        qsl.append(qsl[-1] + new)
+        seq_lens.append(cached + new)
+    width = max(len(t) for t in tables) + extra_columns
+    table_t = torch.zeros((len(requests), width), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    num_decodes = sum(1 for _, n in requests if n == 1)
+    if any(n == 1 for _, n in requests[num_decodes:]):
+        raise ValueError("decodes must come first in a batch")
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table_t.to(device),
+        max_query_len=max(n for _, n in requests),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decode_tokens=num_decodes,
+    )
+
+
+def contract_failure(part: str, message: str) -> None:
+    """Fail the current test, naming the part of the backend contract that broke."""
+    pytest.fail(f"portside conformance [{part}]: {message}", pytrace=False)
+
+
+def on_cpu(md: AttentionMetadata) -> AttentionMetadata:
+    """A copy of `md` with every tensor on the CPU (for the reference)."""
+    return dataclasses.replace(
+        md,
+        slot_mapping=md.slot_mapping.cpu(),
+        query_start_loc=md.query_start_loc.cpu(),
+        seq_lens=md.seq_lens.cpu(),
+        block_tables=md.block_tables.cpu(),
+        backend_data=None,
+    )
+
+
+def engine_config(platform: type[Platform], dtype: torch.dtype, block_size: int, model_path: str = "") -> EngineConfig:
+    """A config for building a platform's parts outside an engine, adjusted by the platform."""
+    config = EngineConfig(
+        model=ModelConfig(path=model_path, dtype=dtype),
+        cache=CacheConfig(block_size=block_size),
+        device=platform.name,
+    )
+    return platform.check_and_update_config(config)
