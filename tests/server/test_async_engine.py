@@ -1,0 +1,94 @@
+"""AsyncLLMEngine on the real LLMEngine, in-process: streams, abort, the waiting bound, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestRecord
+from portside.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def sync_engine(tiny_llama: Path):  # type: ignore[no-untyped-def]
+    from portside.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=128,
+                               block_size=16, num_kv_blocks=64, max_num_seqs=2)  # fmt: skip
+
+
+def test_stream_abort_queue_bound_and_shutdown(sync_engine) -> None:  # type: ignore[no-untyped-def]
+    records: list[RequestRecord] = []
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(sync_engine, max_waiting_requests=1, on_request_done=records.append)
+        engine.start()
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = [o async for o in engine.generate("a", [5, 6, 7], greedy)]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+        assert [len(o.outputs[0].token_ids) for o in outs] == sorted(len(o.outputs[0].token_ids) for o in outs)
+
+        # a bad request is refused by the engine, as ValueError, before any stream exists
+        with pytest.raises(ValueError, match="out of range"):
+            await engine.add_request("bad", [10**9], greedy)
+
+        # abort mid-stream: the stream ends and every block is free again after the next step
+        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        stream = await engine.add_request("b", [5, 6, 7], long)
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                stream.close()
+        assert stream.finished and engine.num_unfinished == 0
+        for _ in range(100):
+            if sync_engine.stats().num_used_blocks == 0 and not sync_engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert sync_engine.stats().num_used_blocks == 0
+
+        # the waiting bound: two long requests fill both batch slots (max_num_seqs=2), so the
+        # next one waits for its first token, and the one after that is shed
+        longer = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        running = []
+        for i in range(2):
+            running.append(await engine.add_request(f"r{i}", [5, 6], longer))
+            await running[-1].__aiter__().__anext__()  # its first token: no longer waiting
+        s1 = await engine.add_request("c1", [5, 6], long)
+        assert engine.num_waiting == 1
+        with pytest.raises(QueueFullError):
+            await engine.add_request("c2", [5, 6], long)
+        for s in [*running, s1]:
+            s.close()
+
+        await engine.shutdown(timeout=5)
+        with pytest.raises(EngineStoppedError):
+            await engine.add_request("late", [5], greedy)
+
+    asyncio.run(main())
+    by_id = {r.request_id: r for r in records}
+    assert by_id["a"].outcome == "length" and by_id["a"].num_generation_tokens == 6 and by_id["a"].ttft is not None
+    assert by_id["b"].outcome == "abort" and by_id["c1"].outcome == "abort"
+    assert "bad" not in by_id and "c2" not in by_id
+
+
+def test_serve_help_documents_every_flag() -> None:
+    import argparse
+
+    from portside.engine.args import add_engine_args
+    from portside.server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    add_engine_args(parser)
+    flags = [
+        "--host", "--port", "--served-model-name", "--chat-template", "--api-key", "--max-waiting-requests",
+        "--max-request-body-bytes", "--device", "--dtype", "--max-model-len", "--kv-cache-memory", "--num-kv-blocks",
+        "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching", "--tensor-parallel-size", "--seed",
+    ]  # fmt: skip
+    for action in parser._actions:
+        if set(action.option_strings) & set(flags):
+            assert action.help, action.option_strings
+    assert {s for a in parser._actions for s in a.option_strings} >= set(flags)
+    args = parser.parse_args([])
+    assert args.model is None and args.host == "127.0.0.1"
