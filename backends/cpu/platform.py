@@ -20,7 +20,7 @@ from portside.backend_api import (
 
 logger = logging.getLogger(__name__)
 
-GRAPH_MODES = ("eager", "inductor")
+from portside.backends.cpu.graph import GRAPH_MODES  # noqa: E402  (cheap: torch only)
 
 
 @lru_cache(maxsize=1)
@@ -65,7 +65,7 @@ class CpuPlatform(Platform):
     default_block_size = 16
     default_kv_cache_memory = 4 * 2**30  # bytes, like vLLM's CPU default; capped by free memory
     attention_name = "torch-sdpa"
-    graph_name = "eager|inductor"
+    graph_name = "eager|inductor|openvino"
     collectives_name = "gloo"
 
     @classmethod

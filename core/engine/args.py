@@ -141,7 +141,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs", help="order of waiting requests and choice of preemption victims")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
-    g.add_argument("--cpu-graph", choices=["eager", "inductor"], default=None, help="cpu only: how the model step runs")
+    g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
