@@ -16,6 +16,15 @@ from portside.sampling_params import SamplingParams
 _MASK64 = (1 << 64) - 1
 
 
+def _generator(device: torch.device | str) -> torch.Generator:
+    """A generator on `device`, or on the host for devices without their own (XLA): the
+    sampler then draws that row's noise on the host and copies it over."""
+    try:
+        return torch.Generator(device=device)
+    except RuntimeError:
+        return torch.Generator(device="cpu")
+
+
 def row_seed(seed: int, num_output_tokens: int) -> int:
     """The generator seed of a seeded request's draw for output token number `num_output_tokens`.
 
@@ -156,7 +165,7 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator] = {}
         for i in random_rows:
             if params[i].seed is not None:
-                g = torch.Generator(device=device)
+                g = _generator(device)
                 g.manual_seed(row_seed(params[i].seed, len(output_token_ids[i])))
                 generators[i] = g
 

@@ -111,7 +111,10 @@ class Sampler:
         if len(md.generators) < probs.shape[0]:
             q.exponential_(generator=self.generator)  # one batched draw for the unseeded rows
         for row, gen in md.generators.items():
-            q[row].exponential_(generator=gen)
+            if gen.device == q.device:
+                q[row].exponential_(generator=gen)
+            else:  # a host generator for a device without its own
+                q[row] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen).to(q.device)
         return probs.div_(q.clamp_(min=_MIN_EXP_NOISE)).argmax(dim=-1)
 
 
