@@ -1,17 +1,53 @@
 """Vectorized paged attention in torch for CPUs.
 
 Cache layout (one layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (the
-canonical one). Decodes are attended in one batched SDPA call over gathered blocks; each prefill
-chunk is one SDPA call over its gathered prefix. GQA folds the query heads of a KV head into the
-query-length axis, so K/V are never repeated.
+canonical one). Everything that depends only on the batch (gather indices, masks, valid slots)
+is built once per step in `prepare`, not once per layer. Decodes are attended in one batched SDPA
+call over their gathered blocks; each prefill chunk is one SDPA call over its gathered prefix.
+GQA folds the query heads of a KV head into the query-length axis, so K/V are never repeated.
+
+The cache must hold finite values everywhere (the runner zero-initialises it): padded key
+positions are masked out of the softmax, and 0 * finite = 0.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+
+
+@dataclass
+class _Prefill:
+    start: int  # query rows [start, end) of the batch
+    end: int
+    block_ids: torch.Tensor  # [n] int64: the blocks holding the first seq_len tokens
+    seq_len: int
+    mask: torch.Tensor  # [G*Q, S] bool (G: query heads per KV head, filled lazily per G)
+
+
+@dataclass
+class TorchAttentionPlan:
+    """What `CpuAttentionBackend.prepare` computes once per step (`metadata.backend_data`)."""
+
+    keep: torch.Tensor | None  # [T'] int64 rows with a valid slot, or None when all are valid
+    slots: torch.Tensor  # [T'] int64 slots to write
+    num_decodes: int
+    decode_tables: torch.Tensor | None  # [B, n] int64 blocks of the decodes (padded with 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, n * block_size] bool: key position < seq_len
+    prefills: list[_Prefill]
+
+
+def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(rows to keep or None when every slot is >= 0, the slots of those rows)."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return None, slot_mapping
+    rows = keep.nonzero().squeeze(1)
+    return rows, slot_mapping[rows]
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -21,14 +57,42 @@ class CpuAttentionBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        md = metadata
+        bs = md.block_size
+        keep, slots = valid_slots(md.slot_mapping)
+        nd = md.num_decode_tokens
+        tables = decode_mask = None
+        if nd:
+            n = -(-max(md.seq_lens_cpu[:nd]) // bs)
+            tables = md.block_tables[:nd, :n].long()
+            decode_mask = torch.arange(n * bs).unsqueeze(0) < md.seq_lens[:nd].unsqueeze(1)  # (B, S)
+            decode_mask = decode_mask[:, None, None, :]
+        prefills = []
+        qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        for i in range(nd, len(lens)):
+            start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+            if end == start:
+                continue
+            n = -(-seq_len // bs)
+            q_pos = torch.arange(seq_len - (end - start), seq_len)
+            mask = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # (Q, S)
+            prefills.append(_Prefill(start, end, md.block_tables[i, :n].long(), seq_len, mask))
+        md.backend_data = TorchAttentionPlan(keep, slots, nd, tables, decode_mask, prefills)
+        return md
+
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        keep, slots = valid_slots(slot_mapping)
+        self._write(kv_cache, key, value, keep, slots)
+
+    @staticmethod
+    def _write(kv_cache, key, value, keep, slots) -> None:
         _, nb, bs, kvh, d = kv_cache.shape
         flat = kv_cache.view(2, nb * bs, kvh, d)
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        if keep is not None:
+            key, value = key[keep], value[keep]
+        flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
     def read_kv(self, kv_cache, slots):
         _, nb, bs, kvh, d = kv_cache.shape
@@ -36,51 +100,38 @@ class CpuAttentionBackend(AttentionBackend):
         return flat[0, slots.long()], flat[1, slots.long()]
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        plan = metadata.backend_data
+        if not isinstance(plan, TorchAttentionPlan):
+            plan = self.prepare(metadata).backend_data
+        self._write(kv_cache, key, value, plan.keep, plan.slots)
         out = torch.empty_like(query)
-        nd = metadata.num_decode_tokens  # requests [0, nd) are decodes: one query token each
+        nd = plan.num_decodes
         if nd:
-            out[:nd] = _decode(query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-                               max(metadata.seq_lens_cpu[:nd]), scale)
-        qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for i in range(nd, len(lens)):
-            start, end = qsl[i], qsl[i + 1]
-            out[start:end] = _prefill(query[start:end], kv_cache, metadata.block_tables[i], lens[i], scale)
+            out[:nd] = _decode(query[:nd], kv_cache, plan.decode_tables, plan.decode_mask, scale)
+        for p in plan.prefills:
+            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale)
         return out
 
 
-def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `seq_len` tokens of one block table, as (kvh, S, D)."""
-    block_size, kvh, d = kv_cache.shape[2:]
-    n = (seq_len + block_size - 1) // block_size
-    kv = kv_cache[:, block_ids[:n].long()].reshape(2, n * block_size, kvh, d)[:, :seq_len]  # (2, S, kvh, D)
-    kv = kv.transpose(1, 2)  # (2, kvh, S, D)
-    return kv[0], kv[1]
-
-
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, scale: float) -> torch.Tensor:
     """One request's query chunk (the last Q of its seq_len tokens), causal. q: (Q, H, D)."""
     num_q, num_heads, d = q.shape
-    k, v = _gather(kv_cache, block_ids, seq_len)  # (kvh, S, D)
-    kvh = k.shape[0]
+    block_size, kvh = kv_cache.shape[2], kv_cache.shape[3]
+    kv = kv_cache[:, p.block_ids].reshape(2, -1, kvh, d)[:, : p.seq_len].transpose(1, 2)  # (2, kvh, S, D)
     group = num_heads // kvh
     qg = q.view(num_q, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * num_q, d)  # (kvh, G*Q, D)
-    q_pos = torch.arange(seq_len - num_q, seq_len).repeat(group)  # row g*Q + j is query token j
-    mask = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # (G*Q, S)
-    o = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=mask, scale=scale)  # (kvh, G*Q, D)
+    mask = p.mask if group == 1 else p.mask.repeat(group, 1)  # row g*Q + j is query token j
+    o = F.scaled_dot_product_attention(qg.to(kv.dtype), kv[0], kv[1], attn_mask=mask, scale=scale)  # (kvh, G*Q, D)
     return o.view(kvh, group, num_q, d).permute(2, 0, 1, 3).reshape(num_q, num_heads, d).to(q.dtype)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            max_seq_len: int, scale: float) -> torch.Tensor:
-    """A batch of single-token queries. q: (B, H, D); all requests padded to max_seq_len."""
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """A batch of single-token queries. q: (B, H, D); tables (B, n); mask (B, 1, 1, n*bs)."""
     batch, num_heads, d = q.shape
     block_size, kvh = kv_cache.shape[2], kv_cache.shape[3]
-    n = (max_seq_len + block_size - 1) // block_size
-    kv = kv_cache[:, block_tables[:, :n].long()]  # (2, B, n, bs, kvh, D)
-    kv = kv.reshape(2, batch, n * block_size, kvh, d).transpose(2, 3)  # (2, B, kvh, S, D)
+    kv = kv_cache[:, tables]  # (2, B, n, bs, kvh, D)
+    kv = kv.reshape(2, batch, -1, kvh, d).transpose(2, 3)  # (2, B, kvh, S, D)
     group = num_heads // kvh
     qg = q.view(batch, kvh, group, d)  # (B, kvh, G, D): the group is the query axis
-    mask = torch.arange(n * block_size).unsqueeze(0) < seq_lens.unsqueeze(1)  # (B, S)
-    o = F.scaled_dot_product_attention(qg.to(kv.dtype), kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(qg.to(kv.dtype), kv[0], kv[1], attn_mask=mask, scale=scale)
     return o.reshape(batch, num_heads, d).to(q.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import platform as _platform
 from functools import lru_cache
 from typing import ClassVar
@@ -20,7 +21,10 @@ from portside.backend_api import (
 
 logger = logging.getLogger(__name__)
 
-from portside.backends.cpu.graph import GRAPH_MODES  # noqa: E402  (cheap: torch only)
+from portside.backends.cpu.communicator import select_dist_backend
+from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
+
+ATTENTION_IMPLS = ("auto", "torch", "ipex")  # platform option "cpu_attention"
 
 
 @lru_cache(maxsize=1)
@@ -56,17 +60,35 @@ def _meminfo() -> tuple[int, int]:
     return total, avail
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask), not every CPU of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def configure_threads() -> int:
+    """Keep torch's intra-op threads within the cores this process is given (never more
+    threads than cores: oversubscribed OpenMP threads spin against each other). An explicit
+    OMP_NUM_THREADS, or torch.set_num_threads by the caller below the core count, wins."""
+    cores = usable_cores()
+    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)
+    return torch.get_num_threads()
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
-    dist_backend = "gloo"
+    dist_backend = select_dist_backend()  # "gloo", or "ccl" when oneCCL's bindings are installed
     priority = 0
     block_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
     default_block_size = 16
     default_kv_cache_memory = 4 * 2**30  # bytes, like vLLM's CPU default; capped by free memory
-    attention_name = "torch-sdpa"
+    attention_name = "torch-sdpa|ipex-paged"
     graph_name = "eager|inductor|openvino"
-    collectives_name = "gloo"
+    collectives_name = dist_backend
 
     @classmethod
     def is_available(cls) -> Availability:
@@ -84,19 +106,49 @@ class CpuPlatform(Platform):
         if checkpoint_dtype in (torch.bfloat16, torch.float16) and not has_native_bf16():
             logger.info("dtype auto -> float32: this CPU has no native bf16/fp16 matmul (AVX-512-BF16/AMX)")
             return torch.float32
+        logger.info("dtype auto -> %s (the checkpoint's)", str(checkpoint_dtype).removeprefix("torch."))
         return checkpoint_dtype
 
     @classmethod
     def check_and_update_config(cls, config):
-        mode = config.option("cpu_graph", "eager")
+        mode = config.option("cpu_graph", DEFAULT_GRAPH_MODE)
         if mode not in GRAPH_MODES:
             raise ValueError(f"unknown cpu graph mode {mode!r}; use one of {list(GRAPH_MODES)}")
+        if mode == "openvino":
+            from portside.backends.cpu.openvino_runner import openvino_available
+
+            reason = openvino_available()
+            if reason:
+                raise ValueError(f"--cpu-graph openvino: {reason}")
+            if config.parallel.tensor_parallel_size > 1:
+                raise ValueError("--cpu-graph openvino runs at tensor_parallel_size 1; use inductor or eager for TP")
+        impl = config.option("cpu_attention", "auto")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown cpu attention {impl!r}; use one of {list(ATTENTION_IMPLS)}")
+        if impl == "ipex":
+            from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
+
+            reason = ipex_unavailable_reason()
+            if reason:
+                raise ValueError(f"cpu_attention=ipex: {reason}")
+        configure_threads()
+        logger.info("cpu: dtype %s, graph %s, %d threads", str(config.model.dtype).removeprefix("torch."), mode,
+                    torch.get_num_threads())
         return super().check_and_update_config(config)
 
     @classmethod
     def attention_backend(cls, config) -> AttentionBackend:
+        """IPEX's paged kernels when intel_extension_for_pytorch is usable (option cpu_attention
+        "auto" or "ipex"), else the vectorized torch path."""
         from portside.backends.cpu.attention import CpuAttentionBackend
 
+        impl = config.option("cpu_attention", "auto")
+        if impl != "torch":
+            from portside.backends.cpu.ipex_attention import IpexAttentionBackend, ipex_unavailable_reason
+
+            if ipex_unavailable_reason() is None:
+                logger.info("cpu attention: IPEX PagedAttention kernels")
+                return IpexAttentionBackend()
         return CpuAttentionBackend()
 
     @classmethod
