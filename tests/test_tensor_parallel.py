@@ -11,13 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
 from portside import LLM, SamplingParams
 from portside.distributed.env import free_port, launcher_env
 from portside.testing.tiny import hf_greedy, make_tiny_model
@@ -114,7 +112,7 @@ def test_tp2_greedy_equals_tp1_and_transformers(even_model, tp2, tp1):
     prompts = prompts_for(tp2)
     got = greedy(tp2, prompts)  # batched, chunked prefill (16-token budget), 4-token blocks
     assert got == greedy(tp1, prompts)
-    for prompt, tokens in zip(prompts, got):
+    for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(even_model, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
     assert tp2.engine.stats().num_used_blocks == 0
 
@@ -138,7 +136,7 @@ def test_tp2_fewer_kv_heads_than_ranks_then_del_stops_workers(tmp_path):
     llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
     assert llm.engine.executor.kv_cache_spec.num_kv_heads == 1
     prompts = prompts_for(llm)
-    for prompt, tokens in zip(prompts, greedy(llm, prompts)):
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
     pids = llm.engine.executor.pids
     del llm  # no shutdown(): dropping the last reference must stop the workers
@@ -202,10 +200,10 @@ from portside import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=128, block_size=4, num_kv_blocks=96)
 prompts = json.loads(sys.argv[2])
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                    SamplingParams(temperature=0.0, max_tokens=%d, ignore_eos=True), use_tqdm=False)
+                    SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True), use_tqdm=False)
 print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]))
 llm.engine.shutdown()
-""" % MAX_TOKENS
+"""
 
 
 def test_launcher_world_on_loopback(even_model, tp1):
@@ -220,7 +218,7 @@ def test_launcher_world_on_loopback(even_model, tp1):
     )
     try:
         engine = subprocess.run(
-            [sys.executable, "-c", RANK0, str(even_model), json.dumps(prompts)],
+            [sys.executable, "-c", RANK0, str(even_model), json.dumps(prompts), str(MAX_TOKENS)],
             env={**base, "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=300,
         )
         assert engine.returncode == 0, engine.stderr[-3000:]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from portside.backend_api import Platform
 

@@ -102,6 +102,15 @@ class MultiprocExecutor:
         """One `kind` reply from each of `ranks`, watching every worker: a `WorkerError` or an
         exit from any rank, or no reply within WORKER_TIMEOUT_S, raises RuntimeError."""
         self._check()
+        try:
+            return self._collect_replies(ranks, kind, doing)
+        except (KeyboardInterrupt, SystemExit):
+            # A reply may still be in flight: the pipes are out of step, so the workers go.
+            self._error = RuntimeError(f"interrupted while {doing}; the tensor-parallel workers were stopped")
+            self._finalizer()
+            raise
+
+    def _collect_replies(self, ranks: Any, kind: type, doing: str) -> dict[int, Any]:
         want = set(ranks)
         got: dict[int, Any] = {}
         deadline = time.monotonic() + WORKER_TIMEOUT_S
@@ -146,7 +155,7 @@ class MultiprocExecutor:
         grace_end = time.monotonic() + _GRACE_S
         while any(p.exitcode is None for p in self._procs) and time.monotonic() < grace_end:
             wait([p.sentinel for p in self._procs if p.exitcode is None], timeout=grace_end - time.monotonic())
-        for rank, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 while conn.poll():
                     msg = conn.recv()
