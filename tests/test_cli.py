@@ -1,0 +1,77 @@
+"""The `portside` command as a user runs it: a real subprocess, real exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def portside(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "portside.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_devices_lists_every_platform_with_reasons():
+    proc = portside("devices")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["DEVICE", "STATUS", "PACKAGE"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert "available" in rows["cpu"].split()[1]
+    for name in ("cuda", "rocm", "tpu"):
+        assert name in rows, f"{name} missing from `portside devices`:\n{proc.stdout}"
+    # without the hardware each says why (the exact reason depends on the leg's environment)
+    assert "unavailable" in rows["cuda"] and len(rows["cuda"].split("unavailable", 1)[1].strip()) > 10
+
+
+def test_unavailable_device_exits_2_naming_devices_and_reasons(tiny_llama):
+    if "PJRT_DEVICE" in os.environ:
+        pytest.skip("the xla leg makes tpu available")
+    proc = portside("generate", "hello", "--model", str(tiny_llama), "--device", "tpu")
+    assert proc.returncode == 2
+    assert "device 'tpu' is unavailable" in proc.stderr
+    assert "devices found" in proc.stderr and "cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_device_and_missing_model_exit_2(tmp_path):
+    proc = portside("generate", "hello", "--device", "no-such-device", "--model", str(tmp_path))
+    assert proc.returncode == 2 and "no platform named 'no-such-device'" in proc.stderr
+    proc = portside("generate", "hello", "--device", "cpu", "--model", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = portside("generate", "hello", "--max-tokens", "many")
+    assert proc.returncode == 2 and "invalid int value" in proc.stderr
+
+
+def test_bad_sampling_value_exits_2(tiny_llama):
+    proc = portside("generate", "hello", "--model", str(tiny_llama), "--device", "cpu", "--top-p", "1.5")
+    assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_with_a_local_model(tiny_llama):
+    from portside.testing.tiny import hf_greedy
+
+    proc = portside("generate", "the quick brown fox", "--raw", "--model", str(tiny_llama), "--device", "cpu",
+                    "--max-tokens", "8", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    expected = tok.decode(hf_greedy(tiny_llama, tok.encode("the quick brown fox"), 8), skip_special_tokens=True)
+    assert proc.stdout.strip() == expected.strip()
+
+
+@pytest.mark.slow
+def test_default_model_answers_paris():
+    """The README's first command (the model is fetched and converted once, then cached)."""
+    proc = portside("generate", "What is the capital of France?", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout, proc.stdout
