@@ -42,6 +42,16 @@ class LLM:
         self.engine = LLMEngine(args)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine (and its worker processes, with tensor parallelism)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
