@@ -21,3 +21,33 @@ if not HAS_GPU:
 def kernel_device() -> torch.device:
     """Where kernel tests put their tensors: the GPU when there is one, else CPU (interpreter)."""
     return torch.device("cuda") if HAS_GPU else torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def triton_interp_site(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    """The `triton-interp` test device (plugins/triton_interp) pip-installed into a private
+    folder: returned for sys.path / PYTHONPATH, so the shared environment is left as it was.
+    None when the package is installed in this environment already (use that one)."""
+    import importlib.metadata
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        importlib.metadata.distribution("portside-triton-interp")
+        return None
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    root = tmp_path_factory.mktemp("triton_interp")
+    site = root / "site"
+    plugin = root / "src"  # a copy: the build writes build/ and *.egg-info next to the sources
+    shutil.copytree(Path(__file__).resolve().parents[2] / "plugins" / "triton_interp", plugin,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
+         "--no-build-isolation", "--target", str(site), str(plugin)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"installing plugins/triton_interp failed:\n{proc.stderr[-3000:]}"
+    return str(site)

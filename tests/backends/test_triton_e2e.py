@@ -1,11 +1,11 @@
 """End-to-end greedy parity through the Triton attention backend, on CPU tensors in the interpreter.
 
-A test-only platform, ``triton-interp`` (the cpu platform's device handling with
-`TritonAttentionBackend` as its attention), is registered the way a third-party plugin registers:
-a distribution's entry point in the ``portside.platforms`` group (a throw-away ``.dist-info`` on
-sys.path). The engine then selects it with ``device="triton-interp"``; its greedy tokens must
-equal transformers' on a tiny random-weight model (head_dim 64, GQA 2), alone and batched, with
-chunked prefill across block boundaries.
+The device is `triton-interp` (plugins/triton_interp: CPU tensors, `TritonAttentionBackend`),
+pip-installed into a private folder by the `triton_interp_site` fixture and put on sys.path, so
+it registers the way a third-party plugin does: a distribution's entry point in the
+``portside.platforms`` group. The engine then selects it with ``device="triton-interp"``; its
+greedy tokens must equal transformers' on a tiny random-weight model (head_dim 64, GQA 2), alone
+and batched, with chunked prefill across block boundaries.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from portside.backend_api import AttentionBackend, EagerGraphRunner, GraphRunner
-from portside.backends.cpu.platform import CpuPlatform
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
 pytest.importorskip("triton")
@@ -29,39 +27,12 @@ MAX_TOKENS = 10
 WORDS = "the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun".split()
 
 
-class TritonInterpPlatform(CpuPlatform):
-    """CPU tensors, Triton kernels (run by the interpreter). Never auto-selected."""
-
-    name = "triton-interp"
-    priority = -1
-    block_sizes = (16, 32, 64)
-    attention_name = "triton"
-
-    @classmethod
-    def attention_backend(cls, config) -> AttentionBackend:
-        from portside.backends.triton.attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-
-    @classmethod
-    def graph_runner(cls, model_fn, config) -> GraphRunner:
-        return EagerGraphRunner(model_fn, config)
-
-
-def register() -> str:
-    return f"{__name__}:TritonInterpPlatform"
-
-
 @pytest.fixture(scope="module")
-def triton_plugin(tmp_path_factory: pytest.TempPathFactory):
-    """Install the test platform's entry point for this module's tests."""
-    site = tmp_path_factory.mktemp("site")
-    info = site / "portside_triton_interp_test-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: portside-triton-interp-test\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[portside.platforms]\ntriton-interp = {__name__}:register\n")
+def triton_plugin(triton_interp_site: str | None):
+    """The `triton-interp` plugin on this process's path for this module's tests."""
     mp = pytest.MonkeyPatch()
-    mp.syspath_prepend(str(site))
+    if triton_interp_site is not None:
+        mp.syspath_prepend(triton_interp_site)
     mp.delenv("PORTSIDE_PLUGINS", raising=False)
     yield
     mp.undo()
@@ -82,6 +53,8 @@ def test_greedy_parity_through_triton_backend(triton_plugin, tiny_gqa_model: Pat
         block_size=16,
         max_num_batched_tokens=24,  # a 37-token prompt is prefilled in chunks
     )
+    from portside_triton_interp.platform import TritonInterpPlatform
+
     runner = llm.engine.executor.runner
     assert llm.engine.platform is TritonInterpPlatform and runner.attn_backend.name == "triton"
     base = llm.get_tokenizer().encode(" ".join(WORDS * 4))
