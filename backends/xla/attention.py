@@ -1,11 +1,12 @@
 """Paged attention that traces to static shapes under XLA.
 
-Cache layout (one layer): ``[num_blocks + 1, block_size, 2 * num_kv_heads, head_size]`` with K
-and V interleaved on the head axis (head ``2h`` is K of KV head h, ``2h + 1`` its V): the layout
-torch-xla's Pallas ragged paged-attention kernel reads. The trailing extra block is this
-backend's own trash block: a skipped write (slot -1, i.e. padding) goes there, so the write is a
-single unconditional scatter (`index_copy_`) with no data-dependent control flow. Block tables
-never point at it.
+Cache layout (one layer): ``[num_blocks, block_size, 2 * num_kv_heads, head_size]`` with K and V
+interleaved on the head axis (head ``2h`` is K of KV head h, ``2h + 1`` its V): the layout
+torch-xla's Pallas ragged paged-attention kernel reads. The write is a single unconditional
+scatter (`index_copy_`) with no data-dependent control flow: a skipped write (slot -1, i.e.
+padding) is given the index one past the last slot, and XLA's scatter drops updates whose index
+is out of bounds (torch-xla lowers `index_copy_` to an HLO scatter on the raw indices; vLLM's TPU
+runner pads slots the same way). The conformance kit's KV round trip checks that nothing lands.
 
 Two attention paths:
 
@@ -64,13 +65,13 @@ class XlaAttentionBackend(AttentionBackend):
     # ---- cache ------------------------------------------------------------------------------
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (num_blocks + 1, block_size, 2 * num_kv_heads, head_size)  # +1: the trash block
+        return (num_blocks, block_size, 2 * num_kv_heads, head_size)
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
         nb, bs, kvh2, d = kv_cache.shape
         flat = kv_cache.view(nb * bs, kvh2, d)
-        trash = (nb - 1) * bs  # first slot of the trash block
-        slots = torch.where(slot_mapping < 0, trash, slot_mapping)  # [T]
+        dropped = nb * bs  # one past the last slot: XLA's scatter drops out-of-bounds updates
+        slots = torch.where(slot_mapping < 0, dropped, slot_mapping)  # [T]
         kv = torch.stack([key, value], dim=2).reshape(key.shape[0], kvh2, d)  # [T, 2*kvh, D] interleaved
         flat.index_copy_(0, slots, kv.to(kv_cache.dtype))
 

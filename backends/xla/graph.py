@@ -4,7 +4,7 @@ torch-xla traces each step lazily and compiles one XLA program per distinct grap
 input shape. `XlaGraphRunner` makes the shapes few and known:
 
 - every step is padded to a `BucketShape` (token count, request count, block-table width):
-  padding tokens write to the attention backend's trash slot (slot -1) and belong to padding
+  padding tokens have slot -1 (the attention backend writes them nowhere) and belong to padding
   requests with no query tokens, so they change no real row; the output is sliced back to the
   real tokens (the contract: hidden states ``[num_tokens, hidden]``);
 - `capture` compiles every bucket at startup (a tqdm progress bar) by running the model once per
@@ -191,7 +191,7 @@ def _pad_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Inputs and metadata padded to `shape`, built on the host and copied to `device`.
 
-    Padding tokens: id 0, position 0, slot -1 (the backend's trash slot). Padding requests: no
+    Padding tokens: id 0, position 0, slot -1 (written nowhere). Padding requests: no
     query tokens (query_start_loc repeats the real token count), seq_len 0, block table of 0s.
     """
     md = ctx.metadata

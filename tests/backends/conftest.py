@@ -29,6 +29,7 @@ def triton_interp_site(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     folder: returned for sys.path / PYTHONPATH, so the shared environment is left as it was.
     None when the package is installed in this environment already (use that one)."""
     import importlib.metadata
+    import importlib.util
     import shutil
     import subprocess
     import sys
@@ -44,9 +45,11 @@ def triton_interp_site(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     plugin = root / "src"  # a copy: the build writes build/ and *.egg-info next to the sources
     shutil.copytree(Path(__file__).resolve().parents[2] / "plugins" / "triton_interp", plugin,
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    # Build with this environment's setuptools when it has one (no download); else pip's isolated build.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-         "--no-build-isolation", "--target", str(site), str(plugin)],
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps", *isolation,
+         "--target", str(site), str(plugin)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"installing plugins/triton_interp failed:\n{proc.stderr[-3000:]}"

@@ -121,7 +121,7 @@ def test_kv_cache_round_trip(xla_device):
     backend = _backend()
     nb, bs, kvh, d = 9, 4, 2, 8
     cache = torch.zeros(backend.kv_cache_shape(nb, bs, kvh, d), device=xla_device)
-    assert cache.shape == (nb + 1, bs, 2 * kvh, d)
+    assert cache.shape == (nb, bs, 2 * kvh, d)  # exactly K and V: core sizes the pool from KVCacheSpec
     g = torch.Generator().manual_seed(0)
     slots = torch.randperm(nb * bs, generator=g)[:13]
     slots_with_pad = torch.cat([slots[:6], torch.tensor([-1, -1]), slots[6:]])  # padding in the middle
@@ -132,7 +132,7 @@ def test_kv_cache_round_trip(xla_device):
     k_back, v_back = backend.read_kv(cache, slots.to(xla_device))
     torch.testing.assert_close(k_back.cpu(), k[keep])
     torch.testing.assert_close(v_back.cpu(), v[keep])
-    # Every other real slot is untouched: padding went to the trash block only.
+    # Every other slot is untouched: padding (slot -1) was written nowhere.
     others = torch.tensor(sorted(set(range(nb * bs)) - set(slots.tolist())))
     k_rest, v_rest = backend.read_kv(cache, others.to(xla_device))
     assert k_rest.abs().sum().item() == 0 and v_rest.abs().sum().item() == 0
@@ -378,3 +378,25 @@ def test_portside_devices_lists_tpu():
         assert tpu[1] == "available", tpu
     else:
         assert tpu[1] == "unavailable" and "no TPU found" in " ".join(tpu), tpu
+
+
+# ---- the conformance kit ------------------------------------------------------------------------
+
+# The one check the kit may skip here: the tpu platform on PJRT CPU has one device (tensor
+# parallelism on tpu needs one process per chip, not wired up yet).
+EXPECTED_KIT_SKIPS = ("world size 2 needs two tpu devices",)
+
+
+@needs_xla
+def test_tpu_platform_passes_the_conformance_kit():
+    """The kit against `--device tpu` on PJRT CPU, run exactly as a plugin author runs it."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "portside.testing.conformance", "--device", "tpu", "-q", "-rs", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, timeout=1800, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"conformance kit failed for tpu:\n{proc.stdout[-8000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-8000:]
+    skips = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]
+    unexpected = [ln for ln in skips if not any(reason in ln for reason in EXPECTED_KIT_SKIPS)]
+    assert not unexpected and len(skips) == len(EXPECTED_KIT_SKIPS), "\n".join(skips)

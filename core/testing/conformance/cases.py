@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from portside.backend_api import AttentionMetadata, Platform
-from portside.config import CacheConfig, EngineConfig, ModelConfig
+from portside.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 Request = tuple[int, int]  # (num_cached, num_new)
 
@@ -140,11 +140,25 @@ def on_cpu(md: AttentionMetadata) -> AttentionMetadata:
     )
 
 
-def engine_config(platform: type[Platform], dtype: torch.dtype, block_size: int, model_path: str = "") -> EngineConfig:
-    """A config for building a platform's parts outside an engine, adjusted by the platform."""
-    config = EngineConfig(
-        model=ModelConfig(path=model_path, dtype=dtype),
-        cache=CacheConfig(block_size=block_size),
-        device=platform.name,
-    )
+def engine_config(
+    platform: type[Platform],
+    dtype: torch.dtype,
+    block_size: int,
+    model_path: str = "",
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+) -> EngineConfig:
+    """A config for building a platform's parts outside an engine, adjusted by the platform.
+    The limits (None: the engine's defaults) bound what a graph runner prepares for, so a check
+    sets them to what its workload needs, as the engine does for the user's workload."""
+    model = ModelConfig(path=model_path, dtype=dtype)
+    if max_model_len is not None:
+        model = dataclasses.replace(model, max_model_len=max_model_len)
+    scheduler = SchedulerConfig()
+    if max_num_batched_tokens is not None:
+        scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=max_num_batched_tokens)
+    if max_num_seqs is not None:
+        scheduler = dataclasses.replace(scheduler, max_num_seqs=max_num_seqs)
+    config = EngineConfig(model=model, cache=CacheConfig(block_size=block_size), scheduler=scheduler, device=platform.name)
     return platform.check_and_update_config(config)
