@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backends.cpu.attention import valid_slots
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,7 +44,8 @@ def _kernels():
 class IpexAttentionPlan:
     """Built once per step by `IpexAttentionBackend.prepare`."""
 
-    slots: torch.Tensor  # [T] int32 (IPEX skips negative slots)
+    keep: torch.Tensor | None  # [T'] rows with a valid slot, or None when all are (IPEX does
+    slots: torch.Tensor  # [T'] int32                      not skip slot -1: it writes out of bounds)
     num_decodes: int
     decode_tokens: int  # query rows of the decodes (== num_decodes)
     decode_lens: torch.Tensor | None  # [B] int32
@@ -79,8 +81,10 @@ class IpexAttentionBackend(AttentionBackend):
         md = metadata
         nd = md.num_decode_tokens
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        keep, slots = valid_slots(md.slot_mapping)
         plan = IpexAttentionPlan(
-            slots=md.slot_mapping.to(torch.int32),
+            keep=keep,
+            slots=slots.to(torch.int32),
             num_decodes=nd,
             decode_tokens=qsl[nd] if nd else 0,
             decode_lens=md.seq_lens[:nd].to(torch.int32) if nd else None,
@@ -107,9 +111,13 @@ class IpexAttentionBackend(AttentionBackend):
         return md
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        self._pa.reshape_and_cache(
-            key.contiguous(), value.contiguous(), kv_cache[0], kv_cache[1], slot_mapping.to(torch.int32)
-        )
+        keep, slots = valid_slots(slot_mapping)
+        self._write(kv_cache, key, value, keep, slots.to(torch.int32))
+
+    def _write(self, kv_cache, key, value, keep, slots) -> None:
+        if keep is not None:
+            key, value = key[keep], value[keep]
+        self._pa.reshape_and_cache(key.contiguous(), value.contiguous(), kv_cache[0], kv_cache[1], slots)
 
     def read_kv(self, kv_cache, slots):
         bs = kv_cache.shape[3]
@@ -129,7 +137,7 @@ class IpexAttentionBackend(AttentionBackend):
         if not isinstance(plan, IpexAttentionPlan):
             plan = self.prepare(metadata).backend_data
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self._pa.reshape_and_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, plan.slots)
+        self._write(kv_cache, key, value, plan.keep, plan.slots)
         query = query.contiguous()
         out = torch.empty_like(query)
         nt = plan.decode_tokens
