@@ -19,8 +19,9 @@ import contextlib
 import enum
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -58,11 +59,11 @@ class Availability:
     reason: str = ""
 
     @classmethod
-    def yes(cls) -> "Availability":
+    def yes(cls) -> Availability:
         return cls(True, "")
 
     @classmethod
-    def no(cls, reason: str) -> "Availability":
+    def no(cls, reason: str) -> Availability:
         return cls(False, reason)
 
     def __bool__(self) -> bool:
@@ -229,7 +230,7 @@ class GraphRunner(ABC):
 
     name: ClassVar[str] = "abstract"
 
-    def __init__(self, model_fn: ModelFn, config: "EngineConfig") -> None:
+    def __init__(self, model_fn: ModelFn, config: EngineConfig) -> None:
         self.model_fn = model_fn
         self.config = config
 
@@ -402,7 +403,7 @@ class Platform(ABC):
     # ---- configuration -----------------------------------------------------------------------
 
     @classmethod
-    def check_and_update_config(cls, config: "EngineConfig") -> "EngineConfig":
+    def check_and_update_config(cls, config: EngineConfig) -> EngineConfig:
         """Return a (new, frozen) config adjusted for this platform, or raise ValueError naming the
         fix. Default: fill in the block size and check it and the dtype."""
         import dataclasses
@@ -426,10 +427,10 @@ class Platform(ABC):
 
     @classmethod
     @abstractmethod
-    def attention_backend(cls, config: "EngineConfig") -> AttentionBackend: ...
+    def attention_backend(cls, config: EngineConfig) -> AttentionBackend: ...
 
     @classmethod
-    def graph_runner(cls, model_fn: ModelFn, config: "EngineConfig") -> GraphRunner:
+    def graph_runner(cls, model_fn: ModelFn, config: EngineConfig) -> GraphRunner:
         return EagerGraphRunner(model_fn, config)
 
     @classmethod

@@ -15,9 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from stevedore import ExtensionManager, NamedExtensionManager
-
 from portside.backend_api import Availability, Platform
+from stevedore import ExtensionManager, NamedExtensionManager
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def clone_for_sample(self, index: int) -> "SamplingParams":
+    def clone_for_sample(self, index: int) -> SamplingParams:
         """Parameters for sample `index` of an n>1 request: n=1, and a distinct derived seed."""
         import dataclasses
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from portside.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -84,9 +84,8 @@ def test_example_plugin_unavailable_says_why(npu_example: str) -> None:
 
 
 def test_example_plugin_serves_end_to_end(npu_example: str, tiny_llama: Path, tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
     from portside.testing.tiny import hf_greedy
+    from transformers import AutoTokenizer
 
     assert (ROOT / "core" / "server" / "main.py").is_file()
     with socket_port() as port:

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from portside.sample.metadata import SamplingMetadata, row_seed
 from portside.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from portside.sample.sampler import Sampler
@@ -317,7 +316,7 @@ def test_different_seeds_give_different_tokens():
     seqs = []
     for seed in range(6):
         seq = []
-        for step in range(20):
+        for _step in range(20):
             md = SamplingMetadata.build([SP(seed=seed)], [[1]], [seq], None, 1000, "cpu")
             seq.append(Sampler()(flat, md).sampled_token_ids.item())
         seqs.append(tuple(seq))

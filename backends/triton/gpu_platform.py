@@ -13,7 +13,6 @@ import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-
 from portside.backend_api import (
     AttentionBackend,
     Availability,
@@ -53,7 +52,7 @@ def gpu_availability(build_error: str | None, has_triton: bool, device_count: in
     return Availability.yes()
 
 
-def update_gpu_config(config: "EngineConfig", platform_name: str, bf16_supported: bool) -> "EngineConfig":
+def update_gpu_config(config: EngineConfig, platform_name: str, bf16_supported: bool) -> EngineConfig:
     """The GPU-specific part of `check_and_update_config`, as a pure function.
 
     Rejects unknown platform options, bf16 on devices without it, and records the decode-graph
@@ -122,19 +121,19 @@ class TorchGpuPlatform(Platform):
         return super().auto_dtype(checkpoint_dtype)
 
     @classmethod
-    def check_and_update_config(cls, config: "EngineConfig") -> "EngineConfig":
+    def check_and_update_config(cls, config: EngineConfig) -> EngineConfig:
         config = super().check_and_update_config(config)
         bf16 = config.model.dtype != torch.bfloat16 or torch.cuda.is_bf16_supported()
         return update_gpu_config(config, cls.name, bf16)
 
     @classmethod
-    def attention_backend(cls, config: "EngineConfig") -> AttentionBackend:
+    def attention_backend(cls, config: EngineConfig) -> AttentionBackend:
         from portside.backends.triton.attention import TritonAttentionBackend  # imports triton
 
         return TritonAttentionBackend()
 
     @classmethod
-    def graph_runner(cls, model_fn: ModelFn, config: "EngineConfig") -> GraphRunner:
+    def graph_runner(cls, model_fn: ModelFn, config: EngineConfig) -> GraphRunner:
         return cls.graph_runner_cls(model_fn, config)
 
     @classmethod

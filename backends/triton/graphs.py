@@ -15,11 +15,11 @@ their outputs are dropped. Other batches (prefill chunks, mixed, or too large) r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-
 from portside.backend_api import (
     AttentionMetadata,
     ForwardContext,
@@ -104,7 +104,7 @@ class StaticDecodeBatch:
     @classmethod
     def allocate(
         cls, max_size: int, max_blocks_per_seq: int, block_size: int, max_seq_len: int, device: torch.device, scratch_block: int = 0
-    ) -> "StaticDecodeBatch":
+    ) -> StaticDecodeBatch:
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -184,7 +184,7 @@ class DeviceGraphRunner(GraphRunner):
 
     name = "device_graph"
 
-    def __init__(self, model_fn: ModelFn, config: "EngineConfig", sizes: tuple[int, ...] | None = None) -> None:
+    def __init__(self, model_fn: ModelFn, config: EngineConfig, sizes: tuple[int, ...] | None = None) -> None:
         super().__init__(model_fn, config)
         if sizes is None:
             option = config.option(GRAPH_SIZES_OPTION)
@@ -253,7 +253,7 @@ class DeviceGraphRunner(GraphRunner):
         return captured.output[: ctx.metadata.num_reqs].clone()  # the next replay overwrites output
 
 
-def with_graph_sizes(config: "EngineConfig", sizes: tuple[int, ...]) -> "EngineConfig":
+def with_graph_sizes(config: EngineConfig, sizes: tuple[int, ...]) -> EngineConfig:
     """`config` with the graph buckets recorded in its platform options."""
     options = dict(config.platform_options)
     options[GRAPH_SIZES_OPTION] = format_graph_sizes(sizes)

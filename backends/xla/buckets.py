@@ -66,7 +66,7 @@ class Buckets:
     widths: tuple[int, ...]
 
     @classmethod
-    def from_limits(cls, max_num_tokens: int, max_num_reqs: int, max_width: int) -> "Buckets":
+    def from_limits(cls, max_num_tokens: int, max_num_reqs: int, max_width: int) -> Buckets:
         """Defaults: powers of two up to each limit (requests never exceed tokens)."""
         max_num_reqs = min(max_num_reqs, max_num_tokens)
         return cls(

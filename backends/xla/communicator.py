@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from portside.backend_api import Communicator
 
 __all__ = ["XlaCommunicator"]

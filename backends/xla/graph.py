@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
-
 from portside.backend_api import AttentionMetadata, ForwardContext, GraphRunner, ModelFn
 from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets
 

@@ -19,7 +19,6 @@ import os
 from typing import Any, ClassVar
 
 import torch
-
 from portside.backend_api import (
     AttentionBackend,
     Availability,

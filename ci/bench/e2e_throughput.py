@@ -13,7 +13,6 @@ import tempfile
 import time
 
 import torch
-
 from portside import LLM, SamplingParams
 from portside.testing.tiny import make_tiny_model
 

@@ -82,7 +82,7 @@ _END = object()
 class RequestStream:
     """Cumulative outputs of one request, in order; ends after the finished output."""
 
-    def __init__(self, owner: "AsyncLLMEngine", request_id: str) -> None:
+    def __init__(self, owner: AsyncLLMEngine, request_id: str) -> None:
         self.request_id = request_id
         self._owner = owner
         self._queue: asyncio.Queue[Any] = asyncio.Queue()

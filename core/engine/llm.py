@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
-
-from tqdm.auto import tqdm
+from collections.abc import Sequence
+from typing import Any
 
 from portside.engine.args import EngineArgs
 from portside.engine.llm_engine import LLMEngine
 from portside.outputs import RequestOutput
 from portside.sampling_params import SamplingParams
+from tqdm.auto import tqdm
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
 
@@ -46,7 +46,7 @@ class LLM:
         """Stop the engine (and its worker processes, with tensor parallelism)."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from portside.engine.args import EngineArgs
+from portside.engine.detokenizer import IncrementalDetokenizer
 from portside.engine.executor import make_executor
 from portside.engine.output_processor import OutputProcessor, RequestGroup, SampleState
-from portside.engine.detokenizer import IncrementalDetokenizer
 from portside.outputs import RequestOutput
 from portside.platform import resolve_platform
 from portside.request import Request, RequestStatus
@@ -80,7 +81,7 @@ class LLMEngine:
                     config.model.path, self.platform.name, config.model.dtype, num_blocks, block_size)
 
     @classmethod
-    def from_args(cls, **kwargs: Any) -> "LLMEngine":
+    def from_args(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineArgs(**kwargs))
 
     # ---- requests ---------------------------------------------------------------------------

@@ -58,7 +58,7 @@ class ModelArgs:
         return self.num_layers
 
     @classmethod
-    def from_hf(cls, hf: Any, folder: str | Path | None = None, max_model_len: int | None = None) -> "ModelArgs":
+    def from_hf(cls, hf: Any, folder: str | Path | None = None, max_model_len: int | None = None) -> ModelArgs:
         """From a `transformers.PretrainedConfig`; `folder` adds eos ids from generation_config.json."""
         arch = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
         num_heads = hf.num_attention_heads

@@ -14,13 +14,12 @@ Sharding (rank r of n):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from portside.backend_api import Communicator, SingleRankCommunicator
+from torch import nn
 
 __all__ = [
     "RMSNorm",

@@ -7,12 +7,10 @@ with one table (q/k/v -> fused qkv_proj, gate/up -> fused gate_up_proj).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from portside.backend_api import Communicator, ForwardContext, KVCacheSpec, SingleRankCommunicator
 from portside.model.args import ModelArgs
 from portside.model.layers import (
@@ -25,6 +23,7 @@ from portside.model.layers import (
     default_weight_loader,
 )
 from portside.model.rotary import RotaryEmbedding, apply_rotary
+from torch import nn
 
 __all__ = ["LlamaForCausalLM"]
 

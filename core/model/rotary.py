@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from portside.model.args import RopeScaling
+from torch import nn
 
 __all__ = ["rope_inv_freq", "RotaryEmbedding", "apply_rotary"]
 

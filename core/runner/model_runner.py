@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from portside.backend_api import AttentionMetadata, Communicator, ForwardContext, KVCacheSpec, Platform
 from portside.config import EngineConfig
 from portside.sample.metadata import SamplingMetadata

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from portside.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -98,7 +97,7 @@ class SamplingMetadata:
         eos_token_id: int | None,
         vocab_size: int,
         device: torch.device | str,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Batch the parameters of N rows (row i: `params[i]`, its prompt and its output so far).
 
         `vocab_size` must equal the width of the logits the sampler gets. Raises ValueError when a

@@ -77,7 +77,7 @@ class SamplingFields(OpenAIModel):
         return v
 
     @model_validator(mode="after")
-    def _check_stream_options(self) -> "SamplingFields":
+    def _check_stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
@@ -112,7 +112,7 @@ class CompletionRequest(SamplingFields):
         )
 
     @model_validator(mode="after")
-    def _check_unsupported(self) -> "CompletionRequest":
+    def _check_unsupported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -177,7 +177,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True  # vLLM extra
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools: tool calling is not supported")
         if self.tool_choice not in (None, "none"):

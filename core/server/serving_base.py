@@ -16,14 +16,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ValidationError
-
 from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestStream
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
 from portside.sampling_params import SamplingParams
 from portside.server.errors import APIError, bad_request, from_validation_error, from_value_error
 from portside.server.metrics import ServerMetrics
 from portside.server.protocol import SamplingFields
+from pydantic import BaseModel, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None) -> "ServingContext":
+    def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None) -> ServingContext:
         tok = engine.engine.tokenizer
         try:  # a copy keeps tokenization on the event loop apart from the engine thread's detokenizer
             tok = copy.deepcopy(tok)

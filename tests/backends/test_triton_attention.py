@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from portside.attention import reference
 from portside.backend_api import AttentionMetadata, ForwardContext
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from server_process import ServerProcess
 
 API_KEY = "sk-portside-test-key"

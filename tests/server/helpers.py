@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import httpx
-
 from server_process import ServerProcess
 
 

@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestRecord
 from portside.sampling_params import SamplingParams
 

@@ -6,7 +6,6 @@ import json
 
 import httpx
 import pytest
-
 from conftest import API_KEY, MAX_MODEL_LEN
 from helpers import post
 from openai_schemas import validate

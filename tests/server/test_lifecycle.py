@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from openai_schemas import validate
 from server_process import ServerProcess
 

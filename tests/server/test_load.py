@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import httpx
-
 from helpers import post
 from openai_schemas import validate
 from server_process import ServerProcess

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import MAX_MODEL_LEN
 from helpers import post, sse_events
 from openai_schemas import validate, validate_completion_chunk

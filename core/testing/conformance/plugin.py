@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from portside.backend_api import Platform
 from portside.platform import PlatformEntry, discover_platforms
 

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from portside.backend_api import Platform
 from portside.testing.conformance.cases import contract_failure
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from portside.backend_api import AttentionMetadata, EagerGraphRunner, ForwardContext, Platform
 from portside.testing.conformance.cases import build_metadata, contract_failure, engine_config
 

@@ -16,11 +16,10 @@ real graph API:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
-
 from portside.backend_api import AttentionMetadata, ForwardContext, GraphRunner, ModelFn
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)  # VENDOR: choose the buckets your device memory allows
