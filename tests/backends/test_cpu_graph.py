@@ -80,3 +80,31 @@ def test_unknown_graph_mode_is_rejected(tiny_llama):
 def test_unknown_attention_impl_is_rejected(tiny_llama):
     with pytest.raises(ValueError, match="unknown cpu attention"):
         LLM(model=str(tiny_llama), device="cpu", max_model_len=64, platform_options={"cpu_attention": "fast"})
+
+
+# ---- platform knobs: collectives, threads ------------------------------------------------------
+
+
+def test_dist_backend_selection():
+    from portside.backends.cpu.communicator import ccl_installed, select_dist_backend
+
+    assert select_dist_backend({"PORTSIDE_CPU_DIST": "gloo"}) == "gloo"
+    assert select_dist_backend({}) == ("ccl" if ccl_installed() else "gloo")
+    if not ccl_installed():
+        with pytest.raises(RuntimeError, match="oneccl_bindings_for_pytorch"):
+            select_dist_backend({"PORTSIDE_CPU_DIST": "ccl"})
+    with pytest.raises(ValueError, match="PORTSIDE_CPU_DIST"):
+        select_dist_backend({"PORTSIDE_CPU_DIST": "mpi"})
+
+
+def test_threads_never_exceed_usable_cores():
+    import torch
+
+    from portside.backends.cpu.platform import configure_threads, usable_cores
+
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads(10_000) == usable_cores()
+        assert configure_threads(1) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,343 @@
+"""cpu benchmark: portside's cpu paths against transformers, side by side in one run.
+
+Workload (the issue's): offline throughput for N prompts of P random tokens generating G tokens
+each, EOS ignored (default 64 x 128 -> 128), and batch-1 decode ms/token. Peers on the same model
+and dtype: transformers `generate` (static batch) and transformers continuous batching
+(`generate_batch`, when the installed transformers has it). Machine bounds measured in the same
+run: read bandwidth (sum over a large tensor), copy bandwidth, fp32 matmul GFLOP/s; each figure is
+also given as a fraction of its physical bound:
+
+- throughput bound = fp32 FLOP/s / FLOPs per generated token of the whole workload (prefill +
+  decode + LM head, 2 * params per token), i.e. what a compute-bound engine could reach;
+- batch-1 decode bound = weight bytes read per token / read bandwidth.
+
+    /work/venv/bin/python ci/bench/cpu.py                      # everything, default model
+    /work/venv/bin/python ci/bench/cpu.py --paths eager --num-prompts 8 --skip-hf-cb   # quick
+
+Writes JSON + PNG (default ci/bench/results/cpu.{json,png}). Note the machine's load (uptime):
+on a shared machine only ratios measured in one run are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform as _platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# ---- machine bounds ------------------------------------------------------------------------------
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_machine(mib: int = 1024) -> dict[str, float]:
+    """Read and copy bandwidth (GB/s) over a tensor much larger than the caches; fp32 GFLOP/s."""
+    n = mib * 2**20 // 4
+    x = torch.ones(n)
+    y = torch.empty_like(x)
+    x.sum(), y.copy_(x)  # fault the pages in
+    read = x.numel() * 4 / _best(lambda: x.sum(), 5) / 1e9
+    copy = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), 5) / 1e9
+    del x, y
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    flops = 2 * 2048**3 / _best(lambda: a @ b, 5) / 1e9
+    return {"read_bandwidth_gbs": read, "copy_bandwidth_gbs": copy, "fp32_matmul_gflops": flops}
+
+
+def load_info() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "?"
+
+
+# ---- workload ------------------------------------------------------------------------------------
+
+
+def make_prompts(vocab_size: int, num: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab_size - 100, (num, length), generator=g).tolist()
+
+
+def model_facts(path: str) -> dict[str, Any]:
+    """Parameter counts and the bytes one decode step reads (every weight once, fp32; the tied
+    embedding/LM-head matrix once)."""
+    from safetensors import safe_open
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    total = 0
+    for f in Path(path).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                total += _numel(st.get_slice(k).get_shape())
+    embed = cfg["vocab_size"] * cfg["hidden_size"]
+    tied = cfg.get("tie_word_embeddings", False)
+    lm_head = embed
+    body = total - embed - (0 if tied else lm_head)  # matmul weights + norms
+    return {
+        "params": total,
+        "params_body": body,
+        "weight_bytes_per_token": 4 * (body + lm_head),  # fp32; the embedding lookup reads one row
+        "flops_per_prompt_token": 2 * body,
+        "flops_per_generated_token": 2 * (body + lm_head),
+        "config": {k: cfg.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "num_key_value_heads", "vocab_size", "tie_word_embeddings")},
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# ---- portside --------------------------------------------------------------------------------------
+
+
+def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, decode_tokens: int) -> dict[str, Any]:
+    from portside import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=path, device="cpu", dtype="float32", max_model_len=len(prompts[0]) + gen + 8,
+              max_num_seqs=max(64, len(prompts)), enable_prefix_caching=False,
+              platform_options={"cpu_graph": mode, "cpu_attention": attention})
+    runner = llm.engine.executor.runner
+    info = {"graph": runner.graph_runner.name, "attention": runner.attn_backend.name}
+
+    def run(ps, n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+
+    run(prompts[:2], 4)  # warm-up: compiles (inductor) and first-touch allocations
+    run(prompts[:1], 2)
+    info["startup_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    outs = run(prompts, gen)
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
+    info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed)
+    info["decode_ms_per_token"] = _decode_ms(lambda n: run(prompts[:1], n), decode_tokens)
+    del llm, runner
+    gc.collect()
+    return info
+
+
+def _decode_ms(run: Callable[[int], Any], n: int) -> float:
+    """Batch-1 decode: (time for 1 + n tokens - time for 1 token) / n, best of 2."""
+    t1 = _best(lambda: run(1), 2)
+    tn = _best(lambda: run(1 + n), 2)
+    return 1000 * (tn - t1) / n
+
+
+# ---- transformers ----------------------------------------------------------------------------------
+
+
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def bench_hf_static(path: str, prompts, gen: int, decode_tokens: int) -> dict[str, Any]:
+    model = _hf_model(path)
+    ids = torch.tensor(prompts)
+
+    def run(x, n):
+        with torch.inference_mode():
+            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    run(ids[:2], 4)
+    t = time.perf_counter()
+    out = run(ids, gen)
+    elapsed = time.perf_counter() - t
+    assert out.shape[1] == ids.shape[1] + gen
+    info = {"throughput_s": elapsed, "output_tok_s": len(prompts) * gen / elapsed}
+    info["decode_ms_per_token"] = _decode_ms(lambda n: run(ids[:1], n), decode_tokens)
+    return info
+
+
+def bench_hf_continuous(path: str, prompts, gen: int) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    model = _hf_model(path)
+    if not hasattr(model, "generate_batch"):
+        return {"error": "this transformers has no generate_batch"}
+    cfg = GenerationConfig(max_new_tokens=gen, min_new_tokens=gen, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
+        t = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=cfg)
+        elapsed = time.perf_counter() - t
+    generated = sum(len(o.generated_tokens) for o in out.values())
+    return {"throughput_s": elapsed, "output_tok_s": generated / elapsed, "generated_tokens": generated}
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(k, v) for k, v in result["runs"].items() if "output_tok_s" in v]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [k for k, _ in rows]
+    a1.bar(names, [v["output_tok_s"] for _, v in rows], color=["C0" if k.startswith("portside") else "C7" for k in names])
+    a1.axhline(result["bounds"]["throughput_tok_s"], color="r", ls="--", label="compute bound")
+    a1.set_ylabel("output tokens/s")
+    a1.set_title(f"{result['workload']['num_prompts']} x {result['workload']['prompt_len']} -> "
+                 f"{result['workload']['gen_len']} tokens (higher is better)")
+    a1.legend()
+    dec = [(k, v) for k, v in rows if "decode_ms_per_token" in v]
+    a2.bar([k for k, _ in dec], [v["decode_ms_per_token"] for _, v in dec],
+           color=["C0" if k.startswith("portside") else "C7" for k, _ in dec])
+    a2.axhline(result["bounds"]["decode_ms_per_token"], color="r", ls="--", label="bandwidth bound")
+    a2.set_ylabel("ms per token")
+    a2.set_title("batch-1 decode (lower is better)")
+    a2.legend()
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{result['machine']['cpu']} | load {result['load_before']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder (default: portside's embedded default model)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens timed for batch-1 decode")
+    ap.add_argument("--paths", default="eager,inductor,openvino", help="portside graph modes to run")
+    ap.add_argument("--attention", default="auto", help="portside cpu_attention option (auto|torch|ipex)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf-cb", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for every peer (default: the cores this process may use)")
+    ap.add_argument("--out", default=str(RESULTS / "cpu"), help="output path without extension")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = args.model
+    if path is None:
+        from portside.default_model import default_model_path
+
+        path = str(default_model_path())
+    from portside.backends.cpu.platform import CpuPlatform, configure_threads
+
+    configure_threads()
+    result: dict[str, Any] = {
+        "machine": {"cpu": CpuPlatform.device_info().name, "python": _platform.python_version(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count()},
+        "load_before": load_info(),
+        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len},
+        "model": {"path": path, **model_facts(path)},
+        "runs": {},
+    }
+    try:
+        import transformers
+
+        result["machine"]["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    result["machine"].update(measure_machine())
+    print("machine:", json.dumps(result["machine"]), flush=True)
+    m = result["model"]
+    w = result["workload"]
+    total_flops = w["num_prompts"] * (w["prompt_len"] * m["flops_per_prompt_token"]
+                                      + w["gen_len"] * m["flops_per_generated_token"])
+    compute_s = total_flops / (result["machine"]["fp32_matmul_gflops"] * 1e9)
+    result["bounds"] = {
+        "throughput_tok_s": w["num_prompts"] * w["gen_len"] / compute_s,
+        "decode_ms_per_token": 1000 * m["weight_bytes_per_token"] / (result["machine"]["read_bandwidth_gbs"] * 1e9),
+    }
+    print("bounds:", json.dumps(result["bounds"]), flush=True)
+    prompts = make_prompts(m["config"]["vocab_size"], args.num_prompts, args.prompt_len)
+    jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    if not args.skip_hf:
+        jobs.append(("transformers-static", lambda: bench_hf_static(path, prompts, args.gen_len, args.decode_tokens)))
+    for mode in [p for p in args.paths.split(",") if p]:
+        jobs.append((f"portside-{mode}", lambda mode=mode: bench_portside(path, prompts, args.gen_len, mode,
+                                                                            args.attention, args.decode_tokens)))
+    if not args.skip_hf_cb:
+        jobs.append(("transformers-continuous", lambda: bench_hf_continuous(path, prompts, args.gen_len)))
+    for name, job in jobs:
+        try:
+            info = job()
+        except Exception as e:  # one peer failing must not lose the others' figures
+            info = {"error": f"{type(e).__name__}: {e}"}
+        info["load_after"] = load_info()
+        result["runs"][name] = info
+        print(name, json.dumps(info), flush=True)
+        gc.collect()
+        _save(result, Path(args.out))  # after every peer: a killed run keeps what it measured
+    try:
+        plot(result, Path(args.out).with_suffix(".png"))
+    except Exception as e:  # matplotlib missing: the JSON still counts
+        print("no chart:", e)
+    print(json.dumps(result["summary"], indent=2))
+    return result
+
+
+def _save(result: dict[str, Any], out: Path) -> None:
+    _ratios(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _ratios(result: dict[str, Any]) -> None:
+    runs, bounds = result["runs"], result["bounds"]
+    base = runs.get("transformers-static", {}).get("output_tok_s")
+    summary: dict[str, Any] = {}
+    for name, r in runs.items():
+        if "output_tok_s" not in r:
+            continue
+        s = {"output_tok_s": round(r["output_tok_s"], 1),
+             "fraction_of_compute_bound": round(r["output_tok_s"] / bounds["throughput_tok_s"], 3)}
+        if base:
+            s["vs_transformers_static"] = round(r["output_tok_s"] / base, 3)
+        if "decode_ms_per_token" in r:
+            s["decode_ms_per_token"] = round(r["decode_ms_per_token"], 2)
+            s["decode_vs_bandwidth_bound"] = round(r["decode_ms_per_token"] / bounds["decode_ms_per_token"], 3)
+        summary[name] = s
+    ps = [(k, v) for k, v in summary.items() if k.startswith("portside")]
+    if ps:
+        best = max(ps, key=lambda kv: kv[1]["output_tok_s"])
+        summary["best_portside"] = best[0]
+        if base:
+            summary["target_throughput_1.5x_met"] = best[1]["vs_transformers_static"] >= 1.5
+        dec = min((v["decode_vs_bandwidth_bound"] for _, v in ps if "decode_vs_bandwidth_bound" in v), default=None)
+        if dec is not None:
+            summary["target_decode_1.25x_met"] = dec <= 1.25
+    result["summary"] = summary
+
+
+if __name__ == "__main__":
+    main()
