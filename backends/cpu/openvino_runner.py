@@ -39,15 +39,23 @@ def openvino_available() -> str | None:
     return None
 
 
-def _qkv(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    from portside.model.rotary import apply_rotary
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The Llama family's rotary (first half paired with second half), as the model applies it:
+    x [T, H, D], cos/sin [T, D/2]. Restated here because a backend imports only the contract;
+    the segment-vs-eager test catches a divergence."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
+
+def _qkv(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     attn = layer.self_attn
     T, D = x.shape[0], attn.head_dim
     q_size, kv_size = attn.num_heads * D, attn.num_kv_heads * D
     q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split([q_size, kv_size, kv_size], dim=-1)
-    q = apply_rotary(q.view(T, attn.num_heads, D), cos, sin)  # [T, H, D]
-    k = apply_rotary(k.view(T, attn.num_kv_heads, D), cos, sin)  # [T, KVH, D]
+    q = _rotate(q.view(T, attn.num_heads, D), cos, sin)  # [T, H, D]
+    k = _rotate(k.view(T, attn.num_kv_heads, D), cos, sin)  # [T, KVH, D]
     return q, k, v.reshape(T, attn.num_kv_heads, D)
 
 
