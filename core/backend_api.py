@@ -21,7 +21,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "GraphRunner",
     "EagerGraphRunner",
     "ModelFn",
+    "PiecewiseModel",
     "Communicator",
     "SingleRankCommunicator",
     "TorchDistributedCommunicator",
@@ -219,6 +220,36 @@ class ForwardContext:
 
 # model_fn(input_ids [T], positions [T], ctx) -> hidden states [T, hidden] (before the LM head).
 ModelFn = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
+
+
+@runtime_checkable
+class PiecewiseModel(Protocol):
+    """A model cut at its attention calls. The runner hands graph runners the model itself as
+    `model_fn`; one that compiles only the dense parts (OpenVINO segments, piecewise graphs)
+    checks ``isinstance(model_fn, PiecewiseModel)`` and runs paged attention between the pieces:
+
+        h, aux = embed(input_ids, positions)          # aux: per-token tensors every layer uses (rotary)
+        for i in range(num_layers):
+            q, k, v = pre_attention(i, h, aux)        # q [T, H, D]; k, v [T, KVH, D]
+            o = ctx.attention(i, q, k, v, attention_scale(i))
+            h = post_attention(i, h, o)               # o [T, H, D] -> h [T, hidden]
+        hidden = final_norm(h)
+
+    equals ``model_fn(input_ids, positions, ctx)``.
+    """
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...
+
+    def pre_attention(self, i: int, h: torch.Tensor, aux: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor: ...
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_scale(self, i: int) -> float: ...
 
 
 class GraphRunner(ABC):

@@ -15,8 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from portside.backend_api import Availability, Platform
 from stevedore import ExtensionManager, NamedExtensionManager
+
+from portside.backend_api import Availability, Platform
 
 logger = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from portside.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 

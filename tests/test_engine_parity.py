@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from portside import LLM, SamplingParams
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
@@ -162,6 +163,7 @@ def test_max_tokens_and_length(tiny_llama):
 
 def test_logprobs(tiny_llama):
     import torch
+
     from portside.testing.tiny import hf_logits
 
     llm = LLM(model=str(tiny_llama), device="cpu", max_model_len=256)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from portside.kv_cache import hashing
 from portside.kv_cache.manager import KVCacheManager
 from portside.request import Request

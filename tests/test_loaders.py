@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
 from portside.model.gguf_loader import convert_gguf, hf_name, permute_qk, resolve_model_path, unpermute_qk
@@ -16,7 +18,6 @@ from portside.model.loader import safetensors_files
 from portside.model.registry import load_model
 from portside.testing.paged import PagedSequence
 from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_gguf, make_tiny_model
-from safetensors.torch import load_file, save_file
 
 PROMPT = [12, 250, 31, 99, 8, 120, 64, 300, 45, 77, 390, 6, 7]
 
@@ -181,8 +182,9 @@ def test_default_model_reports_a_failed_download(tmp_path: Path, monkeypatch: py
 
 @pytest.mark.slow
 def test_default_model_answers_the_capital_of_france() -> None:
-    from portside.default_model import default_model_path
     from transformers import AutoTokenizer
+
+    from portside.default_model import default_model_path
 
     folder = default_model_path()
     tok = AutoTokenizer.from_pretrained(folder)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from portside.attention.reference import ReferenceAttentionBackend
 from portside.backend_api import Communicator, KVCacheSpec
 from portside.config import ModelConfig

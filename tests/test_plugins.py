@@ -84,8 +84,9 @@ def test_example_plugin_unavailable_says_why(npu_example: str) -> None:
 
 
 def test_example_plugin_serves_end_to_end(npu_example: str, tiny_llama: Path, tmp_path: Path) -> None:
-    from portside.testing.tiny import hf_greedy
     from transformers import AutoTokenizer
+
+    from portside.testing.tiny import hf_greedy
 
     assert (ROOT / "core" / "server" / "main.py").is_file()
     with socket_port() as port:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from portside.sample.metadata import SamplingMetadata, row_seed
 from portside.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from portside.sample.sampler import Sampler

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from portside.config import SchedulerConfig
 from portside.request import Request, RequestStatus
 from portside.sampling_params import SamplingParams

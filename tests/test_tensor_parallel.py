@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from portside import LLM, SamplingParams
 from portside.distributed.env import free_port, launcher_env
 from portside.testing.tiny import hf_greedy, make_tiny_model

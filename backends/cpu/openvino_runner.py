@@ -2,17 +2,17 @@
 
 The predictable path (`openvino.convert_model` + `compile_model("CPU")`), not
 `torch.compile(backend="openvino")`, whose dynamo backend silently falls back to Inductor on any
-conversion error. The model is cut at its attention calls into ``num_layers + 1`` segments:
+conversion error. The model, through core's `PiecewiseModel` seam, is cut at its attention
+calls into ``num_layers + 1`` segments:
 
-    head:  h, cos, sin            -> h, q, k, v       (layer 0: input norm, qkv, rotary)
-    mid i: h, o, cos, sin         -> h, q, k, v       (layer i-1: o_proj, residual, MLP;
-                                                       layer i: input norm, qkv, rotary)
-    tail:  h, o                   -> hidden           (last layer's o_proj + MLP, final norm)
+    head:  h, *aux                -> h, q, k, v       (layer 0 up to attention)
+    mid i: h, o, *aux             -> h, q, k, v       (layer i-1 after attention, layer i up to it)
+    tail:  h, o                   -> hidden           (last layer after attention, final norm)
 
-Each segment is converted once with a dynamic token axis, so any batch shape runs without
-recompiling. Paged attention (which writes the KV cache in place) stays in the platform's
-attention backend between segments. Works for the Llama family (`LlamaForCausalLM`) at tensor
-parallel size 1.
+`aux` is what every layer shares (the rotary cos/sin). Each segment is converted once with a
+dynamic token axis, so any batch shape runs without recompiling. Paged attention (which writes
+the KV cache in place) stays in the platform's attention backend between segments. Tensor
+parallel size 1 only (the all-reduces inside a segment would need OpenVINO collectives).
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from portside.backend_api import ForwardContext, GraphRunner, ModelFn
+from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 
 logger = logging.getLogger(__name__)
 
@@ -39,57 +38,38 @@ def openvino_available() -> str | None:
     return None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The Llama family's rotary (first half paired with second half), as the model applies it:
-    x [T, H, D], cos/sin [T, D/2]. Restated here because a backend imports only the contract;
-    the segment-vs-eager test catches a divergence."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-def _qkv(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    attn = layer.self_attn
-    T, D = x.shape[0], attn.head_dim
-    q_size, kv_size = attn.num_heads * D, attn.num_kv_heads * D
-    q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split([q_size, kv_size, kv_size], dim=-1)
-    q = _rotate(q.view(T, attn.num_heads, D), cos, sin)  # [T, H, D]
-    k = _rotate(k.view(T, attn.num_kv_heads, D), cos, sin)  # [T, KVH, D]
-    return q, k, v.reshape(T, attn.num_kv_heads, D)
-
-
-def _finish(layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    h = h + layer.self_attn.o_proj(o)  # o [T, H*D]
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
 class _Head(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
+    """Layer 0 up to its attention: h, *aux -> h, q, k, v."""
 
-    def forward(self, h, cos, sin):  # h [T, hidden], cos/sin [T, D/2]
-        return (h, *_qkv(self.layer, h, cos, sin))
+    def __init__(self, model: PiecewiseModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, h, *aux):
+        return (h, *self.model.pre_attention(0, h, aux))
 
 
 class _Mid(nn.Module):
-    def __init__(self, prev: nn.Module, nxt: nn.Module) -> None:
-        super().__init__()
-        self.prev, self.nxt = prev, nxt
+    """From layer i-1's attention output to layer i's attention: h, o, *aux -> h, q, k, v."""
 
-    def forward(self, h, o, cos, sin):
-        h = _finish(self.prev, h, o)
-        return (h, *_qkv(self.nxt, h, cos, sin))
+    def __init__(self, model: PiecewiseModel, i: int) -> None:
+        super().__init__()
+        self.model, self.i = model, i
+
+    def forward(self, h, o, *aux):
+        h = self.model.post_attention(self.i - 1, h, o)
+        return (h, *self.model.pre_attention(self.i, h, aux))
 
 
 class _Tail(nn.Module):
-    def __init__(self, last: nn.Module, norm: nn.Module) -> None:
+    """The last layer after its attention, and the final norm: h, o -> hidden."""
+
+    def __init__(self, model: PiecewiseModel) -> None:
         super().__init__()
-        self.last, self.norm = last, norm
+        self.model = model
 
     def forward(self, h, o):
-        return self.norm(_finish(self.last, h, o))
+        return self.model.final_norm(self.model.post_attention(self.model.num_layers - 1, h, o))
 
 
 class OpenVinoGraphRunner(GraphRunner):
@@ -105,11 +85,9 @@ class OpenVinoGraphRunner(GraphRunner):
         reason = openvino_available()
         if reason:
             raise RuntimeError(reason)
-        model = getattr(model_fn, "__self__", None)
-        inner = getattr(model, "model", None)
-        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary", "layers", "norm")):
-            raise ValueError("cpu graph mode 'openvino' supports Llama-family models (LlamaForCausalLM.forward)")
-        self.inner = inner
+        if not isinstance(model_fn, PiecewiseModel):
+            raise ValueError("cpu graph mode 'openvino' needs a model that implements portside.backend_api.PiecewiseModel")
+        self.model: PiecewiseModel = model_fn
         self.num_ov_calls = 0
         self._requests: list[Any] = []
         self._compiled: list[Any] = []
@@ -118,27 +96,26 @@ class OpenVinoGraphRunner(GraphRunner):
     def _build(self) -> None:
         import openvino as ov
 
-        inner = self.inner
-        layers = list(inner.layers)
-        attn = layers[0].self_attn
-        hidden = inner.norm.weight.shape[0]
-        half = attn.head_dim // 2
-        q_out = attn.num_heads * attn.head_dim
-        dt = inner.norm.weight.dtype
+        model = self.model
         t0 = time.perf_counter()
-        ex_h, ex_cs, ex_o = torch.zeros(3, hidden, dtype=dt), torch.zeros(3, half, dtype=dt), torch.zeros(3, q_out, dtype=dt)
-        shp_h, shp_cs, shp_o = ov.PartialShape([-1, hidden]), ov.PartialShape([-1, half]), ov.PartialShape([-1, q_out])
-        segments: list[tuple[nn.Module, tuple, list]] = [(_Head(layers[0]), (ex_h, ex_cs, ex_cs), [shp_h, shp_cs, shp_cs])]
-        for prev, nxt in zip(layers[:-1], layers[1:]):
-            segments.append((_Mid(prev, nxt), (ex_h, ex_o, ex_cs, ex_cs), [shp_h, shp_o, shp_cs, shp_cs]))
-        segments.append((_Tail(layers[-1], inner.norm), (ex_h, ex_o), [shp_h, shp_o]))
+        with torch.no_grad():  # example inputs of 3 tokens; the token axis is dynamic
+            ids, pos = torch.zeros(3, dtype=torch.long), torch.arange(3)
+            ex_h, ex_aux = model.embed(ids, pos)
+            ex_o = model.pre_attention(0, ex_h, ex_aux)[0]  # attention output has the query's shape
+        dynamic = lambda t: ov.PartialShape([-1, *t.shape[1:]])  # noqa: E731
+        head = ((ex_h, *ex_aux), [dynamic(t) for t in (ex_h, *ex_aux)])
+        mid = ((ex_h, ex_o, *ex_aux), [dynamic(t) for t in (ex_h, ex_o, *ex_aux)])
+        tail = ((ex_h, ex_o), [dynamic(ex_h), dynamic(ex_o)])
+        segments = [(_Head(model), *head)]
+        segments += [(_Mid(model, i), *mid) for i in range(1, model.num_layers)]
+        segments.append((_Tail(model), *tail))
         core = ov.Core()
         props = {
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),
             "NUM_STREAMS": 1,
             "PERFORMANCE_HINT": "LATENCY",
         }
-        if dt == torch.float32:
+        if ex_h.dtype == torch.float32:
             props["INFERENCE_PRECISION_HINT"] = "f32"  # no silent bf16 on AMX/AVX-512-BF16 CPUs
         with torch.no_grad():
             for module, example, shapes in segments:
@@ -157,17 +134,14 @@ class OpenVinoGraphRunner(GraphRunner):
         return [torch.from_numpy(res[out]) for out in self._compiled[i].outputs]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        inner = self.inner
-        h = inner.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = inner.rotary(positions, h.dtype)  # [T, D/2] each
-        T = h.shape[0]
-        h, q, k, v = self._infer(0, h, cos, sin)
-        num_layers = len(self._requests) - 1
-        for i in range(num_layers):
-            scale = inner.layers[i].self_attn.scale
-            o = ctx.attention(i, q, k, v, scale).reshape(T, -1)  # [T, H*D]
-            if i + 1 < num_layers:
-                h, q, k, v = self._infer(i + 1, h, o, cos, sin)
+        model = self.model
+        h, aux = model.embed(input_ids, positions)  # embedding and rotary stay in torch (gathers)
+        h, q, k, v = self._infer(0, h, *aux)
+        last = model.num_layers - 1
+        for i in range(model.num_layers):
+            o = ctx.attention(i, q, k, v, model.attention_scale(i))  # [T, H, D], paged, in torch
+            if i < last:
+                h, q, k, v = self._infer(i + 1, h, o, *aux)
             else:
                 (h,) = self._infer(i + 1, h, o)
         return h

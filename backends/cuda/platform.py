@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
 from portside.backend_api import Availability
 from portside.backends.cuda.communicator import NcclCommunicator
 from portside.backends.cuda.graph import CudaGraphRunner

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
 from portside.backend_api import Availability
 from portside.backends.rocm.communicator import RcclCommunicator
 from portside.backends.rocm.graph import HipGraphRunner

@@ -8,6 +8,7 @@ without a GPU.
 from __future__ import annotations
 
 import torch
+
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 from portside.backends.triton import kv_cache as _kv
 from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch

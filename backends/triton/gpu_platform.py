@@ -13,6 +13,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
 from portside.backend_api import (
     AttentionBackend,
     Availability,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from portside.backend_api import (
     AttentionMetadata,
     ForwardContext,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from portside.backends.triton.launch import AttentionLaunch, next_power_of_2
 
 __all__ = ["paged_attention"]

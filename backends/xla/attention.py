@@ -27,6 +27,7 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 
 __all__ = ["XlaAttentionBackend", "XlaAttentionData", "pallas_available"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from portside.backend_api import Communicator
 
 __all__ = ["XlaCommunicator"]

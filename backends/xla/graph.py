@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from portside.backend_api import AttentionMetadata, ForwardContext, GraphRunner, ModelFn
 from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets
 

@@ -19,6 +19,7 @@ import os
 from typing import Any, ClassVar
 
 import torch
+
 from portside.backend_api import (
     AttentionBackend,
     Availability,

@@ -26,8 +26,9 @@ import json
 import os
 import platform as _platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

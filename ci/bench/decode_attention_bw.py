@@ -12,6 +12,7 @@ import argparse
 import json
 
 import torch
+
 from portside.backend_api import AttentionMetadata
 from portside.backends.triton.attention import TritonAttentionBackend
 

@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import torch
+
 from portside import LLM, SamplingParams
 from portside.testing.tiny import make_tiny_model
 

@@ -7,6 +7,7 @@ index 0 = keys, 1 = values. Slot ``s`` is block ``s // block_size``, offset ``s 
 from __future__ import annotations
 
 import torch
+
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 
 

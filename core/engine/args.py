@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from portside.backend_api import Platform
 from portside.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 

@@ -6,11 +6,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from portside.engine.args import EngineArgs
 from portside.engine.llm_engine import LLMEngine
 from portside.outputs import RequestOutput
 from portside.sampling_params import SamplingParams
-from tqdm.auto import tqdm
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
 

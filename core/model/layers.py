@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from portside.backend_api import Communicator, SingleRankCommunicator
 from torch import nn
+
+from portside.backend_api import Communicator, SingleRankCommunicator
 
 __all__ = [
     "RMSNorm",

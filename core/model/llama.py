@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from portside.backend_api import Communicator, ForwardContext, KVCacheSpec, SingleRankCommunicator
 from portside.model.args import ModelArgs
 from portside.model.layers import (
@@ -23,7 +25,6 @@ from portside.model.layers import (
     default_weight_loader,
 )
 from portside.model.rotary import RotaryEmbedding, apply_rotary
-from torch import nn
 
 __all__ = ["LlamaForCausalLM"]
 
@@ -60,17 +61,17 @@ class LlamaAttention(nn.Module):
         )
         self.scale = args.head_dim**-0.5
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:  # x [T, hidden] -> [T, hidden]
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], rotary applied."""
         T, D = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary(q.view(T, self.num_heads, D), cos, sin)  # [T, H, D]
         k = apply_rotary(k.view(T, self.num_kv_heads, D), cos, sin)  # [T, KVH, D]
-        v = v.reshape(T, self.num_kv_heads, D)  # [T, KVH, D]
-        o = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(T, q_size))
+        return q, k, v.reshape(T, self.num_kv_heads, D)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:  # o [T, H, D] -> [T, hidden]
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -95,12 +96,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(args, tp, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def pre_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
+
+    def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # h [T, hidden], o [T, H, D]
+        h = h + self.self_attn.out(o)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
+    """The decoder's parameters (HF names `model.*`). The forward pass is on LlamaForCausalLM,
+    which also exposes it piece by piece (`PiecewiseModel`)."""
+
     def __init__(self, args: ModelArgs, tp: _TP, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm)
@@ -109,13 +116,6 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, tp, dtype) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)  # [T, D/2] each, shared by every layer
-        for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.norm(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,7 +143,34 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+        h, rope = self.embed(input_ids, positions)
+        for i in range(self.num_layers):
+            q, k, v = self.pre_attention(i, h, rope)
+            o = ctx.attention(i, q, k, v, self.attention_scale(i))  # [T, H, D]
+            h = self.post_attention(i, h, o)
+        return self.final_norm(h)
+
+    # ---- portside.backend_api.PiecewiseModel: the model cut at its attention calls ----------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        return h, self.model.rotary(positions, h.dtype)  # rope: cos, sin [T, D/2], shared by every layer
+
+    def pre_attention(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return self.model.layers[i].pre_attention(h, *rope)
+
+    def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return self.model.layers[i].post_attention(h, o)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
+
+    def attention_scale(self, i: int) -> float:
+        return self.model.layers[i].self_attn.scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()

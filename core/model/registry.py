@@ -6,10 +6,11 @@ import importlib
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from portside.backend_api import Communicator, SingleRankCommunicator
 from portside.config import ModelConfig
 from portside.model.args import ModelArgs
-from torch import nn
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "model_class", "read_model_args", "load_model"]
 

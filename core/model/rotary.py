@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
-from portside.model.args import RopeScaling
 from torch import nn
+
+from portside.model.args import RopeScaling
 
 __all__ = ["rope_inv_freq", "RotaryEmbedding", "apply_rotary"]
 

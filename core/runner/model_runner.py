@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from portside.backend_api import AttentionMetadata, Communicator, ForwardContext, KVCacheSpec, Platform
 from portside.config import EngineConfig
 from portside.sample.metadata import SamplingMetadata
@@ -76,7 +77,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp)
         self.vocab_size = self.model.config.vocab_size
         self.attn_backend = platform.attention_backend(config)
-        self.graph_runner = platform.graph_runner(self.model.forward, config)
+        # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
+        self.graph_runner = platform.graph_runner(self.model, config)
         self.sampler = Sampler()
         assert config.cache.block_size is not None
         self.block_size: int = config.cache.block_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from portside.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -6,6 +6,7 @@ All functions take fp32 logits [N, V] and return a new tensor (the input is left
 from __future__ import annotations
 
 import torch
+
 from portside.sample.metadata import SamplingMetadata
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from portside.sample.metadata import SamplingMetadata
 from portside.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from portside.sample.truncation import apply_min_p, apply_top_k_top_p

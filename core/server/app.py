@@ -11,6 +11,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from portside.engine.async_engine import AsyncLLMEngine, SyncEngine
 from portside.server.errors import (
     APIError,
@@ -22,8 +25,6 @@ from portside.server.metrics import CONTENT_TYPE, ServerMetrics
 from portside.server.serving_base import ServingContext
 from portside.server.serving_chat import create_chat_completion
 from portside.server.serving_completion import create_completion
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

@@ -43,6 +43,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; in-flight requests finish first. Returns the exit code."""
     import uvicorn
+
     from portside.engine.args import engine_kwargs
     from portside.engine.llm_engine import LLMEngine
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from portside.engine.async_engine import RequestRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from portside.engine.async_engine import RequestRecord
 
 disable_created_metrics()  # no `_created` series: they double the exposition for little use
 

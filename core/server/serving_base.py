@@ -16,13 +16,14 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
 from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestStream
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
 from portside.sampling_params import SamplingParams
 from portside.server.errors import APIError, bad_request, from_validation_error, from_value_error
 from portside.server.metrics import ServerMetrics
 from portside.server.protocol import SamplingFields
-from pydantic import BaseModel, ValidationError
 
 logger = logging.getLogger(__name__)
 

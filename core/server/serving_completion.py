@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
 from portside.outputs import RequestOutput
 from portside.server.errors import bad_request
 from portside.server.protocol import CompletionRequest

@@ -7,6 +7,7 @@ request, and `PagedSequence` prefills and decodes it step by step (greedy).
 from __future__ import annotations
 
 import torch
+
 from portside.backend_api import AttentionBackend, AttentionMetadata, ForwardContext
 
 __all__ = ["single_sequence_metadata", "PagedSequence"]

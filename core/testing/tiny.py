@@ -253,8 +253,9 @@ def make_tiny_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype
     """
     import gguf
     import numpy as np
-    from portside.model.gguf_loader import permute_qk
     from safetensors.torch import load_file
+
+    from portside.model.gguf_loader import permute_qk
 
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = read_config(hf_dir)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 from portside.attention import reference
 from portside.backend_api import AttentionBackend, AttentionMetadata, ForwardContext
 from portside.backends.cpu.attention import CpuAttentionBackend
 from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
-from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 POOL = 67  # KV blocks in the pool; tables draw from all of it
 
@@ -213,7 +213,7 @@ def test_openvino_segments_match_eager_reference(tiny_llama):
     model = load_model(ModelConfig(path=str(tiny_llama), dtype=torch.float32, max_model_len=256), torch.device("cpu"))
     spec = model.kv_cache_spec()
     ref_backend, cpu_backend = reference.ReferenceAttentionBackend(), CpuAttentionBackend()
-    runner = OpenVinoGraphRunner(model.forward, None)
+    runner = OpenVinoGraphRunner(model, None)
     block_size = 8
     for step, (q_lens, seq_lens) in enumerate([([5, 9], [5, 9]), ([1, 1, 4], [6, 10, 4]), ([1, 3], [7, 7])]):
         if step == 0:

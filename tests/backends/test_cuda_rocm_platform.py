@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from portside.backend_api import (
     AttentionMetadata,
     ForwardContext,

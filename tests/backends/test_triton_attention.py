@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
+
 from portside.attention import reference
 from portside.backend_api import AttentionMetadata, ForwardContext
-from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 triton = pytest.importorskip("triton")
 

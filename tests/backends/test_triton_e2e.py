@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
 pytest.importorskip("triton")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from portside.backend_api import AttentionMetadata
 from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets, powers_of_two
 

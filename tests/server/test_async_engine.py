@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
 from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestRecord
 from portside.sampling_params import SamplingParams
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from portside.backend_api import AttentionMetadata, Platform
 from portside.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 

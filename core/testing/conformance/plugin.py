@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from portside.backend_api import Platform
 from portside.platform import PlatformEntry, discover_platforms
 

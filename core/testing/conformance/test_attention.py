@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+
 from portside.attention.reference import paged_attention
 from portside.attention.reference import write_kv as reference_write_kv
 from portside.backend_api import Platform

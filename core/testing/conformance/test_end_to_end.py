@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from portside.backend_api import Platform
 from portside.testing.conformance.cases import contract_failure
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from portside.backend_api import AttentionMetadata, EagerGraphRunner, ForwardContext, Platform
 from portside.testing.conformance.cases import build_metadata, contract_failure, engine_config
 
@@ -66,8 +67,8 @@ def test_graph_replay_equals_eager(conformance_platform: type[Platform], conform
     model = load_model(config.model, device)
     spec = model.kv_cache_spec()
     backend = platform.attention_backend(config)
-    graph = platform.graph_runner(model.forward, config)
-    eager = EagerGraphRunner(model.forward, config)
+    graph = platform.graph_runner(model, config)  # the model runner passes the model itself
+    eager = EagerGraphRunner(model, config)
 
     gen = torch.Generator().manual_seed(7)
     num_blocks = NUM_REQS * blocks_per_req * 2

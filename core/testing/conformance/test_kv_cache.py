@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from portside.backend_api import Platform
 from portside.testing.conformance.cases import contract_failure, engine_config
 

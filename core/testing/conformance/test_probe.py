@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from portside.backend_api import Platform
 from portside.platform import PlatformEntry
 from portside.testing.conformance.cases import contract_failure

@@ -16,6 +16,7 @@ request's query tokens are padded to the longest query, and a causal mask does t
 from __future__ import annotations
 
 import torch
+
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 
 

@@ -9,6 +9,7 @@ library's calls instead. This example is simulated on the CPU, so its process gr
 from __future__ import annotations
 
 import torch
+
 from portside.backend_api import TorchDistributedCommunicator
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+
 from portside.backend_api import AttentionMetadata, ForwardContext, GraphRunner, ModelFn
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)  # VENDOR: choose the buckets your device memory allows
