@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # config imports nothing from here; this only names the type.
 __all__ = [
     "Availability",
     "DeviceInfo",
+    "host_memory",
     "KVCacheSpec",
     "AttentionMetadata",
     "ForwardContext",
@@ -77,6 +78,20 @@ class DeviceInfo:
     count: int  # devices of this kind visible to the process
     total_memory: int  # bytes, per device
     free_memory: int  # bytes, per device
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) host memory in bytes from /proc/meminfo; (0, 0) where unreadable.
+    For platforms whose device memory is host memory (cpu, CPU-emulated devices)."""
+    total = avail = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "MemTotal":
+                total = int(value.split()[0]) * 1024
+            elif key == "MemAvailable":
+                avail = int(value.split()[0]) * 1024
+    return total, avail
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from portside.backend_api import (
     GraphRunner,
     ModelFn,
     Platform,
+    host_memory,
 )
-
-logger = logging.getLogger(__name__)
-
 from portside.backends.cpu.communicator import select_dist_backend
 from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "torch", "ipex")  # platform option "cpu_attention"
 
@@ -43,21 +43,6 @@ def cpu_flags() -> frozenset[str]:
 def has_native_bf16() -> bool:
     """AVX-512-BF16 or AMX: bf16 matmuls run at full speed. Without them they are ~100x slower."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def _meminfo() -> tuple[int, int]:
-    total = avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key == "MemTotal":
-                    total = int(value.split()[0]) * 1024
-                elif key == "MemAvailable":
-                    avail = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return total, avail
 
 
 def usable_cores() -> int:
@@ -103,7 +88,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def device_info(cls) -> DeviceInfo:
-        total, avail = _meminfo()
+        total, avail = host_memory()
         isa = "AVX-512" if "avx512f" in cpu_flags() else ("AVX2" if "avx2" in cpu_flags() else "baseline")
         name = f"{_platform.machine()} CPU ({isa}, {torch.get_num_threads()} threads)"
         return DeviceInfo(name=name, count=1, total_memory=total, free_memory=avail)

@@ -28,6 +28,7 @@ from portside.backend_api import (
     GraphRunner,
     ModelFn,
     Platform,
+    host_memory,
 )
 
 __all__ = ["XlaPlatform", "pjrt_device", "tpu_present", "version_mismatch", "OPTIONS"]
@@ -81,18 +82,6 @@ def version_mismatch() -> str | None:
     return None
 
 
-def _host_memory() -> tuple[int, int]:
-    total = avail = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key == "MemTotal":
-                total = int(value.split()[0]) * 1024
-            elif key == "MemAvailable":
-                avail = int(value.split()[0]) * 1024
-    return total, avail
-
-
 def _flag(config: Any, key: str, default: str) -> bool:
     return str(config.option(key, default)).strip().lower() in ("1", "true", "yes", "on")
 
@@ -139,7 +128,7 @@ class XlaPlatform(Platform):
     @classmethod
     def device_info(cls) -> DeviceInfo:
         if cls.on_cpu():
-            total, avail = _host_memory()
+            total, avail = host_memory()
             return DeviceInfo(name="PJRT CPU (torch-xla)", count=1, total_memory=total, free_memory=avail)
         # On a TPU this starts the runtime: only called once a model is being loaded.
         import torch_xla

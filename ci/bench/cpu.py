@@ -55,7 +55,7 @@ def measure_machine(mib: int = 1024) -> dict[str, float]:
     x.sum(), y.copy_(x)  # fault the pages in
     read = x.numel() * 4 / _best(lambda: x.sum(), 5) / 1e9
     copy = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), 5) / 1e9
-    del x, y
+    x = y = None  # free the buffers before the matmul measurement
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     flops = 2 * 2048**3 / _best(lambda: a @ b, 5) / 1e9
@@ -136,7 +136,8 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
     info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed)
     info["decode_ms_per_token"] = _decode_ms(lambda n: run(prompts[:1], n), decode_tokens)
-    del llm, runner
+    llm.shutdown()
+    llm = runner = None
     gc.collect()
     return info
 
