@@ -52,9 +52,9 @@ class PlatformEntry:
 
 def _package_of(entry_point: Any) -> str:
     """The distribution that declares `entry_point` (stevedore's cached entry points lack it)."""
-    dist = getattr(entry_point, "dist", None)
-    if getattr(dist, "name", None):
-        return dist.name
+    dist_name = getattr(getattr(entry_point, "dist", None), "name", None)
+    if dist_name:
+        return dist_name
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == entry_point.name and ep.value == entry_point.value and ep.dist is not None:
             return ep.dist.name
@@ -84,13 +84,14 @@ def _load_entry(name: str, package: str, register: Any) -> PlatformEntry:
         return failed(f"importing {target} failed: {type(e).__name__}: {e}")
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
         return failed(f"{target} is not a portside.backend_api.Platform subclass")
+    platform_cls: type[Platform] = cls
     try:
-        availability = cls.is_available()
+        availability = platform_cls.is_available()
         if not isinstance(availability, Availability):
             return failed(f"{target}.is_available() returned {availability!r}, not an Availability")
     except Exception as e:
         availability = Availability.no(f"probe raised {type(e).__name__}: {e}")
-    return PlatformEntry(name, package, cls, availability)
+    return PlatformEntry(name, package, platform_cls, availability)
 
 
 def discover_platforms() -> list[PlatformEntry]:
@@ -103,11 +104,19 @@ def discover_platforms() -> list[PlatformEntry]:
         entries.append(PlatformEntry(entry_point.name, _package_of(entry_point), None, Availability.no(reason)))
 
     allow = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
-    common = dict(namespace=ENTRY_POINT_GROUP, invoke_on_load=False, on_load_failure_callback=on_load_failure)
+    manager: ExtensionManager[Any]
     if allow:
-        manager = NamedExtensionManager(names=allow, name_order=True, **common)
+        manager = NamedExtensionManager(
+            namespace=ENTRY_POINT_GROUP,
+            names=allow,
+            name_order=True,
+            invoke_on_load=False,
+            on_load_failure_callback=on_load_failure,
+        )
     else:
-        manager = ExtensionManager(**common)
+        manager = ExtensionManager(
+            namespace=ENTRY_POINT_GROUP, invoke_on_load=False, on_load_failure_callback=on_load_failure
+        )
     for ext in manager:
         entries.append(_load_entry(ext.name, _package_of(ext.entry_point), ext.plugin))
     return sorted(entries, key=lambda e: (not e.availability, -(e.platform.priority if e.platform else 0), e.name))

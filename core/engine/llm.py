@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -110,7 +110,7 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one tokenized prompt
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [cast(list[int], items)]  # one tokenized prompt
+    return cast(list[Prompt], items)

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from portside.engine.args import EngineArgs
 from portside.engine.detokenizer import IncrementalDetokenizer
@@ -215,9 +215,10 @@ class LLMEngine:
     ) -> str:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass one (--chat-template)")
-        return self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )
+        return cast(str, text)  # tokenize=False: the rendered prompt text
 
     def shutdown(self) -> None:
         self.executor.shutdown()

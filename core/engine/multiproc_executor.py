@@ -22,7 +22,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from portside.backend_api import KVCacheSpec, Platform
 from portside.config import EngineConfig
@@ -131,7 +131,7 @@ class MultiprocExecutor:
                     continue
                 rank = index[id(obj)]
                 try:
-                    msg = obj.recv()
+                    msg = cast(Connection, obj).recv()  # not an int: one of self._conns
                 except (EOFError, OSError):
                     self._fail(f"rank {rank} closed its pipe without a reply while {doing}")
                 if isinstance(msg, WorkerError):

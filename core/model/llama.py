@@ -8,6 +8,7 @@ with one table (q/k/v -> fused qkv_proj, gate/up -> fused gate_up_proj).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -156,27 +157,30 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
+    def _layer(self, i: int) -> LlamaDecoderLayer:
+        return cast(LlamaDecoderLayer, self.model.layers[i])  # nn.ModuleList items are typed as Module
+
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         return h, self.model.rotary(positions, h.dtype)  # rope: cos, sin [T, D/2], shared by every layer
 
     def pre_attention(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return self.model.layers[i].pre_attention(h, *rope)
+        return self._layer(i).pre_attention(h, *rope)
 
     def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[i].post_attention(h, o)
+        return self._layer(i).post_attention(h, o)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
 
     def attention_scale(self, i: int) -> float:
-        return self.model.layers[i].self_attn.scale
+        return self._layer(i).self_attn.scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
+        attn = self._layer(0).self_attn
         return KVCacheSpec(
             num_layers=self.config.num_layers,
             num_kv_heads=attn.num_kv_heads,

@@ -70,6 +70,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """Computes cos/sin for the step's positions once; every layer applies them."""
 
+    inv_freq: torch.Tensor  # registered buffer [D/2] fp32
+
     def __init__(
         self,
         head_dim: int,

@@ -124,6 +124,7 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, overrides: 
         pad_token_id=pad_id,
         bos_token_id=None,
     )
+    cls: type[LlamaConfig | MistralConfig | Qwen2Config]
     if arch == "llama":
         cls = LlamaConfig
     elif arch == "mistral":

@@ -31,6 +31,7 @@ def assert_close(
     torch.testing.assert_close(
         actual,
         expected,
-        **tol,
+        rtol=tol["rtol"],
+        atol=tol["atol"],
         msg=lambda m: f"{prefix}{m}\nmax abs err {err.max().item():.3e}, mean abs err {err.mean().item():.3e}",
     )

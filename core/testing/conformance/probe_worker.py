@@ -69,12 +69,13 @@ def probe(entry_point: str) -> dict:
 
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
         return {**report, "error": f"{target} is {cls!r}, not a portside.backend_api.Platform subclass"}
+    platform_cls: type[Platform] = cls
     report["name"] = getattr(cls, "name", None)
     before = set(sys.modules)
     t = time.perf_counter()
-    first = cls.is_available()
+    first = platform_cls.is_available()
     report["probe_s"] = time.perf_counter() - t
-    second = cls.is_available()
+    second = platform_cls.is_available()
     report["probe_heavy"] = _heavy(before)
     report["probe_runtimes"] = _runtimes_initialised()
     report["probe_type"] = type(first).__name__
