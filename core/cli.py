@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 EXIT_USAGE = 2
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_serve_args: Callable[[argparse.ArgumentParser], None] | None
     try:
         from portside.server.cli import add_serve_args
     except ImportError:  # the server extra is missing

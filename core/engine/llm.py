@@ -76,8 +76,10 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        conversations = cast(
+            list[list[dict[str, Any]]], [messages] if messages and isinstance(messages[0], dict) else messages
+        )
+        texts: list[Prompt] = [self.engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
         return self._run(texts, sampling_params, use_tqdm, None, add_special_tokens=False)
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool) -> list[RequestOutput]:
@@ -90,7 +92,10 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
-                text_or_ids = prompt.get("prompt_token_ids", prompt.get("prompt")) if isinstance(prompt, dict) else prompt
+                text_or_ids = cast(
+                    "str | list[int]",
+                    prompt.get("prompt_token_ids", prompt.get("prompt")) if isinstance(prompt, dict) else prompt,
+                )
                 self.engine.add_request(rid, text_or_ids, sp, priority=priority[i] if priority else 0,
                                         add_special_tokens=add_special_tokens)
                 ids.append(rid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -11,8 +12,9 @@ from torch import nn
 from portside.backend_api import Communicator, SingleRankCommunicator
 from portside.config import ModelConfig
 from portside.model.args import ModelArgs
+from portside.model.interface import CausalLM
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "model_class", "read_model_args", "load_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "model_class", "read_model_args", "load_model"]
 
 # config.json "architectures" entry -> (module, class); imported only when used.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -50,7 +52,7 @@ def load_model(
     comm: Communicator | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> nn.Module:
+) -> CausalLM:
     """Build the model for `model_config.path` (HF folder or .gguf file) on `device` in
     `model_config.dtype`, holding only this rank's tensor-parallel shard, and load its weights.
 
@@ -71,4 +73,5 @@ def load_model(
     with torch.device(device):
         model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype)
     load_checkpoint(model, folder)
-    return model.eval()
+    # every class in SUPPORTED_ARCHITECTURES is a CausalLM (interface.py checks LlamaForCausalLM)
+    return cast(CausalLM, model.eval())

@@ -164,9 +164,10 @@ class SamplingMetadata:
 
         generators: dict[int, torch.Generator] = {}
         for i in random_rows:
-            if params[i].seed is not None:
+            seed = params[i].seed
+            if seed is not None:
                 g = _generator(device)
-                g.manual_seed(row_seed(params[i].seed, len(output_token_ids[i])))
+                g.manual_seed(row_seed(seed, len(output_token_ids[i])))
                 generators[i] = g
 
         num_logprobs = [p.logprobs for p in params]

@@ -14,6 +14,7 @@ def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     """logits[row, token] += bias for every (row, token, bias) of the requests' logit_bias."""
     if md.bias_rows is None:
         return logits
+    assert md.bias_values is not None  # bias_rows, bias_cols and bias_values are set together
     return logits.index_put((md.bias_rows, md.bias_cols), md.bias_values, accumulate=True)
 
 

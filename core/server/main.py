@@ -56,7 +56,8 @@ def run_server(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=config.shutdown_timeout,
+            # uvicorn annotates int but only hands it to asyncio.wait_for(timeout=), which takes a float
+            timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]
             lifespan="on",
         )
     )

@@ -65,7 +65,7 @@ def _tokenize(ctx: ServingContext, prompt: list[Any], echo: bool) -> tuple[list[
 
 
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput], echo: list[str] | None) -> dict[str, Any]:
-    choices = []
+    choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = cached = 0
     for i, out in enumerate(finals):
         prompt_tokens += len(out.prompt_token_ids)
