@@ -1,33 +1,98 @@
 """cpu graph runners, chosen by the ``cpu_graph`` platform option (``--cpu-graph``):
 
 - ``eager``: the model runs op by op (the fallback every platform has);
-- ``inductor``: ``torch.compile`` (Inductor, dynamic shapes) over the model step; paged attention
-  is excluded from the graphs (`torch.compiler.disable`), so dynamo cuts one graph per layer gap;
-- ``openvino``: the dense segments between attention calls as compiled OpenVINO models
+- ``inductor``: ``torch.compile`` (Inductor) over the dense segments between attention calls
+  (`InductorGraphRunner`); paged attention runs eagerly between them;
+- ``openvino``: the same segments as compiled OpenVINO models
   (`openvino_runner.OpenVinoGraphRunner`).
 """
 
 from __future__ import annotations
 
-import torch
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from portside.backend_api import EagerGraphRunner, ForwardContext, GraphRunner, ModelFn
+import torch
+from torch import nn
+
+from portside.backend_api import EagerGraphRunner, ForwardContext, GraphRunner, ModelFn, PiecewiseModel
+from portside.backends.cpu.segments import SegmentFn, make_segments, run_segments
+
+logger = logging.getLogger(__name__)
 
 GRAPH_MODES = ("eager", "inductor", "openvino")
 DEFAULT_GRAPH_MODE = "eager"
 
+# Token counts run once in `capture`: dynamo specializes a size of 1 (its own static graph,
+# batch-1 decode) and compiles one graph with a symbolic token count for every size >= 2.
+WARMUP_TOKENS = (2, 1)
+
+
+def _own_code(fn: Callable[..., Any], name: str) -> types.FunctionType:
+    """`fn` with a code object of its own, named `name`. Dynamo keeps its compiled graphs, and
+    its recompile limit (`recompile_limit`, default 8), per code object: without this, the
+    ``num_layers - 1`` mid segments would share `Mid.forward`'s one cache (each specializes on
+    its layer index) and dynamo would stop compiling after the 8th layer."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _compile_segment(module: nn.Module, name: str) -> SegmentFn:
+    """torch.compile `module.forward` (own code object); the token axis (dim 0) of every input
+    is marked dynamic, so one graph serves every token count >= 2."""
+    forward = types.MethodType(_own_code(type(module).forward, name), module)
+    compiled = torch.compile(forward)
+
+    def run(*args: torch.Tensor) -> Sequence[torch.Tensor]:
+        if args[0].shape[0] > 1:  # a size of 1 cannot be dynamic: it gets its own graph
+            for a in args:
+                torch._dynamo.mark_dynamic(a, 0)
+        return compiled(*args)
+
+    return run
+
 
 class InductorGraphRunner(GraphRunner):
-    """torch.compile with dynamic shapes; attention runs eagerly between the compiled graphs."""
+    """torch.compile (Inductor) over the model's dense segments (`segments.py`: head, one per
+    layer gap, tail), paged attention eagerly between them, like the OpenVINO runner. Host-side
+    attention metadata never reaches dynamo, so nothing guards on it: after `capture` compiles
+    the two graphs per segment (1 token, and a symbolic count >= 2), no step recompiles.
+
+    A model that is not a `PiecewiseModel` runs eagerly (with a warning): compiling a whole
+    step, attention included, recompiles on nearly every step."""
 
     name = "inductor"
 
-    def __init__(self, model_fn: ModelFn, config) -> None:
+    def __init__(self, model_fn: ModelFn, config: Any) -> None:
         super().__init__(model_fn, config)
-        self._compiled = torch.compile(model_fn, dynamic=True)
+        self.model: PiecewiseModel | None = None
+        self._segments: list[SegmentFn] = []
+        if not isinstance(model_fn, PiecewiseModel):
+            logger.warning("cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly",
+                           type(model_fn).__name__)
+            return
+        self.model = model_fn
+        modules = make_segments(model_fn)
+        self._segments = [_compile_segment(m, f"portside_segment_{k}") for k, m in enumerate(modules)]
+
+    def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
+        """Compile every segment's graphs now, on dummy decode batches, not in the first steps."""
+        if self.model is None:
+            return
+        t0 = time.perf_counter()
+        for n in WARMUP_TOKENS:
+            ctx = make_dummy_context(n)
+            zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)
+            self(zeros, zeros, ctx)
+        logger.info("inductor: compiled %d segments in %.1f s", len(self._segments), time.perf_counter() - t0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self._compiled(input_ids, positions, ctx)
+        if self.model is None:
+            return self.model_fn(input_ids, positions, ctx)
+        return run_segments(self.model, self._segments, input_ids, positions, ctx)
 
 
 def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:

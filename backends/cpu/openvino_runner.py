@@ -3,28 +3,24 @@
 The predictable path (`openvino.convert_model` + `compile_model("CPU")`), not
 `torch.compile(backend="openvino")`, whose dynamo backend silently falls back to Inductor on any
 conversion error. The model, through core's `PiecewiseModel` seam, is cut at its attention
-calls into ``num_layers + 1`` segments:
-
-    head:  h, *aux                -> h, q, k, v       (layer 0 up to attention)
-    mid i: h, o, *aux             -> h, q, k, v       (layer i-1 after attention, layer i up to it)
-    tail:  h, o                   -> hidden           (last layer after attention, final norm)
-
-`aux` is what every layer shares (the rotary cos/sin). Each segment is converted once with a
-dynamic token axis, so any batch shape runs without recompiling. Paged attention (which writes
-the KV cache in place) stays in the platform's attention backend between segments. Tensor
-parallel size 1 only (the all-reduces inside a segment would need OpenVINO collectives).
+calls into ``num_layers + 1`` segments (`segments.py`, shared with the Inductor runner). Each
+segment is converted once with a dynamic token axis, so any batch shape runs without
+recompiling. Paged attention (which writes the KV cache in place) stays in the platform's
+attention backend between segments. Tensor parallel size 1 only (the all-reduces inside a
+segment would need OpenVINO collectives).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
 
 import torch
-from torch import nn
 
 from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
+from portside.backends.cpu.segments import make_segments, run_segments
 
 logger = logging.getLogger(__name__)
 
@@ -36,40 +32,6 @@ def openvino_available() -> str | None:
     except Exception as e:  # pragma: no cover - depends on the environment
         return f"openvino is not importable ({e}); pip install 'portside[openvino]'"
     return None
-
-
-class _Head(nn.Module):
-    """Layer 0 up to its attention: h, *aux -> h, q, k, v."""
-
-    def __init__(self, model: PiecewiseModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, h, *aux):
-        return (h, *self.model.pre_attention(0, h, aux))
-
-
-class _Mid(nn.Module):
-    """From layer i-1's attention output to layer i's attention: h, o, *aux -> h, q, k, v."""
-
-    def __init__(self, model: PiecewiseModel, i: int) -> None:
-        super().__init__()
-        self.model, self.i = model, i
-
-    def forward(self, h, o, *aux):
-        h = self.model.post_attention(self.i - 1, h, o)
-        return (h, *self.model.pre_attention(self.i, h, aux))
-
-
-class _Tail(nn.Module):
-    """The last layer after its attention, and the final norm: h, o -> hidden."""
-
-    def __init__(self, model: PiecewiseModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, h, o):
-        return self.model.final_norm(self.model.post_attention(self.model.num_layers - 1, h, o))
 
 
 class OpenVinoGraphRunner(GraphRunner):
@@ -92,6 +54,7 @@ class OpenVinoGraphRunner(GraphRunner):
         self._requests: list[Any] = []
         self._compiled: list[Any] = []
         self._build()
+        self._segment_fns = [functools.partial(self._infer, i) for i in range(len(self._compiled))]
 
     def _build(self) -> None:
         import openvino as ov
@@ -106,9 +69,8 @@ class OpenVinoGraphRunner(GraphRunner):
         head = ((ex_h, *ex_aux), [dynamic(t) for t in (ex_h, *ex_aux)])
         mid = ((ex_h, ex_o, *ex_aux), [dynamic(t) for t in (ex_h, ex_o, *ex_aux)])
         tail = ((ex_h, ex_o), [dynamic(ex_h), dynamic(ex_o)])
-        segments = [(_Head(model), *head)]
-        segments += [(_Mid(model, i), *mid) for i in range(1, model.num_layers)]
-        segments.append((_Tail(model), *tail))
+        modules = make_segments(model)
+        segments = [(modules[0], *head), *((m, *mid) for m in modules[1:-1]), (modules[-1], *tail)]
         core = ov.Core()
         props = {
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),
@@ -134,14 +96,4 @@ class OpenVinoGraphRunner(GraphRunner):
         return [torch.from_numpy(res[out]) for out in self._compiled[i].outputs]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        model = self.model
-        h, aux = model.embed(input_ids, positions)  # embedding and rotary stay in torch (gathers)
-        h, q, k, v = self._infer(0, h, *aux)
-        last = model.num_layers - 1
-        for i in range(model.num_layers):
-            o = ctx.attention(i, q, k, v, model.attention_scale(i))  # [T, H, D], paged, in torch
-            if i < last:
-                h, q, k, v = self._infer(i + 1, h, o, *aux)
-            else:
-                (h,) = self._infer(i + 1, h, o)
-        return h
+        return run_segments(self.model, self._segment_fns, input_ids, positions, ctx)

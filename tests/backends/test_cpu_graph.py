@@ -1,5 +1,6 @@
 """cpu graph modes end to end: greedy parity with transformers for eager, inductor and openvino,
-and proof that the OpenVINO mode really ran OpenVINO (not a silent Inductor fallback).
+proof that the OpenVINO mode really ran OpenVINO (not a silent Inductor fallback), and that the
+inductor mode does not recompile after its warm-up.
 
 One engine per mode runs a ragged batch across block boundaries with a small token budget, so
 steps mix decodes with prefill chunks and the token count changes every step (dynamic shapes).
@@ -70,6 +71,44 @@ def test_openvino_really_executes(tiny_llama):
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     steps = 3  # one prefill step + two decode steps
     assert runner.num_ov_calls - before == steps * len(runner._compiled)
+
+
+def test_inductor_does_not_recompile_after_warmup(tiny_llama):
+    """The inductor runner compiles each dense segment at startup (two graphs: 1 token and a
+    symbolic count >= 2); batches of other shapes afterwards (prefill chunks, mixed steps, decodes
+    of several sizes) reuse them: dynamo compiles no new graph and hits no recompile limit."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    llm = _engine(tiny_llama, "inductor")
+    runner = _runner(llm)
+    num_segments = llm.engine.executor.runner.model.config.num_layers + 1
+    assert len(runner._segments) == num_segments
+    # compiled in capture, one graph each (a graph break would add more)
+    assert counters["stats"]["unique_graphs"] - before == 2 * num_segments
+    warm_graphs, warm_frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for lengths in ([5], [3, 9, 17, 30], [2, 2, 2, 2, 2, 40], [7, 1]):
+        llm.generate([{"prompt_token_ids": list(range(1, n + 1))} for n in lengths], params, use_tqdm=False)
+    # every call hit a cached graph: a guard miss would convert a frame again (also when dynamo
+    # gives up at its recompile limit and falls back to eager, which adds no graph)
+    assert counters["frames"]["total"] == warm_frames
+    assert counters["stats"]["unique_graphs"] == warm_graphs
+
+
+def test_inductor_falls_back_to_eager_for_a_non_piecewise_model(tiny_llama, caplog):
+    """A model without the PiecewiseModel seam runs eagerly (with a warning), never compiled whole."""
+    import torch
+
+    from portside.backends.cpu.graph import InductorGraphRunner
+
+    def model_fn(input_ids, positions, ctx):  # a plain ModelFn
+        return torch.ones(input_ids.shape[0], 4)
+
+    with caplog.at_level("WARNING"):
+        runner = InductorGraphRunner(model_fn, None)
+    assert "not a PiecewiseModel" in caplog.text
+    assert torch.equal(runner(torch.zeros(3, dtype=torch.long), torch.arange(3), None), torch.ones(3, 4))
 
 
 def test_unknown_graph_mode_is_rejected(tiny_llama):
