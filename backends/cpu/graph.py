@@ -71,8 +71,9 @@ class InductorGraphRunner(GraphRunner):
         self.model: PiecewiseModel | None = None
         self._segments: list[SegmentFn] = []
         if not isinstance(model_fn, PiecewiseModel):
-            logger.warning("cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly",
-                           type(model_fn).__name__)
+            logger.warning(
+                "cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly", type(model_fn).__name__
+            )
             return
         self.model = model_fn
         modules = make_segments(model_fn)
