@@ -84,10 +84,15 @@ class InductorGraphRunner(GraphRunner):
         if self.model is None:
             return
         t0 = time.perf_counter()
-        for n in WARMUP_TOKENS:
-            ctx = make_dummy_context(n)
-            zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)
-            self(zeros, zeros, ctx)
+        # Freezing treats the weights as constants and prepacks them for oneDNN's linear kernels
+        # (default model, 32 x 64 -> 64 tokens: 123 tok/s frozen vs 102 unfrozen vs 97 eager).
+        # The graphs are built here, so the setting is scoped to this warm-up. A packed copy of
+        # each segment's weights is kept: the dense weights take about twice their size.
+        with torch._inductor.config.patch(freezing=True):
+            for n in WARMUP_TOKENS:
+                ctx = make_dummy_context(n)
+                zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)
+                self(zeros, zeros, ctx)
         logger.info("inductor: compiled %d segments in %.1f s", len(self._segments), time.perf_counter() - t0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
