@@ -21,6 +21,7 @@ from portside.backend_api import (
     ModelFn,
     Platform,
     SingleRankCommunicator,
+    host_memory,
 )
 
 VISIBLE_ENV = "NPU_EXAMPLE_VISIBLE_DEVICES"
@@ -55,9 +56,7 @@ class NpuExamplePlatform(Platform):
 
     @classmethod
     def device_info(cls) -> DeviceInfo:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = page * os.sysconf("SC_PHYS_PAGES")
-        free = page * os.sysconf("SC_AVPHYS_PAGES")
+        total, free = host_memory()  # the simulated device's memory is the host's
         return DeviceInfo(name="npu-example (simulated on the CPU)", count=1, total_memory=total, free_memory=free)
 
     @classmethod

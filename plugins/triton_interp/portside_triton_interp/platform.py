@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from portside.backend_api import AttentionBackend, Availability, DeviceInfo, Platform
+from portside.backend_api import AttentionBackend, Availability, DeviceInfo, Platform, host_memory
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 
@@ -50,9 +50,7 @@ class TritonInterpPlatform(Platform):
 
     @classmethod
     def device_info(cls) -> DeviceInfo:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = page * os.sysconf("SC_PHYS_PAGES")
-        free = page * os.sysconf("SC_AVPHYS_PAGES")
+        total, free = host_memory()  # the simulated device's memory is the host's
         return DeviceInfo(name="CPU (Triton interpreter)", count=1, total_memory=total, free_memory=free)
 
     @classmethod
