@@ -1,0 +1,268 @@
+/* Paged attention kernels for the cpu backend, called through ctypes (portside.backends.cpu.kernels).
+ *
+ * Plain C, fp32 only, no torch headers. Cache layout of one layer (the canonical one):
+ *     kv_cache[2][num_blocks][block_size][num_kv_heads][head_size]
+ * so key row (slot, kv_head) starts at ((slot * num_kv_heads) + kv_head) * head_size of plane 0,
+ * where slot = block * block_size + offset; plane 1 holds the values.
+ *
+ * Built with -O3 -march=native -fopenmp: the inner loops over head_size are `omp simd` so the
+ * compiler vectorizes them; sequences x KV heads are spread over OpenMP threads.
+ *
+ * Every entry point returns 0 on success or a PS_ERR_* code; nothing is written past the
+ * buffers described by its size arguments.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PS_OK 0
+#define PS_ERR_BLOCK 1   /* a block id outside [0, num_blocks) */
+#define PS_ERR_NOMEM 2   /* scratch allocation failed */
+#define PS_ERR_LEN 3     /* a seq_len larger than its block-table row can hold */
+#define PS_ERR_SLOT 4    /* a slot >= num_blocks * block_size */
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+/* how many blocks ahead a pass prefetches: random blocks defeat the
+                             hardware prefetcher, and the kernel is bound by memory latency */
+
+/* Prefetch n rows (stride `row_stride` floats) of `width` floats each: one block's rows of some heads. */
+ALWAYS_INLINE void prefetch_rows(const float *p, int64_t n, int64_t row_stride, int64_t width) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < width; d += 16) __builtin_prefetch(p + j * row_stride + d, 0, 3);
+}
+
+/* Shapes and strides of one decode call (element strides, innermost dim contiguous). */
+typedef struct {
+    int64_t num_seqs, num_heads, num_kv_heads, head_size;
+    int64_t num_blocks, block_size, max_blocks;
+    int64_t q_stride_tok, q_stride_head;     /* query [num_seqs, num_heads, head_size] */
+    int64_t out_stride_tok, out_stride_head; /* out, same shape */
+    int64_t table_stride;                    /* block_tables row stride */
+    float scale;
+} decode_shape;
+
+/* GNU C vector types (gcc, clang): the compiler lowers them to whatever SIMD the target has. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+ALWAYS_INLINE v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+ALWAYS_INLINE float hsum16(v16f v) { /* halving tree: no chain of 16 scalar adds */
+    v8f lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    const v8f s8 = lo + hi;
+    v4f a, b;
+    memcpy(&a, &s8, sizeof a);
+    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
+    const v4f s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* a . b over n floats: 16-lane partial sums, then one tree reduction (n % 16 == 0), else a
+ * plain simd loop. */
+ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, const int64_t n) {
+    if (n % 16 == 0) {
+        v16f acc = {0};
+        for (int64_t c = 0; c < n; c += 16) acc += load16(a + c) * load16(b + c);
+        return hsum16(acc);
+    }
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
+}
+
+/* exp(x) for x <= 0 (softmax numerators after max subtraction), vectorizable (libm's expf is
+ * not without -ffast-math): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
+ * polynomial (relative error ~1e-7), times 2^n built in the exponent bits. Below -87 it
+ * clamps (exp(-87) ~ 1.6e-38: negligible next to the max term, which is 1). */
+ALWAYS_INLINE float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest (1.5 * 2^23) */
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 split: hi + lo */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One sequence, KV heads [h0, h0 + nh): their R = nh * G query rows attend over the sequence's
+ * seq_len keys. Two passes over the paged rows; each K and V row of these heads is read once for
+ * all R query rows (the nh heads of a row are adjacent in memory):
+ *   1. scores[r][t] = scale * q_r . k_t  (then per-row max, exp, sum: an exact softmax)
+ *   2. acc[r] = sum_t p[r][t] * v_t, out_r = acc[r] / sum_r
+ * `scratch` holds R * seq_len scores + R * D accumulators + R * D scaled queries. The caller has
+ * checked every block id. D is a compile-time constant in the specialised callers below. */
+ALWAYS_INLINE void decode_heads(const decode_shape *sh, float *out, const float *q, const float *kv,
+                                const int32_t *table, int64_t seq_len, int64_t h0, int64_t nh,
+                                float *restrict scratch, const int64_t D) {
+    const int64_t G = sh->num_heads / sh->num_kv_heads, R = nh * G;
+    const int64_t BS = sh->block_size, row = sh->num_kv_heads * D; /* floats per cache row */
+    const float *k_plane = kv + h0 * D, *v_plane = k_plane + sh->num_blocks * BS * row;
+    float *restrict scores = scratch;           /* [R][seq_len] */
+    float *restrict acc = scores + R * seq_len; /* [R][D] */
+    float *restrict qs = acc + R * D;           /* [R][D]: scale * q */
+    const int64_t n_blk = (seq_len + BS - 1) / BS;
+
+    for (int64_t r = 0; r < R; ++r) {
+        const float *qr = q + (h0 * G + r) * sh->q_stride_head;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sh->scale;
+    }
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && b < n_blk; ++b)
+        prefetch_rows(k_plane + table[b] * BS * row, BS, row, nh * D);
+    /* pass 1: scores */
+    for (int64_t b = 0; b < n_blk; ++b) {
+        const int64_t t0 = b * BS, n = (seq_len - t0 < BS) ? seq_len - t0 : BS;
+        const float *k = k_plane + table[b] * BS * row; /* row j of the block at k + j * row */
+        if (b + PREFETCH_BLOCKS < n_blk) prefetch_rows(k_plane + table[b + PREFETCH_BLOCKS] * BS * row, BS, row, nh * D);
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t r = 0; r < R; ++r) scores[r * seq_len + t0 + j] = dot(qs + r * D, k + j * row + (r / G) * D, D);
+    }
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && b < n_blk; ++b)
+        prefetch_rows(v_plane + table[b] * BS * row, BS, row, nh * D);
+    /* softmax numerators, max-subtracted; acc zeroed */
+    float inv_sum[R];
+    for (int64_t r = 0; r < R; ++r) {
+        float *s = scores + r * seq_len;
+        float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < seq_len; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < seq_len; ++t) {
+            s[t] = exp_nonpos(s[t] - m);
+            total += s[t];
+        }
+        inv_sum[r] = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+    }
+    /* pass 2: weighted sum of values */
+    for (int64_t b = 0; b < n_blk; ++b) {
+        const int64_t t0 = b * BS, n = (seq_len - t0 < BS) ? seq_len - t0 : BS;
+        const float *v = v_plane + table[b] * BS * row;
+        if (b + PREFETCH_BLOCKS < n_blk) prefetch_rows(v_plane + table[b + PREFETCH_BLOCKS] * BS * row, BS, row, nh * D);
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t r = 0; r < R; ++r) {
+                const float p = scores[r * seq_len + t0 + j];
+                const float *restrict vj = v + j * row + (r / G) * D;
+                float *restrict a = acc + r * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) a[d] += p * vj[d];
+            }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        float *o = out + (h0 * G + r) * sh->out_stride_head;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv_sum[r];
+    }
+}
+
+static void decode_heads_any(const decode_shape *sh, float *out, const float *q, const float *kv,
+                             const int32_t *table, int64_t seq_len, int64_t h0, int64_t nh, float *scratch) {
+    switch (sh->head_size) { /* constant D: fully unrolled, vectorized dot products */
+    case 64: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, 64); break;
+    case 128: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, 128); break;
+    case 256: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, 256); break;
+    default: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, sh->head_size);
+    }
+}
+
+/* Decode attention: sequence i has one query token (row i of `query`) and attends over all
+ * seq_lens[i] tokens of its blocks block_tables[i, :ceil(seq_len / block_size)].
+ *   out          [num_seqs, num_heads, head_size] fp32 (strides out_stride_tok / _head)
+ *   query        [num_seqs, num_heads, head_size] fp32 (strides q_stride_tok / _head)
+ *   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_size] fp32, contiguous
+ *   block_tables [num_seqs, >= max_blocks] int32 (row stride table_stride)
+ *   seq_lens     [num_seqs] int32
+ * num_heads must be a multiple of num_kv_heads. A seq_len of 0 gives a zero output row. */
+int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, const int32_t *block_tables,
+                        const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                        int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
+                        int64_t out_stride_head, int64_t table_stride, float scale, int num_threads) {
+    const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
+                             q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale};
+    const int64_t G = num_heads / num_kv_heads;
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) { /* validate everything before touching the cache */
+        const int64_t len = seq_lens[i];
+        if (len > max_blocks * block_size) return PS_ERR_LEN;
+        if (len > max_len) max_len = len;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+            const int64_t blk = block_tables[i * table_stride + b];
+            if (blk < 0 || blk >= num_blocks) return PS_ERR_BLOCK;
+        }
+    }
+    /* A task is (sequence, KV heads): all heads of a sequence together (their rows are
+     * contiguous, which the hardware prefetcher streams) while there are enough sequences to keep
+     * the threads busy, else one KV head per task. */
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int64_t nh = num_seqs >= 4 * (int64_t)threads ? num_kv_heads : 1;
+    const int64_t per_seq = num_kv_heads / nh, tasks = num_seqs * per_seq;
+    const size_t scratch_floats = (size_t)(nh * G * (max_len + 2 * head_size));
+    int status = PS_OK;
+
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        float *scratch = (float *)malloc(scratch_floats * sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            status = PS_ERR_NOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            if (!scratch) continue;
+            const int64_t i = task / per_seq, h0 = (task % per_seq) * nh;
+            float *o = out + i * out_stride_tok;
+            if (seq_lens[i] <= 0) {
+                for (int64_t r = 0; r < nh * G; ++r) memset(o + (h0 * G + r) * out_stride_head, 0, head_size * sizeof(float));
+                continue;
+            }
+            decode_heads_any(&sh, o, query + i * q_stride_tok, kv_cache, block_tables + i * table_stride, seq_lens[i],
+                             h0, nh, scratch);
+        }
+        free(scratch);
+    }
+    return status;
+}
+
+/* Write the K/V rows of new tokens into the cache (vLLM's reshape_and_cache):
+ *   kv_cache  [2, num_blocks * block_size, row] fp32 (row = num_kv_heads * head_size), contiguous
+ *   key/value [num_tokens, row] fp32, token strides key_stride / value_stride
+ *   slots     [num_tokens] int64; a slot < 0 skips its token (padding)
+ * Checks every slot before writing anything. */
+int ps_write_kv_f32(float *kv_cache, int64_t num_slots, int64_t row, const float *key, int64_t key_stride,
+                    const float *value, int64_t value_stride, const int64_t *slots, int64_t num_tokens) {
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (slots[i] >= num_slots) return PS_ERR_SLOT;
+    float *v_plane = kv_cache + num_slots * row;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        memcpy(kv_cache + s * row, key + i * key_stride, row * sizeof(float));
+        memcpy(v_plane + s * row, value + i * value_stride, row * sizeof(float));
+    }
+    return PS_OK;
+}
+
+/* ABI version of this file's entry points; kernels.py checks it after loading. */
+int ps_abi_version(void) { return 1; }

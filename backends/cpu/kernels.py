@@ -1,0 +1,231 @@
+"""The cpu backend's native C kernels (`csrc/paged_attention.c`): built on first use, loaded with ctypes.
+
+The source is compiled with the system C compiler (``$CC``, else ``cc``, else ``gcc``) into
+``$XDG_CACHE_HOME/portside/kernels/<key>/`` (default ``~/.cache``), where the key hashes the
+source, the flags, the compiler's version and this CPU's feature flags, so a changed kernel, a
+new compiler or another machine sharing the home directory never loads a stale build. The .so
+is written to a temporary name and renamed into place, so a concurrent process sees either no
+file or a whole one. Nothing is built at import time: the first `load_library()` (or
+`native_unavailable_reason()`) does it.
+
+The wrappers take torch tensors, check dtype / device / layout / shapes and raise `ValueError`
+with what is wrong; the C code then trusts the sizes it is given (it still checks block ids and
+slots against the cache, returning an error code rather than reading out of bounds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-lm")
+ABI_VERSION = 1
+_ERRORS = {
+    1: "a block id outside the cache",
+    2: "out of memory for the kernel's scratch buffers",
+    3: "a seq_len longer than its block-table row holds",
+    4: "a slot outside the cache",
+}
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class NativeBuildError(RuntimeError):
+    """The kernels could not be built or loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    lib: ctypes.CDLL
+    path: Path
+    compiled: bool  # True when this process compiled it, False when it came from the cache
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC`` (may carry flags), else ``cc``, else ``gcc``."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise NativeBuildError("no C compiler found ($CC unset, neither cc nor gcc on PATH)")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"C compiler {cmd[0]!r} could not run: {type(e).__name__}: {e}") from e
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _cpu_flags() -> str:
+    from portside.backends.cpu.platform import cpu_flags
+
+    return " ".join(sorted(cpu_flags()))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "portside" / "kernels"
+
+
+def build_key(cc: list[str]) -> str:
+    """sha256 of what the .so depends on: source, flags, compiler version, CPU."""
+    version = _run([*cc, "--version"], timeout=30)
+    if version.returncode != 0:
+        raise NativeBuildError(f"C compiler {shlex.join(cc)!r} failed on --version:\n{_tail(version.stderr)}")
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join([*cc, *FLAGS]).encode(), version.stdout.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def _build(cc: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        res = _run([*cc, *FLAGS[:-1], "-o", tmp, str(SOURCE), FLAGS[-1]], timeout=300)
+        if res.returncode != 0:
+            raise NativeBuildError(f"building {SOURCE.name} with {shlex.join(cc)} failed "
+                                   f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
+        os.replace(tmp, target)  # atomic: other processes see no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.ps_abi_version.restype = _i32
+    lib.ps_abi_version.argtypes = []
+    lib.ps_paged_decode_f32.restype = _i32
+    lib.ps_paged_decode_f32.argtypes = [_ptr] * 5 + [_i64] * 12 + [_f32, _i32]
+    lib.ps_write_kv_f32.restype = _i32
+    lib.ps_write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> NativeLibrary:
+    """Build (once per cache key) and load the kernels. Raises `NativeBuildError` with the reason."""
+    cc = compiler()
+    target = cache_dir() / build_key(cc) / "paged_attention.so"
+    compiled = not target.exists()
+    if compiled:
+        logger.info("building native cpu kernels: %s -> %s", SOURCE.name, target)
+        _build(cc, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+    except (OSError, AttributeError) as e:
+        raise NativeBuildError(f"loading {target} failed: {e}") from e
+    if lib.ps_abi_version() != ABI_VERSION:
+        raise NativeBuildError(f"{target} has ABI {lib.ps_abi_version()}, expected {ABI_VERSION}")
+    return NativeLibrary(lib, target, compiled)
+
+
+def native_unavailable_reason() -> str | None:
+    """None when the native kernels build and load here, else why not (builds on first call)."""
+    try:
+        load_library()
+    except NativeBuildError as e:
+        return str(e)
+    return None
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, dims: int) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: native cpu kernels need cpu tensors, got {t.device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected {dtype}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dims, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous, strides {t.stride()}")
+
+
+def _raise_on(rc: int, what: str) -> None:
+    if rc:
+        raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def paged_decode(
+    out: torch.Tensor,  # [B, H, D] fp32, written
+    query: torch.Tensor,  # [B, H, D] fp32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] fp32, contiguous
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, rows contiguous
+    seq_lens: torch.Tensor,  # [B] int32, contiguous
+    scale: float,
+    num_threads: int | None = None,
+) -> None:
+    """Decode attention of B single-token queries over their paged K/V (GQA: H % KVH == 0)."""
+    lib = load_library().lib
+    for t, name in ((out, "out"), (query, "query")):
+        _check(t, name, torch.float32, 3)
+    _check(kv_cache, "kv_cache", torch.float32, 5)
+    _check(block_tables, "block_tables", torch.int32, 2)
+    _check(seq_lens, "seq_lens", torch.int32, 1)
+    batch, heads, d = query.shape
+    two, num_blocks, block_size, kv_heads, d_cache = kv_cache.shape
+    if two != 2 or d_cache != d or heads % kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
+    if out.shape != query.shape or query.stride(1) != d or out.stride(1) != d:
+        raise ValueError(f"out {tuple(out.shape)} / query {tuple(query.shape)}: need matching shapes, heads dense")
+    if not kv_cache.is_contiguous() or not seq_lens.is_contiguous():
+        raise ValueError("kv_cache and seq_lens must be contiguous")
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match batch {batch}")
+    if batch == 0:
+        return
+    rc = lib.ps_paged_decode_f32(
+        out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        batch, heads, kv_heads, d, num_blocks, block_size, block_tables.shape[1],
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        scale, num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_on(rc, "paged_decode")
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """kv_cache [2, num_blocks, block_size, KVH, D] at `slots` ([T] int64; -1 skips) <- key/value [T, KVH, D]."""
+    lib = load_library().lib
+    _check(kv_cache, "kv_cache", torch.float32, 5)
+    _check(key, "key", torch.float32, 3)
+    _check(value, "value", torch.float32, 3)
+    _check(slots, "slots", torch.int64, 1)
+    _, num_blocks, block_size, kv_heads, d = kv_cache.shape
+    row = kv_heads * d
+    for t, name in ((key, "key"), (value, "value")):
+        if t.shape[1:] != (kv_heads, d) or t.stride(1) != d or t.shape[0] != slots.shape[0]:
+            raise ValueError(f"{name} {tuple(t.shape)} does not fit kv_cache {tuple(kv_cache.shape)} "
+                             f"and {slots.shape[0]} slots (or its heads are not dense)")
+    if not kv_cache.is_contiguous() or not slots.is_contiguous():
+        raise ValueError("kv_cache and slots must be contiguous")
+    if slots.shape[0] == 0:
+        return
+    rc = lib.ps_write_kv_f32(kv_cache.data_ptr(), num_blocks * block_size, row, key.data_ptr(), key.stride(0),
+                             value.data_ptr(), value.stride(0), slots.data_ptr(), slots.shape[0])
+    _raise_on(rc, "write_kv")
