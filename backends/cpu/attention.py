@@ -1,4 +1,5 @@
-"""Vectorized paged attention in torch for CPUs.
+"""Paged attention for CPUs: vectorized torch (`CpuAttentionBackend`), and the same with decodes
+and K/V writes in the native C kernels of `kernels.py` (`NativeAttentionBackend`).
 
 Cache layout (one layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (the
 canonical one). Everything that depends only on the batch (gather indices, masks, valid slots)
@@ -8,6 +9,10 @@ GQA folds the query heads of a KV head into the query-length axis, so K/V are ne
 
 The cache must hold finite values everywhere (the runner zero-initialises it): padded key
 positions are masked out of the softmax, and 0 * finite = 0.
+
+The native path reads each decode's K/V rows in place from the paged cache (no gather copy, no
+padding) and writes new K/V rows with one call; it runs when the cache, queries and new K/V are
+fp32 and otherwise falls back to the torch path call by call. Prefill chunks always use SDPA.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backends.cpu import kernels
 
 
 @dataclass
@@ -39,6 +45,8 @@ class TorchAttentionPlan:
     decode_tables: torch.Tensor | None  # [B, n] int64 blocks of the decodes (padded with 0)
     decode_mask: torch.Tensor | None  # [B, 1, 1, n * block_size] bool: key position < seq_len
     prefills: list[_Prefill]
+    native_tables: torch.Tensor | None = None  # [B, n] int32, contiguous: the native decode kernel's
+    native_lens: torch.Tensor | None = None  # [B] int32, contiguous
 
 
 def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -59,26 +67,10 @@ class CpuAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         md = metadata
-        bs = md.block_size
         keep, slots = valid_slots(md.slot_mapping)
         nd = md.num_decode_tokens
-        tables = decode_mask = None
-        if nd:
-            n = -(-max(md.seq_lens_cpu[:nd]) // bs)
-            tables = md.block_tables[:nd, :n].long()
-            decode_mask = torch.arange(n * bs).unsqueeze(0) < md.seq_lens[:nd].unsqueeze(1)  # (B, S)
-            decode_mask = decode_mask[:, None, None, :]
-        prefills = []
-        qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
-        for i in range(nd, len(lens)):
-            start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
-            if end == start:
-                continue
-            n = -(-seq_len // bs)
-            q_pos = torch.arange(seq_len - (end - start), seq_len)
-            mask = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # (Q, S)
-            prefills.append(_Prefill(start, end, md.block_tables[i, :n].long(), seq_len, mask))
-        md.backend_data = TorchAttentionPlan(keep, slots, nd, tables, decode_mask, prefills)
+        tables, decode_mask = _torch_decode_inputs(md) if nd else (None, None)
+        md.backend_data = TorchAttentionPlan(keep, slots, nd, tables, decode_mask, _plan_prefills(md))
         return md
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
@@ -111,6 +103,88 @@ class CpuAttentionBackend(AttentionBackend):
         for p in plan.prefills:
             out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale)
         return out
+
+
+def _torch_decode_inputs(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch decode path's block tables (B, n) int64 and key mask (B, 1, 1, n * bs)."""
+    nd, bs = md.num_decode_tokens, md.block_size
+    n = -(-max(md.seq_lens_cpu[:nd]) // bs)
+    tables = md.block_tables[:nd, :n].long()
+    mask = torch.arange(n * bs).unsqueeze(0) < md.seq_lens[:nd].unsqueeze(1)  # (B, S)
+    return tables, mask[:, None, None, :]
+
+
+class NativeAttentionBackend(CpuAttentionBackend):
+    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32 caches).
+
+    Build the kernels first (`kernels.native_unavailable_reason()`); the platform only picks this
+    backend when they load."""
+
+    name = "native-paged"
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        md = metadata
+        nd = md.num_decode_tokens
+        plan = TorchAttentionPlan(*valid_slots(md.slot_mapping), nd, None, None, _plan_prefills(md))
+        if nd:
+            n = -(-max(md.seq_lens_cpu[:nd]) // md.block_size)
+            plan.native_tables = md.block_tables[:nd, :n].to(torch.int32).contiguous()
+            plan.native_lens = md.seq_lens[:nd].to(torch.int32).contiguous()
+        md.backend_data = plan
+        return md
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        if _fp32(kv_cache, key, value):
+            kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), slot_mapping.long().contiguous())
+        else:
+            super().write_kv(kv_cache, key, value, slot_mapping)
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = metadata.backend_data
+        if not isinstance(plan, TorchAttentionPlan) or (plan.num_decodes and plan.native_tables is None):
+            plan = self.prepare(metadata).backend_data
+        native = _fp32(kv_cache, query, key, value)
+        if native:
+            kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), metadata.slot_mapping.long().contiguous())
+        else:
+            self._write(kv_cache, key, value, plan.keep, plan.slots)
+        out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
+        nd = plan.num_decodes
+        if nd and native:
+            kernels.paged_decode(out[:nd], _dense_rows(query[:nd]), kv_cache, plan.native_tables, plan.native_lens,
+                                 scale)
+        elif nd:
+            tables, mask = _torch_decode_inputs(metadata)
+            out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale)
+        for p in plan.prefills:
+            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale)
+        return out
+
+
+def _plan_prefills(md: AttentionMetadata) -> list[_Prefill]:
+    """Each prefill chunk's blocks and causal mask (requests after the decodes)."""
+    prefills = []
+    qsl, lens, bs = md.query_start_loc_cpu, md.seq_lens_cpu, md.block_size
+    for i in range(md.num_decode_tokens, len(lens)):
+        start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+        if end == start:
+            continue
+        n = -(-seq_len // bs)
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        mask = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # (Q, S)
+        prefills.append(_Prefill(start, end, md.block_tables[i, :n].long(), seq_len, mask))
+    return prefills
+
+
+def _fp32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, heads, D] with each row's heads dense (what the kernels index), copying only if not."""
+    if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]:
+        return t
+    return t.contiguous()
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "torch", "ipex")  # platform option "cpu_attention"
+ATTENTION_IMPLS = ("auto", "native", "torch", "ipex")  # platform option "cpu_attention"
 
 
 @lru_cache(maxsize=1)
@@ -78,7 +78,7 @@ class CpuPlatform(Platform):
     block_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
     default_block_size = 16
     default_kv_cache_memory = 4 * 2**30  # bytes, like vLLM's CPU default; capped by free memory
-    attention_name = "torch-sdpa|ipex-paged"
+    attention_name = "native-paged|torch-sdpa|ipex-paged"
     graph_name = "eager|inductor|openvino"
     collectives_name = dist_backend
 
@@ -102,6 +102,13 @@ class CpuPlatform(Platform):
         return checkpoint_dtype
 
     @classmethod
+    def prepare_model(cls, model, config) -> None:
+        """Weights into one huge-page buffer in read order (`weights.pack_weights`)."""
+        from portside.backends.cpu.weights import pack_weights
+
+        pack_weights(model)
+
+    @classmethod
     def check_and_update_config(cls, config):
         mode = config.option("cpu_graph", DEFAULT_GRAPH_MODE)
         if mode not in GRAPH_MODES:
@@ -123,6 +130,12 @@ class CpuPlatform(Platform):
             reason = ipex_unavailable_reason()
             if reason:
                 raise ValueError(f"cpu_attention=ipex: {reason}")
+        if impl == "native":
+            from portside.backends.cpu.kernels import native_unavailable_reason
+
+            reason = native_unavailable_reason()
+            if reason:
+                raise ValueError(f"cpu_attention=native: the native kernels are unavailable: {reason}")
         threads = config.option("cpu_threads")
         if threads is not None and not str(threads).isdigit():
             raise ValueError(f"cpu_threads={threads!r}: give a positive integer")
@@ -133,17 +146,26 @@ class CpuPlatform(Platform):
 
     @classmethod
     def attention_backend(cls, config) -> AttentionBackend:
-        """IPEX's paged kernels when intel_extension_for_pytorch is usable (option cpu_attention
-        "auto" or "ipex"), else the vectorized torch path."""
-        from portside.backends.cpu.attention import CpuAttentionBackend
+        """Option cpu_attention: "auto" picks IPEX's paged kernels when intel_extension_for_pytorch
+        is usable, else the native C kernels for fp32 models when they build, else the torch path;
+        "native", "torch" and "ipex" force one (checked in `check_and_update_config`)."""
+        from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 
         impl = config.option("cpu_attention", "auto")
-        if impl != "torch":
+        if impl in ("auto", "ipex"):
             from portside.backends.cpu.ipex_attention import IpexAttentionBackend, ipex_unavailable_reason
 
             if ipex_unavailable_reason() is None:
                 logger.info("cpu attention: IPEX PagedAttention kernels")
                 return IpexAttentionBackend()
+        if impl == "native" or (impl == "auto" and config.model.dtype == torch.float32):
+            from portside.backends.cpu.kernels import native_unavailable_reason
+
+            reason = native_unavailable_reason()
+            if reason is None:
+                logger.info("cpu attention: native C kernels (decodes, K/V writes), SDPA for prefill chunks")
+                return NativeAttentionBackend()
+            logger.warning("cpu attention: native kernels unavailable, using the torch path: %s", reason)
         return CpuAttentionBackend()
 
     @classmethod

@@ -1,4 +1,5 @@
-"""cpu paged attention (the torch path, and IPEX's kernels in the ipex leg) vs the reference.
+"""cpu paged attention (the torch path, the native C kernels, and IPEX's kernels in the ipex leg)
+vs the reference.
 
 Each case fills a backend's own cache layout through its `write_kv` and the reference's
 canonical cache through `reference.write_kv` with the same prefix K/V, then attends a batch of
@@ -22,7 +23,8 @@ from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 from portside.attention import reference
 from portside.backend_api import AttentionBackend, AttentionMetadata, ForwardContext
-from portside.backends.cpu.attention import CpuAttentionBackend
+from portside.backends.cpu import kernels
+from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
 
 POOL = 67  # KV blocks in the pool; tables draw from all of it
@@ -39,7 +41,14 @@ def _ipex_backend() -> AttentionBackend:
     return IpexAttentionBackend()
 
 
-BACKENDS = {"torch": CpuAttentionBackend, "ipex": _ipex_backend}
+def _native_backend() -> AttentionBackend:
+    reason = kernels.native_unavailable_reason()
+    if reason:
+        pytest.skip(f"native cpu kernels unavailable: {reason}")
+    return NativeAttentionBackend()
+
+
+BACKENDS = {"torch": CpuAttentionBackend, "native": _native_backend, "ipex": _ipex_backend}
 
 
 @pytest.fixture(params=list(BACKENDS), ids=list(BACKENDS))
@@ -197,6 +206,36 @@ def test_forward_without_prepare_matches(backend):
     expected = reference.paged_attention(case.query, case.ref_cache, md.query_start_loc_cpu, md.seq_lens_cpu,
                                          md.block_tables, scale)
     assert_close(backend.forward(case.query, case.key, case.value, case.cache, md, scale), expected)
+
+
+# ---- the native path's own edges ----------------------------------------------------------------
+
+
+def test_native_strided_query_and_kv_rows():
+    """q/k/v as views of one fused qkv projection (token stride > row), as the model hands them."""
+    backend = _native_backend()
+    case = make_case(backend, [1, 1, 1, 6], [9, 40, 17, 6], 8, 2, 64, 16, seed=8)
+    h, kvh, d = 8, 2, 64
+    qkv = torch.cat([case.query.flatten(1), case.key.flatten(1), case.value.flatten(1)], dim=1)
+    q = qkv[:, : h * d].view(-1, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(-1, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(-1, kvh, d)
+    assert not q.is_contiguous()
+    check(backend, Case(q, k, v, case.ref_cache, case.cache, case.metadata))
+
+
+def test_native_falls_back_for_bf16():
+    backend = _native_backend()
+    case = make_case(backend, [1, 1, 4], [5, 30, 4], 4, 2, 64, 8, dtype=torch.bfloat16, seed=9)
+    check(backend, case, torch.bfloat16)
+
+
+def test_native_rejects_block_ids_outside_the_cache():
+    backend = _native_backend()
+    case = make_case(backend, [1, 1], [5, 20], 4, 2, 64, 8, seed=10)
+    case.metadata.block_tables[1, 1] = POOL  # one past the end
+    with pytest.raises(ValueError, match="block id outside the cache"):
+        backend.forward(case.query, case.key, case.value, case.cache, backend.prepare(case.metadata), 0.125)
 
 
 # ---- the OpenVINO path ---------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""The native cpu kernels' build cache, failure reporting and OpenMP runtime (`backends/cpu/kernels.py`).
+
+Numerics are in test_cpu_attention.py (the `native` backend against the reference)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portside.backends.cpu import kernels
+from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
+from portside.backends.cpu.platform import CpuPlatform
+from portside.config import EngineConfig, ModelConfig
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the build cache tests assume Linux")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty kernel cache under tmp_path; the in-process library is forgotten before and after."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kernels.load_library.cache_clear()
+    yield tmp_path
+    kernels.load_library.cache_clear()
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def _native_config() -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path="unused"), platform_options=(("cpu_attention", "native"),))
+
+
+def test_second_load_uses_the_cache(fresh):
+    if kernels.native_unavailable_reason() is not None:
+        pytest.skip(f"no working C compiler here: {kernels.native_unavailable_reason()}")
+    first = kernels.load_library()
+    assert first.compiled and first.path.is_file()
+    assert first.path.is_relative_to(fresh / "cache" / "portside" / "kernels")
+    assert [p.name for p in first.path.parent.iterdir()] == ["paged_attention.so"]  # no temp files left
+    mtime = first.path.stat().st_mtime_ns
+    kernels.load_library.cache_clear()
+    second = kernels.load_library()
+    assert not second.compiled and second.path == first.path and second.path.stat().st_mtime_ns == mtime
+
+
+def test_cache_key_follows_source_and_compiler(fresh, monkeypatch):
+    cc = kernels.compiler()
+    key = kernels.build_key(cc)
+    monkeypatch.setattr(kernels, "FLAGS", (*kernels.FLAGS, "-DPORTSIDE_TEST=1"))
+    assert kernels.build_key(cc) != key
+
+
+def test_missing_compiler_is_a_reason(fresh, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    reason = kernels.native_unavailable_reason()
+    assert reason is not None and "could not run" in reason and "no-such-cc" in reason
+
+
+def test_no_compiler_on_path_is_a_reason(fresh, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(fresh))  # an empty folder
+    assert "no C compiler found" in kernels.native_unavailable_reason()
+
+
+def test_failing_compiler_reports_its_stderr(fresh, monkeypatch):
+    cc = _script(fresh / "cc", 'if [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\n'
+                               'echo "fatal error: simulated compiler failure" >&2; exit 1\n')
+    monkeypatch.setenv("CC", cc)
+    reason = kernels.native_unavailable_reason()
+    assert reason is not None and "simulated compiler failure" in reason and "exit 1" in reason
+    assert not list((fresh / "cache").rglob("*.so"))  # nothing half-written left behind
+
+
+def test_native_without_compiler_is_a_config_error(fresh, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    with pytest.raises(ValueError, match="cpu_attention=native: .*no-such-cc"):
+        CpuPlatform.check_and_update_config(_native_config())
+
+
+def test_auto_falls_back_to_torch_without_compiler(fresh, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    config = EngineConfig(model=ModelConfig(path="unused"))
+    backend = CpuPlatform.attention_backend(config)
+    assert type(backend) is CpuAttentionBackend and backend.name == "torch-sdpa"
+
+
+def test_auto_picks_native_for_fp32_only(fresh):
+    if kernels.native_unavailable_reason() is not None:
+        pytest.skip("no working C compiler here")
+    fp32 = EngineConfig(model=ModelConfig(path="unused"))
+    bf16 = EngineConfig(model=ModelConfig(path="unused", dtype=torch.bfloat16))
+    assert CpuPlatform.attention_backend(fp32).name == NativeAttentionBackend.name == "native-paged"
+    assert CpuPlatform.attention_backend(bf16).name == "torch-sdpa"
+
+
+def test_wrappers_check_their_inputs():
+    if kernels.native_unavailable_reason() is not None:
+        pytest.skip("no working C compiler here")
+    cache = torch.zeros(2, 4, 8, 2, 64)
+    q, out = torch.zeros(3, 4, 64), torch.zeros(3, 4, 64)
+    tables, lens = torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected torch.float32"):
+        kernels.paged_decode(out, q.double(), cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="expected torch.int32"):
+        kernels.paged_decode(out, q, cache, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.paged_decode(out, torch.zeros(3, 3, 64), cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="longer than its block-table row"):
+        kernels.paged_decode(out, q, cache, tables, torch.full((3,), 17, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="slot outside the cache"):
+        kernels.write_kv(cache, torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.tensor([4 * 8]))
+
+
+def test_one_openmp_runtime_next_to_torch():
+    """The kernels' libgomp is torch's (same SONAME, already loaded): one OpenMP pool, and
+    multi-threaded kernel calls interleaved with torch's own parallel ops neither crash nor diverge."""
+    if kernels.native_unavailable_reason() is not None:
+        pytest.skip("no working C compiler here")
+    maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+    gomp = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 16, 8, 2, 64, generator=gen)
+    q = torch.randn(6, 4, 64, generator=gen)
+    tables = torch.randperm(16, generator=gen)[:12].view(6, 2).int()
+    lens = torch.tensor([1, 5, 8, 9, 16, 3], dtype=torch.int32)
+    expected = torch.empty_like(q)
+    kernels.paged_decode(expected, q, cache, tables, lens, 0.125, num_threads=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for _ in range(20):
+            torch.randn(256, 256) @ torch.randn(256, 256)  # torch's OpenMP pool
+            out = torch.empty_like(q)
+            kernels.paged_decode(out, q, cache, tables, lens, 0.125, num_threads=2)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)  # per-task work is thread-independent
+    finally:
+        torch.set_num_threads(threads)
