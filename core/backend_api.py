@@ -29,9 +29,11 @@ if TYPE_CHECKING:  # config imports nothing from here; this only names the type.
     from portside.config import EngineConfig
 
 __all__ = [
+    "HUGE_PAGE",
     "Availability",
     "DeviceInfo",
     "host_memory",
+    "host_zeros",
     "KVCacheSpec",
     "AttentionMetadata",
     "ForwardContext",
@@ -92,6 +94,26 @@ def host_memory() -> tuple[int, int]:
             elif key == "MemAvailable":
                 avail = int(value.split()[0]) * 1024
     return total, avail
+
+
+HUGE_PAGE = 2 * 2**20  # x86-64 and aarch64 transparent huge page size
+
+
+def host_zeros(nbytes: int) -> torch.Tensor:
+    """`nbytes` zeroed bytes of host memory as a uint8 tensor, for large long-lived buffers
+    (KV caches, packed weights). Anonymous memory is mapped lazily (gigabytes cost nothing until
+    written) and, where the kernel offers it, advised to use transparent huge pages with a 2 MiB
+    aligned start: streaming reads then avoid a TLB miss every 4 KiB (weights read by a batch-1
+    decode: 24 -> 34 GB/s on the CI machine's Zen 4)."""
+    import mmap
+
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP disabled ("never") or unsupported: plain pages
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
+    start = -flat.data_ptr() % HUGE_PAGE
+    return flat[start : start + nbytes]
 
 
 @dataclass(frozen=True)
@@ -199,13 +221,11 @@ class AttentionBackend(ABC):
         """Write key/value into `kv_cache`, then attend. Returns [num_tokens, num_heads, head_size]."""
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed cache tensor for one layer. On host memory the zeros come from calloc, so
-        pages are mapped lazily as blocks are first written (gigabytes cost nothing at start)."""
+        """A zeroed cache tensor for one layer. On host memory it comes from `host_zeros`: pages
+        are mapped lazily as blocks are first written, and huge where the kernel allows."""
         if device.type == "cpu":
-            import numpy as np
-
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+            return host_zeros(nbytes).view(dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
@@ -286,6 +306,11 @@ class GraphRunner(ABC):
 
     @abstractmethod
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: hidden [N, hidden] of the sampled rows -> logits [N, vocab]. Default: the
+        model's own (`model_fn.compute_logits`); a runner may compile it with the model."""
+        return self.model_fn.compute_logits(hidden)  # type: ignore[attr-defined]
 
 
 class EagerGraphRunner(GraphRunner):
@@ -468,6 +493,11 @@ class Platform(ABC):
                 f"use one of {[str(d).removeprefix('torch.') for d in cls.supported_dtypes]}"
             )
         return dataclasses.replace(config, cache=cache)
+
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, config: EngineConfig) -> None:
+        """Called once after the weights are loaded, before the graph runner is built: place or
+        re-lay weights the way this platform's kernels read them fastest. Default: nothing."""
 
     # ---- the three parts -----------------------------------------------------------------------
 

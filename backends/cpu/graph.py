@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,19 +40,26 @@ def _own_code(fn: Callable[..., Any], name: str) -> types.FunctionType:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _compile_segment(module: nn.Module, name: str) -> SegmentFn:
-    """torch.compile `module.forward` (own code object); the token axis (dim 0) of every input
-    is marked dynamic, so one graph serves every token count >= 2."""
-    forward = types.MethodType(_own_code(type(module).forward, name), module)
-    compiled = torch.compile(forward)
+def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """torch.compile `fn` under its own code object; the token axis (dim 0) of every input is
+    marked dynamic at two or more rows, so one graph serves every count >= 2 and a single row
+    (specialised by dynamo anyway) gets its own graph."""
+    if isinstance(fn, types.MethodType):
+        fn = types.MethodType(_own_code(fn.__func__, name), fn.__self__)
+    compiled = torch.compile(fn)
 
-    def run(*args: torch.Tensor) -> Sequence[torch.Tensor]:
-        if args[0].shape[0] > 1:  # a size of 1 cannot be dynamic: it gets its own graph
+    def run(*args: torch.Tensor) -> Any:
+        if args[0].shape[0] > 1:
             for a in args:
                 torch._dynamo.mark_dynamic(a, 0)
         return compiled(*args)
 
     return run
+
+
+def _compile_segment(module: nn.Module, name: str) -> SegmentFn:
+    """`_compile` over `module.forward`."""
+    return _compile(module.forward, name)
 
 
 class InductorGraphRunner(GraphRunner):
@@ -78,6 +85,10 @@ class InductorGraphRunner(GraphRunner):
         self.model = model_fn
         modules = make_segments(model_fn)
         self._segments = [_compile_segment(m, f"portside_segment_{k}") for k, m in enumerate(modules)]
+        # The LM head too (its all-gather under tensor parallelism stays eager).
+        self._logits: Callable[..., torch.Tensor] | None = None
+        if config.parallel.tensor_parallel_size == 1:
+            self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
         """Compile every segment's graphs now, on dummy decode batches, not in the first steps."""
@@ -88,17 +99,27 @@ class InductorGraphRunner(GraphRunner):
         # (default model, 32 x 64 -> 64 tokens: 123 tok/s frozen vs 102 unfrozen vs 97 eager).
         # The graphs are built here, so the setting is scoped to this warm-up. A packed copy of
         # each segment's weights is kept: the dense weights take about twice their size.
-        with torch._inductor.config.patch(freezing=True):
+        # One-row graphs read each weight with a fused reduction instead of a GEMV
+        # (`GemvAsReduction`).
+        from portside.backends.cpu.gemv_pass import GemvAsReduction  # imports Inductor (~1 s)
+
+        with torch._inductor.config.patch(freezing=True, pre_grad_custom_pass=GemvAsReduction()):
             for n in WARMUP_TOKENS:
                 ctx = make_dummy_context(n)
                 zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)
-                self(zeros, zeros, ctx)
+                hidden = self(zeros, zeros, ctx)
+                self.compute_logits(hidden)
         logger.info("inductor: compiled %d segments in %.1f s", len(self._segments), time.perf_counter() - t0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.model is None:
             return self.model_fn(input_ids, positions, ctx)
         return run_segments(self.model, self._segments, input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._logits is None:
+            return super().compute_logits(hidden)
+        return self._logits(hidden)
 
 
 def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:

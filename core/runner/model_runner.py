@@ -75,6 +75,7 @@ class ModelRunner:
         self.device = platform.device(local_rank)
         tp = config.parallel.tensor_parallel_size
         self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp)
+        platform.prepare_model(self.model, config)
         self.vocab_size = self.model.config.vocab_size
         self.attn_backend = platform.attention_backend(config)
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
@@ -149,7 +150,7 @@ class ModelRunner:
             sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
             logprobs: dict[str, LogprobsLists] = {}
             if batch.sampled_req_ids:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
+                logits = self.graph_runner.compute_logits(hidden[batch.logits_indices])
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
                 meta = SamplingMetadata.build(
                     [s.sampling_params for s in states],

@@ -84,8 +84,8 @@ def test_inductor_does_not_recompile_after_warmup(tiny_llama):
     runner = _runner(llm)
     num_segments = llm.engine.executor.runner.model.config.num_layers + 1
     assert len(runner._segments) == num_segments
-    # compiled in capture, one graph each (a graph break would add more)
-    assert counters["stats"]["unique_graphs"] - before == 2 * num_segments
+    # compiled in capture, two graphs per segment and for the LM head (a graph break would add more)
+    assert counters["stats"]["unique_graphs"] - before == 2 * (num_segments + 1)
     warm_graphs, warm_frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     for lengths in ([5], [3, 9, 17, 30], [2, 2, 2, 2, 2, 40], [7, 1]):
@@ -147,3 +147,33 @@ def test_threads_never_exceed_usable_cores():
         assert configure_threads(1) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_gemv_pass_rewrites_single_row_linears_only():
+    """`GemvAsReduction` turns a one-row `F.linear` (with or without bias) into mul + sum with
+    the same result, and leaves a multi-row one (a GEMM) alone."""
+    import torch
+    import torch.nn.functional as F
+
+    from portside.backends.cpu.gemv_pass import GemvAsReduction
+
+    w, b = torch.randn(7, 5), torch.randn(7)
+    seen: list[list[str]] = []
+
+    def backend(gm, example_inputs):
+        GemvAsReduction()(gm.graph)
+        gm.recompile()
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    def f(x):
+        return F.linear(x, w) + F.linear(x, w, b)
+
+    torch._dynamo.reset()
+    fn = torch.compile(f, backend=backend, dynamic=False)
+    for rows in (1, 3):
+        x = torch.randn(rows, 5)
+        assert torch.allclose(fn(x), f(x), atol=1e-5)
+    one, many = seen
+    assert not any("linear" in t for t in one) and sum("sum" in t for t in one) == 2
+    assert sum("linear" in t for t in many) == 2
