@@ -204,3 +204,21 @@ def test_chat_and_text_prompts(tiny_llama):
     assert out.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
     text = llm.generate("the quick brown fox", SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert text.prompt == "the quick brown fox" and len(text.outputs[0].token_ids) <= 5
+
+
+def test_engine_add_request_takes_prompt_dicts(tiny_llama):
+    """`LLMEngine.add_request` takes the same prompt forms as `LLM.generate` (vLLM's TokensPrompt
+    dict included) and names a dict without a prompt."""
+    llm = LLM(model=str(tiny_llama), device="cpu", max_model_len=64)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    eng.add_request("ids", [5, 6, 7], sp)
+    eng.add_request("dict", {"prompt_token_ids": [5, 6, 7]}, sp)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        eng.add_request("bad", {"text": "hi"}, sp)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["ids"] == done["dict"] and len(done["ids"]) == 3

@@ -92,8 +92,7 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
-                text_or_ids = _prompt_input(prompt)
-                self.engine.add_request(rid, text_or_ids, sp, priority=priority[i] if priority else 0,
+                self.engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0,
                                         add_special_tokens=add_special_tokens)
                 ids.append(rid)
         except Exception:
@@ -107,16 +106,6 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[r] for r in ids]
-
-
-def _prompt_input(prompt: Prompt) -> str | list[int]:
-    """Text or token ids from a prompt given as text, ids, or a {"prompt"|"prompt_token_ids"} dict."""
-    if isinstance(prompt, dict):
-        value = prompt.get("prompt_token_ids", prompt.get("prompt"))
-        if value is None:
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        return cast("str | list[int]", value)
-    return prompt
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -89,15 +89,21 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem for bad input. A chat prompt
-        rendered by the template already has its special tokens: pass add_special_tokens=False."""
+        """Queue a request: text, token ids, or a {"prompt": ...} / {"prompt_token_ids": [...]}
+        dict. Raises ValueError naming the problem for bad input. A chat prompt rendered by the
+        template already has its special tokens: pass add_special_tokens=False."""
         params = params or SamplingParams()
+        if isinstance(prompt, dict):
+            value = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            if value is None:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            prompt = value
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
