@@ -160,14 +160,21 @@ ALWAYS_INLINE void decode_heads(const decode_shape *sh, float *out, const float 
         const int64_t t0 = b * BS, n = (seq_len - t0 < BS) ? seq_len - t0 : BS;
         const float *v = v_plane + table[b] * BS * row;
         if (b + PREFETCH_BLOCKS < n_blk) prefetch_rows(v_plane + table[b + PREFETCH_BLOCKS] * BS * row, BS, row, nh * D);
-        for (int64_t j = 0; j < n; ++j)
-            for (int64_t r = 0; r < R; ++r) {
-                const float p = scores[r * seq_len + t0 + j];
-                const float *restrict vj = v + j * row + (r / G) * D;
-                float *restrict a = acc + r * D;
+        for (int64_t r = 0; r < R; ++r) { /* row r's accumulator stays in registers over the block */
+            const float *p = scores + r * seq_len + t0, *vr = v + (r / G) * D;
+            float *restrict a = acc + r * D;
+            if (D % 16 == 0 && D <= 256) {
+                v16f a16[D % 16 == 0 && D <= 256 ? D / 16 : 1];
+                for (int64_t c = 0; c < D / 16; ++c) a16[c] = load16(a + 16 * c);
+                for (int64_t j = 0; j < n; ++j)
+                    for (int64_t c = 0; c < D / 16; ++c) a16[c] += p[j] * load16(vr + j * row + 16 * c);
+                memcpy(a, a16, D * sizeof(float));
+            } else {
+                for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) a[d] += p * vj[d];
+                    for (int64_t d = 0; d < D; ++d) a[d] += p[j] * vr[j * row + d];
             }
+        }
     }
     for (int64_t r = 0; r < R; ++r) {
         float *o = out + (h0 * G + r) * sh->out_stride_head;
