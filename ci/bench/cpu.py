@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TOKEN_BUDGET = 2048  # tokens per step for portside and transformers' continuous batching alike
 
 
 # ---- machine bounds ------------------------------------------------------------------------------
@@ -48,18 +49,27 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def measure_machine(mib: int = 1024) -> dict[str, float]:
-    """Read and copy bandwidth (GB/s) over a tensor much larger than the caches; fp32 GFLOP/s."""
+    """Read and copy bandwidth (GB/s) over a tensor much larger than the caches, on ordinary
+    4 KiB pages and on transparent huge pages (`host_zeros`, what portside's cpu weights and KV
+    cache use); the bound takes the faster. fp32 matmul GFLOP/s."""
+    from portside.backend_api import host_zeros
+
     n = mib * 2**20 // 4
     x = torch.ones(n)
     y = torch.empty_like(x)
     x.sum(), y.copy_(x)  # fault the pages in
     read = x.numel() * 4 / _best(lambda: x.sum(), 5) / 1e9
     copy = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), 5) / 1e9
-    x = y = None  # free the buffers before the matmul measurement
+    x = y = None  # free the buffers before the next measurement
+    h = host_zeros(n * 4).view(torch.float32)
+    h.fill_(1.0)
+    read_huge = h.numel() * 4 / _best(lambda: h.sum(), 5) / 1e9
+    h = None
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     flops = 2 * 2048**3 / _best(lambda: a @ b, 5) / 1e9
-    return {"read_bandwidth_gbs": read, "copy_bandwidth_gbs": copy, "fp32_matmul_gflops": flops}
+    return {"read_bandwidth_gbs": max(read, read_huge), "read_bandwidth_4k_pages_gbs": read,
+            "read_bandwidth_huge_pages_gbs": read_huge, "copy_bandwidth_gbs": copy, "fp32_matmul_gflops": flops}
 
 
 def load_info() -> str:
@@ -118,7 +128,7 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
 
     t0 = time.perf_counter()
     llm = LLM(model=path, device="cpu", dtype="float32", max_model_len=len(prompts[0]) + gen + 8,
-              max_num_seqs=max(64, len(prompts)), enable_prefix_caching=False,
+              max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=TOKEN_BUDGET, enable_prefix_caching=False,
               platform_options={"cpu_graph": mode, "cpu_attention": attention})
     runner = llm.engine.executor.runner
     info = {"graph": runner.graph_runner.name, "attention": runner.attn_backend.name}
@@ -180,21 +190,30 @@ def bench_hf_static(path: str, prompts, gen: int, decode_tokens: int) -> dict[st
     return info
 
 
-def bench_hf_continuous(path: str, prompts, gen: int) -> dict[str, Any]:
+def bench_hf_continuous(path: str, prompts, gen: int, max_batch_tokens: int) -> dict[str, Any]:
+    """transformers' continuous batching, sized like portside: the same token budget per step and
+    up to every prompt in one batch (left to itself on a CPU it sizes its cache from GPU memory)."""
     from transformers import GenerationConfig
 
     model = _hf_model(path)
     if not hasattr(model, "generate_batch"):
         return {"error": "this transformers has no generate_batch"}
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256
+    blocks = len(prompts) * -(-(len(prompts[0]) + gen) // page) + 4
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
+                                  max_requests_per_batch=len(prompts))
     cfg = GenerationConfig(max_new_tokens=gen, min_new_tokens=gen, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
+        model.generate_batch(inputs=prompts[:2], continuous_batching_config=cb, generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
         t = time.perf_counter()
-        out = model.generate_batch(inputs=prompts, generation_config=cfg)
+        out = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb)
         elapsed = time.perf_counter() - t
     generated = sum(len(o.generated_tokens) for o in out.values())
-    return {"throughput_s": elapsed, "output_tok_s": generated / elapsed, "generated_tokens": generated}
+    return {"throughput_s": elapsed, "output_tok_s": generated / elapsed, "generated_tokens": generated,
+            "max_batch_tokens": max_batch_tokens, "num_blocks": blocks, "page_size": page}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -289,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         jobs.append((f"portside-{mode}", lambda mode=mode: bench_portside(path, prompts, args.gen_len, mode,
                                                                             args.attention, args.decode_tokens)))
     if not args.skip_hf_cb:
-        jobs.append(("transformers-continuous", lambda: bench_hf_continuous(path, prompts, args.gen_len)))
+        jobs.append(("transformers-continuous", lambda: bench_hf_continuous(path, prompts, args.gen_len, TOKEN_BUDGET)))
     for name, job in jobs:
         try:
             info = job()
