@@ -1,10 +1,10 @@
 """cpu graph runners, chosen by the ``cpu_graph`` platform option (``--cpu-graph``):
 
 - ``eager``: the model runs op by op (the fallback every platform has);
-- ``inductor``: ``torch.compile`` (Inductor) over the dense segments between attention calls
-  (`InductorGraphRunner`); paged attention runs eagerly between them;
-- ``openvino``: the same segments as compiled OpenVINO models
-  (`openvino_runner.OpenVinoGraphRunner`).
+- ``inductor``: ``torch.compile`` (Inductor) over the whole model, paged attention an opaque
+  custom op in the graph (`InductorGraphRunner`);
+- ``openvino``: the dense segments between attention calls as compiled OpenVINO models,
+  attention eager between them (`openvino_runner.OpenVinoGraphRunner`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from portside.backend_api import EagerGraphRunner, ForwardContext, GraphRunner, ModelFn, PiecewiseModel
-from portside.backends.cpu.segments import SegmentFn, make_segments, run_segments
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +32,8 @@ WARMUP_TOKENS = (2, 1)
 
 def _own_code(fn: Callable[..., Any], name: str) -> types.FunctionType:
     """`fn` with a code object of its own, named `name`. Dynamo keeps its compiled graphs, and
-    its recompile limit (`recompile_limit`, default 8), per code object: without this, the
-    ``num_layers - 1`` mid segments would share `Mid.forward`'s one cache (each specializes on
-    its layer index) and dynamo would stop compiling after the 8th layer."""
+    its recompile limit, per code object: two runners (engines) in one process, or the body and
+    the LM head, must not share one cache."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
@@ -57,49 +55,64 @@ def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return run
 
 
-def _compile_segment(module: nn.Module, name: str) -> SegmentFn:
-    """`_compile` over `module.forward`."""
-    return _compile(module.forward, name)
+class _Body(nn.Module):
+    """Every decoder layer and the final norm, attention through the opaque custom op
+    (`attention_op`): h, *aux -> hidden, one graph for the whole model."""
+
+    def __init__(self, model: PiecewiseModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, h: torch.Tensor, *aux: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        for i in range(m.num_layers):
+            q, k, v = m.pre_attention(i, h, aux)
+            o = torch.ops.portside_cpu.attention(q, k, v, i, m.attention_scale(i))
+            h = m.post_attention(i, h, o)
+        return m.final_norm(h)
 
 
 class InductorGraphRunner(GraphRunner):
-    """torch.compile (Inductor) over the model's dense segments (`segments.py`: head, one per
-    layer gap, tail), paged attention eagerly between them, like the OpenVINO runner. Host-side
-    attention metadata never reaches dynamo, so nothing guards on it: after `capture` compiles
-    the two graphs per segment (1 token, and a symbolic count >= 2), no step recompiles.
+    """torch.compile (Inductor) over the whole model but its embedding (`_Body`), with paged
+    attention an opaque custom op inside the graph (`attention_op`) that runs the step's attention
+    backend eagerly. Host-side attention metadata never reaches dynamo, so nothing guards on it:
+    after `capture` compiles the two graphs (1 token, and a symbolic count >= 2) for the body and
+    for the LM head, no step recompiles, and a step is one call into compiled code (plus the LM
+    head's) instead of one per layer.
 
     A model that is not a `PiecewiseModel` runs eagerly (with a warning): compiling a whole
-    step, attention included, recompiles on nearly every step."""
+    step with its Python attention traced in recompiles on nearly every step."""
 
     name = "inductor"
 
     def __init__(self, model_fn: ModelFn, config: Any) -> None:
         super().__init__(model_fn, config)
         self.model: PiecewiseModel | None = None
-        self._segments: list[SegmentFn] = []
         if not isinstance(model_fn, PiecewiseModel):
             logger.warning(
                 "cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly", type(model_fn).__name__
             )
             return
+        from portside.backends.cpu import attention_op  # registers portside_cpu::attention
+
+        self._forward_context = attention_op.forward_context
         self.model = model_fn
-        modules = make_segments(model_fn)
-        self._segments = [_compile_segment(m, f"portside_segment_{k}") for k, m in enumerate(modules)]
+        self._body = _compile(_Body(model_fn).forward, "portside_body")
         # The LM head too (its all-gather under tensor parallelism stays eager).
         self._logits: Callable[..., torch.Tensor] | None = None
         if config.parallel.tensor_parallel_size == 1:
             self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
-        """Compile every segment's graphs now, on dummy decode batches, not in the first steps."""
+        """Compile the graphs now, on dummy decode batches, not in the first steps."""
         if self.model is None:
             return
         t0 = time.perf_counter()
         # Freezing treats the weights as constants and prepacks them for oneDNN's linear kernels
         # (default model, 32 x 64 -> 64 tokens: 123 tok/s frozen vs 102 unfrozen vs 97 eager).
         # The graphs are built here, so the setting is scoped to this warm-up. A packed copy of
-        # each segment's weights is kept: the dense weights take about twice their size.
-        # One-row graphs read each weight with a fused reduction instead of a GEMV
+        # the weights is kept for the multi-row graph: the dense weights take about twice their
+        # size. One-row graphs read each weight with a fused reduction instead of a GEMV
         # (`GemvAsReduction`).
         from portside.backends.cpu.gemv_pass import GemvAsReduction  # imports Inductor (~1 s)
 
@@ -109,12 +122,14 @@ class InductorGraphRunner(GraphRunner):
                 zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)
                 hidden = self(zeros, zeros, ctx)
                 self.compute_logits(hidden)
-        logger.info("inductor: compiled %d segments in %.1f s", len(self._segments), time.perf_counter() - t0)
+        logger.info("inductor: compiled the model in %.1f s", time.perf_counter() - t0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.model is None:
             return self.model_fn(input_ids, positions, ctx)
-        return run_segments(self.model, self._segments, input_ids, positions, ctx)
+        h, aux = self.model.embed(input_ids, positions)  # embedding and rotary gathers stay eager
+        with self._forward_context(ctx):
+            return self._body(h, *aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._logits is None:

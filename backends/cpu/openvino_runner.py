@@ -3,7 +3,7 @@
 The predictable path (`openvino.convert_model` + `compile_model("CPU")`), not
 `torch.compile(backend="openvino")`, whose dynamo backend silently falls back to Inductor on any
 conversion error. The model, through core's `PiecewiseModel` seam, is cut at its attention
-calls into ``num_layers + 1`` segments (`segments.py`, shared with the Inductor runner). Each
+calls into ``num_layers + 1`` segments (`segments.py`). Each
 segment is converted once with a dynamic token axis, so any batch shape runs without
 recompiling. Paged attention (which writes the KV cache in place) stays in the platform's
 attention backend between segments. Tensor parallel size 1 only (the all-reduces inside a

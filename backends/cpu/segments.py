@@ -1,5 +1,5 @@
 """The dense segments of a `PiecewiseModel`, cut at its attention calls, for graph runners that
-compile them (OpenVINO, Inductor) and run paged attention eagerly between them:
+compile them (OpenVINO) and run paged attention eagerly between them:
 
     head:  h, *aux                -> h, q, k, v       (layer 0 up to attention)
     mid i: h, o, *aux             -> h, q, k, v       (layer i-1 after attention, layer i up to it)

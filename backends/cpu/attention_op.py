@@ -1,0 +1,50 @@
+"""Paged attention as an opaque torch custom op, so a whole forward pass compiles as one graph.
+
+`torch.ops.portside_cpu.attention(q, k, v, layer, scale)` runs the step's attention backend
+(`ForwardContext.attention`: KV write + paged attention) for one layer. To dynamo and Inductor it
+is a black box with a fixed output shape (its fake implementation), so nothing about the batch's
+block tables, sequence lengths or prefill chunks is traced or guarded on, and the graph compiled
+once serves every step. The step's context comes from `forward_context(ctx)`, which the graph
+runner enters around each call of the compiled graph (as vLLM does with its forward context).
+
+Importing this module registers the op (once per process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from portside.backend_api import ForwardContext
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    """Make `ctx` the context the attention op reads while the block runs."""
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+@torch.library.custom_op("portside_cpu::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]: layer `layer`'s paged attention in the current step
+    (writes k/v into that layer's cache first)."""
+    if _current is None:
+        raise RuntimeError("portside_cpu::attention called outside forward_context(ctx)")
+    out = _current.attention(layer, q, k, v, scale)
+    if out.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
+        return out.clone()  # a custom op's output may not alias its inputs
+    return out.contiguous()  # the strides the fake implementation promised
+
+
+@attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
