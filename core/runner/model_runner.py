@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class ModelRunner:
         self.device = platform.device(local_rank)
         tp = config.parallel.tensor_parallel_size
         self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp)
-        platform.prepare_model(self.model, config)
+        platform.prepare_model(cast(torch.nn.Module, self.model), config)
         self.vocab_size = self.model.config.vocab_size
         self.attn_backend = platform.attention_backend(config)
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
