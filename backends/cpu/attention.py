@@ -47,6 +47,7 @@ class TorchAttentionPlan:
     prefills: list[_Prefill]
     native_tables: torch.Tensor | None = None  # [B, n] int32, contiguous: the native decode kernel's
     native_lens: torch.Tensor | None = None  # [B] int32, contiguous
+    native_slots: torch.Tensor | None = None  # [T] int64, contiguous: every row's slot (-1 skips)
 
 
 def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -126,6 +127,7 @@ class NativeAttentionBackend(CpuAttentionBackend):
         md = metadata
         nd = md.num_decode_tokens
         plan = TorchAttentionPlan(*valid_slots(md.slot_mapping), nd, None, None, _plan_prefills(md))
+        plan.native_slots = md.slot_mapping.long().contiguous()
         if nd:
             n = -(-max(md.seq_lens_cpu[:nd]) // md.block_size)
             plan.native_tables = md.block_tables[:nd, :n].to(torch.int32).contiguous()
@@ -141,11 +143,11 @@ class NativeAttentionBackend(CpuAttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         plan = metadata.backend_data
-        if not isinstance(plan, TorchAttentionPlan) or (plan.num_decodes and plan.native_tables is None):
+        if not isinstance(plan, TorchAttentionPlan) or plan.native_slots is None:
             plan = self.prepare(metadata).backend_data
         native = _fp32(kv_cache, query, key, value)
         if native:
-            kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), metadata.slot_mapping.long().contiguous())
+            kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), plan.native_slots)
         else:
             self._write(kv_cache, key, value, plan.keep, plan.slots)
         out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
