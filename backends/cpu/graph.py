@@ -88,6 +88,7 @@ class InductorGraphRunner(GraphRunner):
     def __init__(self, model_fn: ModelFn, config: Any) -> None:
         super().__init__(model_fn, config)
         self.model: PiecewiseModel | None = None
+        self._logits: Callable[..., torch.Tensor] | None = None
         if not isinstance(model_fn, PiecewiseModel):
             logger.warning(
                 "cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly", type(model_fn).__name__
@@ -99,7 +100,6 @@ class InductorGraphRunner(GraphRunner):
         self.model = model_fn
         self._body = _compile(_Body(model_fn).forward, "portside_body")
         # The LM head too (its all-gather under tensor parallelism stays eager).
-        self._logits: Callable[..., torch.Tensor] | None = None
         if config.parallel.tensor_parallel_size == 1:
             self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
