@@ -28,12 +28,11 @@ def _is_buffer(node: object) -> bool:
     """Whether `node` is, up to reshapes, a graph input or an opaque op's output: data that
     already sits in memory, so reading it from a fused reduction costs no recomputation."""
     while isinstance(node, torch.fx.Node):
-        if node.op == "placeholder" or (node.op == "get_attr"):
+        if node.op in ("placeholder", "get_attr"):
             return True
-        name = getattr(node.target, "__name__", str(node.target))
         if isinstance(node.target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
             return True
-        if name not in _VIEWS or not node.args:
+        if getattr(node.target, "__name__", str(node.target)) not in _VIEWS or not node.args:
             return False
         node = node.args[0]
     return False

@@ -31,12 +31,12 @@ def pack_weights(model: nn.Module) -> int:
         if id(t) not in seen and t.device.type == "cpu" and t.numel():
             seen.add(id(t))
             tensors.append(t)
+    if not tensors:
+        return 0
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    if not tensors:
-        return 0
     flat = host_zeros(total)
     for t, off in zip(tensors, offsets, strict=True):
         view = flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
