@@ -90,32 +90,41 @@ def cache_dir() -> Path:
     return Path(base) / "portside" / "kernels"
 
 
-def build_key(cc: list[str]) -> str:
-    """sha256 of what the .so depends on: source, flags, compiler version, CPU."""
+def build_key(cc: list[str], source: Path | None = None, flags: tuple[str, ...] | None = None,
+              extra: str = "") -> str:
+    """sha256 of what a .so depends on: source, flags, compiler version, CPU (and `extra`, e.g.
+    the torch version a C++ operator is built against). Defaults: the paged-attention kernels."""
+    source, flags = source or SOURCE, flags or FLAGS
     version = _run([*cc, "--version"], timeout=30)
     if version.returncode != 0:
         raise NativeBuildError(f"C compiler {shlex.join(cc)!r} failed on --version:\n{_tail(version.stderr)}")
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join([*cc, *FLAGS]).encode(), version.stdout.encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join([*cc, *flags]).encode(), version.stdout.encode(),
+                 platform.machine().encode(), _cpu_flags().encode(), extra.encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:32]
 
 
-def _build(cc: list[str], target: Path) -> None:
+def build(cc: list[str], source: Path, flags: tuple[str, ...], libs: tuple[str, ...], target: Path) -> bool:
+    """Compile `source` into the shared library `target` unless it is already there; True when
+    this call compiled it. `libs` go after the source, as the linker wants."""
+    if target.exists():
+        return False
+    logger.info("building native cpu kernels: %s -> %s", source.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        res = _run([*cc, *FLAGS[:-1], "-o", tmp, str(SOURCE), FLAGS[-1]], timeout=300)
+        res = _run([*cc, *flags, "-o", tmp, str(source), *libs], timeout=300)
         if res.returncode != 0:
-            raise NativeBuildError(f"building {SOURCE.name} with {shlex.join(cc)} failed "
+            raise NativeBuildError(f"building {source.name} with {shlex.join(cc)} failed "
                                    f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
         os.replace(tmp, target)  # atomic: other processes see no file or a whole one
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return True
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -132,10 +141,7 @@ def load_library() -> NativeLibrary:
     """Build (once per cache key) and load the kernels. Raises `NativeBuildError` with the reason."""
     cc = compiler()
     target = cache_dir() / build_key(cc) / "paged_attention.so"
-    compiled = not target.exists()
-    if compiled:
-        logger.info("building native cpu kernels: %s -> %s", SOURCE.name, target)
-        _build(cc, target)
+    compiled = build(cc, SOURCE, FLAGS[:-1], FLAGS[-1:], target)
     try:
         lib = ctypes.CDLL(str(target))
         _declare(lib)

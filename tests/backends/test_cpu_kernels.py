@@ -147,3 +147,37 @@ def test_one_openmp_runtime_next_to_torch():
             torch.testing.assert_close(out, expected, rtol=0, atol=0)  # per-task work is thread-independent
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows,cols,bias", [(960, 576, False), (577, 1536, True), (7, 33, True), (1, 1, False)])
+def test_native_linear_row_matches_linear(rows, cols, bias):
+    """`portside_cpu_native::linear_row` (built here) equals F.linear for one fp32 row, with odd
+    row counts and a column tail that is not a multiple of the vector width."""
+    import torch.nn.functional as F
+
+    from portside.backends.cpu import linear_op
+
+    assert linear_op.unavailable_reason() is None
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, cols, generator=g), torch.randn(rows, cols, generator=g)
+    b = torch.randn(rows, generator=g) if bias else None
+    out = torch.ops.portside_cpu_native.linear_row(x, w, b)
+    assert out.shape == (1, rows)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_native_linear_row_hands_other_inputs_to_linear():
+    """Inputs the kernel is not written for (several rows, bf16, a transposed weight) still give
+    F.linear's result: the operator is always correct to call."""
+    import torch.nn.functional as F
+
+    from portside.backends.cpu import linear_op
+
+    linear_op.load()
+    op = torch.ops.portside_cpu_native.linear_row
+    x, w = torch.randn(3, 16), torch.randn(5, 16)
+    torch.testing.assert_close(op(x, w, None), F.linear(x, w))
+    xb, wb = x[:1].bfloat16(), w.bfloat16()
+    torch.testing.assert_close(op(xb, wb, None), F.linear(xb, wb))
+    wt = torch.randn(16, 5).t()
+    torch.testing.assert_close(op(x[:1], wt, None), F.linear(x[:1], wt))
