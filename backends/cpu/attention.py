@@ -48,6 +48,7 @@ class TorchAttentionPlan:
     native_tables: torch.Tensor | None = None  # [B, n] int32, contiguous: the native decode kernel's
     native_lens: torch.Tensor | None = None  # [B] int32, contiguous
     native_slots: torch.Tensor | None = None  # [T] int64, contiguous: every row's slot (-1 skips)
+    native_step: kernels.DecodeStep | None = None  # when every row is a decode
 
 
 def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -132,6 +133,8 @@ class NativeAttentionBackend(CpuAttentionBackend):
             n = -(-max(md.seq_lens_cpu[:nd]) // md.block_size)
             plan.native_tables = md.block_tables[:nd, :n].to(torch.int32).contiguous()
             plan.native_lens = md.seq_lens[:nd].to(torch.int32).contiguous()
+            if nd == md.slot_mapping.shape[0]:
+                plan.native_step = kernels.DecodeStep(plan.native_tables, plan.native_lens, plan.native_slots)
         md.backend_data = plan
         return md
 
@@ -146,6 +149,8 @@ class NativeAttentionBackend(CpuAttentionBackend):
         if not isinstance(plan, TorchAttentionPlan) or plan.native_slots is None:
             plan = self.prepare(metadata).backend_data
         native = _fp32(kv_cache, query, key, value)
+        if native and plan.native_step is not None:
+            return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale)
         if native:
             kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), plan.native_slots)
         else:

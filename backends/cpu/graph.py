@@ -119,7 +119,11 @@ class InductorGraphRunner(GraphRunner):
         from portside.backends.cpu.gemv_pass import GemvAsReduction  # imports Inductor (~1 s)
 
         options = {"freezing": True, "pre_grad_custom_pass": GemvAsReduction(), "cpp_wrapper": True}
-        with torch._inductor.config.patch(options):
+        # Guards on the model's ~3000 module attributes are checked through the dicts' version
+        # tags, module by module, instead of one by one: a step's two guard checks take ~0.18 ms
+        # instead of ~0.44 ms each (default model). Still exact: a changed module fails its tag.
+        guards = {"use_recursive_dict_tags_for_guards": True, "max_saved_pointers_for_recursive_dict_tags_check": 1 << 16}
+        with torch._inductor.config.patch(options), torch._dynamo.config.patch(guards):
             for n in WARMUP_TOKENS:
                 ctx = make_dummy_context(n)
                 zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)

@@ -235,3 +235,58 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     rc = lib.ps_write_kv_f32(kv_cache.data_ptr(), num_blocks * block_size, row, key.data_ptr(), key.stride(0),
                              value.data_ptr(), value.stride(0), slots.data_ptr(), slots.shape[0])
     _raise_on(rc, "write_kv")
+
+
+class DecodeStep:
+    """One step's decode-only native attention, for every layer: the block tables, lengths and
+    slots are checked and converted once per step here, so each layer's call (`__call__`: K/V
+    write, then decode) only checks its own tensors. At batch 1 a layer's attention is ~30 us of
+    kernel; the checks and conversions `write_kv` + `paged_decode` repeat cost more than that."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor) -> None:
+        _check(block_tables, "block_tables", torch.int32, 2)
+        _check(seq_lens, "seq_lens", torch.int32, 1)
+        _check(slots, "slots", torch.int64, 1)
+        batch = seq_lens.shape[0]
+        if block_tables.shape[0] != batch or slots.shape[0] != batch:
+            raise ValueError(f"block_tables {tuple(block_tables.shape)} / slots {tuple(slots.shape)} do not "
+                             f"match {batch} decodes")
+        if not seq_lens.is_contiguous() or not slots.is_contiguous():
+            raise ValueError("seq_lens and slots must be contiguous")
+        self._lib = load_library().lib
+        self._keep = (block_tables, seq_lens, slots)  # the pointers below point into these
+        self._batch = batch
+        self._tables = (block_tables.data_ptr(), seq_lens.data_ptr())
+        self._table_shape = (block_tables.shape[1], block_tables.stride(0))
+        self._slots = slots.data_ptr()
+        self._cache_shape: tuple[int, ...] | None = None  # the first layer's, checked once
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """fp32 query [B, H, D], key/value [B, KVH, D] with dense heads -> attention output [B, H, D]
+        (contiguous); key/value are first written at the step's slots of `kv_cache`."""
+        if kv_cache.shape != self._cache_shape:
+            _check(kv_cache, "kv_cache", torch.float32, 5)
+            if not kv_cache.is_contiguous():
+                raise ValueError("kv_cache must be contiguous")
+            self._cache_shape = kv_cache.shape
+        _, num_blocks, block_size, kv_heads, d = kv_cache.shape
+        batch, heads = self._batch, query.shape[1]
+        for t in (query, key, value):
+            if t.dtype != torch.float32 or t.shape[0] != batch or t.shape[2] != d or t.stride(2) != 1 or t.stride(1) != d:
+                raise ValueError(f"query/key/value {tuple(t.shape)} {t.dtype} strides {t.stride()} do not fit "
+                                 f"{batch} decodes over kv_cache {tuple(kv_cache.shape)} (fp32, dense heads)")
+        if key.shape[1] != kv_heads or value.shape[1] != kv_heads or heads % kv_heads:
+            raise ValueError(f"key/value heads {key.shape[1]}/{value.shape[1]} and {heads} query heads do not "
+                             f"fit {kv_heads} cached KV heads")
+        row, cache = kv_heads * d, kv_cache.data_ptr()
+        _raise_on(self._lib.ps_write_kv_f32(cache, num_blocks * block_size, row, key.data_ptr(), key.stride(0),
+                                            value.data_ptr(), value.stride(0), self._slots, batch), "write_kv")
+        out = torch.empty(query.shape, dtype=torch.float32)
+        rc = self._lib.ps_paged_decode_f32(
+            out.data_ptr(), query.data_ptr(), cache, *self._tables, batch, heads, kv_heads, d, num_blocks,
+            block_size, self._table_shape[0], query.stride(0), d, heads * d, d, self._table_shape[1], scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        _raise_on(rc, "paged_decode")
+        return out

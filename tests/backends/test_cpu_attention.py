@@ -211,10 +211,12 @@ def test_forward_without_prepare_matches(backend):
 # ---- the native path's own edges ----------------------------------------------------------------
 
 
-def test_native_strided_query_and_kv_rows():
-    """q/k/v as views of one fused qkv projection (token stride > row), as the model hands them."""
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 6], [1, 1, 1, 1]], ids=["mixed", "decodes-only"])
+def test_native_strided_query_and_kv_rows(q_lens):
+    """q/k/v as views of one fused qkv projection (token stride > row), as the model hands them,
+    in a mixed batch and in a decode-only one (the per-step `kernels.DecodeStep` path)."""
     backend = _native_backend()
-    case = make_case(backend, [1, 1, 1, 6], [9, 40, 17, 6], 8, 2, 64, 16, seed=8)
+    case = make_case(backend, q_lens, [9, 40, 17, 6], 8, 2, 64, 16, seed=8)
     h, kvh, d = 8, 2, 64
     qkv = torch.cat([case.query.flatten(1), case.key.flatten(1), case.value.flatten(1)], dim=1)
     q = qkv[:, : h * d].view(-1, h, d)

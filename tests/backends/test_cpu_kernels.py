@@ -181,3 +181,25 @@ def test_native_linear_row_hands_other_inputs_to_linear():
     torch.testing.assert_close(op(xb, wb, None), F.linear(xb, wb))
     wt = torch.randn(16, 5).t()
     torch.testing.assert_close(op(x[:1], wt, None), F.linear(x[:1], wt))
+
+
+def test_decode_step_checks_its_inputs():
+    """`kernels.DecodeStep` checks the step's tables once and each layer's tensors on every call."""
+    tables, lens, slots = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32), torch.tensor([2, 4])
+    with pytest.raises(ValueError, match="do not match 2 decodes"):
+        kernels.DecodeStep(tables, lens, slots[:1])
+    with pytest.raises(ValueError, match="expected torch.int64"):
+        kernels.DecodeStep(tables, lens, slots.int())
+    step = kernels.DecodeStep(tables, lens, slots)
+    cache = torch.zeros(2, 4, 8, 2, 16)
+    q, kv = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    assert step(q, kv, kv, cache, 0.25).shape == (2, 4, 16)
+    with pytest.raises(ValueError, match="do not fit 2 decodes"):
+        step(q[:1], kv[:1], kv[:1], cache, 0.25)
+    with pytest.raises(ValueError, match="do not\n?.*fit 2 cached KV heads|fit 2 cached KV heads"):
+        step(torch.randn(2, 3, 16), kv, kv, cache, 0.25)
+    with pytest.raises(ValueError, match="dense heads"):
+        step(q.bfloat16(), kv, kv, cache, 0.25)
+    bad = torch.tensor([2, 8 * 4])  # one past the last slot
+    with pytest.raises(ValueError, match="slot outside the cache"):
+        kernels.DecodeStep(tables, lens, bad)(q, kv, kv, cache, 0.25)
