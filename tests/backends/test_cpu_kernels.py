@@ -196,7 +196,7 @@ def test_decode_step_checks_its_inputs():
     assert step(q, kv, kv, cache, 0.25).shape == (2, 4, 16)
     with pytest.raises(ValueError, match="do not fit 2 decodes"):
         step(q[:1], kv[:1], kv[:1], cache, 0.25)
-    with pytest.raises(ValueError, match="do not\n?.*fit 2 cached KV heads|fit 2 cached KV heads"):
+    with pytest.raises(ValueError, match="query heads do not fit 2 cached KV heads"):
         step(torch.randn(2, 3, 16), kv, kv, cache, 0.25)
     with pytest.raises(ValueError, match="dense heads"):
         step(q.bfloat16(), kv, kv, cache, 0.25)
