@@ -198,3 +198,30 @@ def test_gemv_pass_rewrites_single_row_linears_only(native):
         assert sum("sum" in t for t in one) == 2
         assert sum("materialize" in t for t in one) == 1  # for x * 2 only
     assert sum(map(plain, many)) == 2
+
+
+def test_eager_runner_sends_one_row_fp32_linears_to_the_native_operator():
+    """cpu eager: F.linear of one fp32 row runs `portside_cpu_native::linear_row`; more rows, or
+    bf16, stay with torch's kernels; results equal F.linear either way."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from portside.backends.cpu.graph import _OneRowLinears
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    w, b = torch.randn(6, 32), torch.randn(6)
+    for x, native in ((torch.randn(1, 32), True), (torch.randn(3, 32), False), (torch.randn(1, 32).bfloat16(), False)):
+        ww, bb = w.to(x.dtype), b.to(x.dtype)
+        with Record() as rec, _OneRowLinears():
+            out = F.linear(x, ww, bias=bb)
+        assert any("linear_row" in op for op in rec.ops) == native, rec.ops
+        torch.testing.assert_close(out, F.linear(x, ww, bb))
