@@ -186,12 +186,17 @@ class EagerGraphRunner(_CoreEagerGraphRunner):
         reason = linear_op.unavailable_reason()
         if reason:
             logger.warning("cpu eager: one-row linears use torch's GEMV (native operator unavailable: %s)", reason)
-        self._mode = _OneRowLinears() if reason is None else contextlib.nullcontext()
+        self._native = reason is None
+
+    def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
+        # Only one-row steps: the mode's Python hook on every torch call costs ~6% of a
+        # 64-sequence step (default model) where there is no one-row linear to gain on.
+        return _OneRowLinears() if self._native and rows == 1 else contextlib.nullcontext()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        with self._mode:
+        with self._mode(input_ids.shape[0]):
             return self.model_fn(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self._mode:
+        with self._mode(hidden.shape[0]):
             return super().compute_logits(hidden)
