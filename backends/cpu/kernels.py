@@ -56,23 +56,24 @@ class NativeLibrary:
     compiled: bool  # True when this process compiled it, False when it came from the cache
 
 
-def compiler() -> list[str]:
-    """The C compiler command: ``$CC`` (may carry flags), else ``cc``, else ``gcc``."""
-    cc = os.environ.get("CC")
-    if cc:
-        return shlex.split(cc)
-    for name in ("cc", "gcc"):
+def compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc"), language: str = "C") -> list[str]:
+    """The compiler command: ``$CC`` (may carry flags), else ``cc``, else ``gcc`` (for C++:
+    ``compiler("CXX", ("c++", "g++"), "C++")``)."""
+    cmd = os.environ.get(env)
+    if cmd:
+        return shlex.split(cmd)
+    for name in names:
         found = shutil.which(name)
         if found:
             return [found]
-    raise NativeBuildError("no C compiler found ($CC unset, neither cc nor gcc on PATH)")
+    raise NativeBuildError(f"no {language} compiler found (${env} unset, neither {' nor '.join(names)} on PATH)")
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise NativeBuildError(f"C compiler {cmd[0]!r} could not run: {type(e).__name__}: {e}") from e
+        raise NativeBuildError(f"compiler {cmd[0]!r} could not run: {type(e).__name__}: {e}") from e
 
 
 def _tail(text: str, lines: int = 15) -> str:
@@ -97,7 +98,7 @@ def build_key(cc: list[str], source: Path | None = None, flags: tuple[str, ...] 
     source, flags = source or SOURCE, flags or FLAGS
     version = _run([*cc, "--version"], timeout=30)
     if version.returncode != 0:
-        raise NativeBuildError(f"C compiler {shlex.join(cc)!r} failed on --version:\n{_tail(version.stderr)}")
+        raise NativeBuildError(f"compiler {shlex.join(cc)!r} failed on --version:\n{_tail(version.stderr)}")
     h = hashlib.sha256()
     for part in (source.read_bytes(), " ".join([*cc, *flags]).encode(), version.stdout.encode(),
                  platform.machine().encode(), _cpu_flags().encode(), extra.encode()):

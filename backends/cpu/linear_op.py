@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import shlex
-import shutil
 from pathlib import Path
 
 import torch
@@ -21,18 +18,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_row.cpp"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
-
-
-def cxx_compiler() -> list[str]:
-    """``$CXX`` (may carry flags), else ``c++``, else ``g++``."""
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shlex.split(cxx)
-    for name in ("c++", "g++"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise kernels.NativeBuildError("no C++ compiler found ($CXX unset, neither c++ nor g++ on PATH)")
 
 
 def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -47,7 +32,7 @@ def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
 @functools.lru_cache(maxsize=1)
 def load() -> Path:
     """Build (once per cache key) and register the operator; raises `NativeBuildError` with why not."""
-    cxx = cxx_compiler()
+    cxx = kernels.compiler("CXX", ("c++", "g++"), "C++")
     compile_flags, libs = _torch_flags()
     key = kernels.build_key(cxx, SOURCE, compile_flags + libs, extra=torch.__version__)
     target = kernels.cache_dir() / key / "linear_row.so"
@@ -56,12 +41,13 @@ def load() -> Path:
         torch.ops.load_library(str(target))
     except OSError as e:
         raise kernels.NativeBuildError(f"loading {target} failed: {e}") from e
-
-    @torch.library.register_fake("portside_cpu_native::linear_row")
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
+    if not hasattr(load, "fake"):  # once per process, whatever clears load's cache
+        load.fake = torch.library.register_fake("portside_cpu_native::linear_row", _fake)  # type: ignore[attr-defined]
     return target
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def unavailable_reason() -> str | None:

@@ -203,3 +203,20 @@ def test_decode_step_checks_its_inputs():
     bad = torch.tensor([2, 8 * 4])  # one past the last slot
     with pytest.raises(ValueError, match="slot outside the cache"):
         kernels.DecodeStep(tables, lens, bad)(q, kv, kv, cache, 0.25)
+
+
+def test_linear_row_without_cxx_compiler_falls_back(monkeypatch, tmp_path):
+    """No C++ compiler: the operator's reason names it, and the GEMV pass uses Inductor's reduction."""
+    from portside.backends.cpu import linear_op
+    from portside.backends.cpu.gemv_pass import GemvAsReduction
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached there
+    linear_op.load.cache_clear()
+    try:
+        assert "could not run" in linear_op.unavailable_reason()
+        assert GemvAsReduction().native is False
+    finally:
+        monkeypatch.undo()
+        linear_op.load.cache_clear()
+    assert linear_op.unavailable_reason() is None  # loads again in the same process
