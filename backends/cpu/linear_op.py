@@ -1,20 +1,18 @@
 """`portside_cpu_native::linear_row`: the one-row fp32 linear (`csrc/linear_row.cpp`) as a torch
 operator, built on first use against the running torch with the system C++ compiler and cached
-like the paged-attention kernels (`kernels.py`). Being a C++ operator, a compiled graph calls it
-through the dispatcher without a trip through Python (~1 us where a Python custom op costs ~10).
+like the paged-attention kernels (`kernels.py`). Being a C++ operator, a compiled graph
+(`cpp_wrapper`) calls it through the dispatcher without a trip through Python, 121 times a step
+for the default model.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from portside.backends.cpu import kernels
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_row.cpp"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
