@@ -116,8 +116,8 @@ class InductorGraphRunner(GraphRunner):
         # (default model, 32 x 64 -> 64 tokens: 123 tok/s frozen vs 102 unfrozen vs 97 eager).
         # The graphs are built here, so the setting is scoped to this warm-up. A packed copy of
         # the weights is kept for the multi-row graph: the dense weights take about twice their
-        # size. One-row graphs read each weight with a fused reduction instead of a GEMV
-        # (`GemvAsReduction`). `cpp_wrapper`: the code that calls the ~10 kernels of every layer
+        # size. One-row graphs read each weight with the native one-row operator instead of a
+        # GEMV (`GemvAsReduction`). `cpp_wrapper`: the code that calls the ~10 kernels of every layer
         # is C++, not Python (default model, 2 threads: batch-1 decode 21 -> 16 ms/token, a
         # 64-sequence decode step 141 -> 134 ms).
         from portside.backends.cpu.gemv_pass import GemvAsReduction  # imports Inductor (~1 s)

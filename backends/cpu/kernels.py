@@ -260,17 +260,14 @@ class DecodeStep:
         self._tables = (block_tables.data_ptr(), seq_lens.data_ptr())
         self._table_shape = (block_tables.shape[1], block_tables.stride(0))
         self._slots = slots.data_ptr()
-        self._cache_shape: tuple[int, ...] | None = None  # the first layer's, checked once
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  scale: float) -> torch.Tensor:
         """fp32 query [B, H, D], key/value [B, KVH, D] with dense heads -> attention output [B, H, D]
         (contiguous); key/value are first written at the step's slots of `kv_cache`."""
-        if kv_cache.shape != self._cache_shape:
-            _check(kv_cache, "kv_cache", torch.float32, 5)
-            if not kv_cache.is_contiguous():
-                raise ValueError("kv_cache must be contiguous")
-            self._cache_shape = kv_cache.shape
+        if kv_cache.dtype != torch.float32 or kv_cache.dim() != 5 or not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}: need a contiguous fp32 "
+                             "[2, num_blocks, block_size, KVH, D] cache")
         _, num_blocks, block_size, kv_heads, d = kv_cache.shape
         batch, heads = self._batch, query.shape[1]
         for t in (query, key, value):
