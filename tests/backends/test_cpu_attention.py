@@ -198,6 +198,14 @@ def test_long_decode_batch(backend):
     check(backend, case)
 
 
+@pytest.mark.parametrize("lens", [[128], [129], [300], [1, 128, 257, 520]])
+def test_decode_split_lengths(backend, lens):
+    """Around the native kernel's 128-token splits (flash-decoding: one task per split, merged):
+    a lone sequence, one a token past a split, several splits, and a batch of both kinds."""
+    case = make_case(backend, [1] * len(lens), lens, 9, 3, 64, 16, seed=9)
+    check(backend, case)
+
+
 def test_forward_without_prepare_matches(backend):
     case = make_case(backend, [1, 5], [12, 9], 4, 2, 64, 8, seed=7)
     scale = 64**-0.5

@@ -131,10 +131,10 @@ def test_one_openmp_runtime_next_to_torch():
     gomp = {line.split()[-1] for line in maps.splitlines() if line.endswith("/libgomp.so.1")}
     assert len(gomp) == 1, gomp
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, 16, 8, 2, 64, generator=gen)
+    cache = torch.randn(2, 96, 16, 2, 64, generator=gen)
     q = torch.randn(6, 4, 64, generator=gen)
-    tables = torch.randperm(16, generator=gen)[:12].view(6, 2).int()
-    lens = torch.tensor([1, 5, 8, 9, 16, 3], dtype=torch.int32)
+    tables = torch.randperm(96, generator=gen)[:90].view(6, 15).int()
+    lens = torch.tensor([1, 5, 129, 9, 240, 3], dtype=torch.int32)  # two split into 128-token tasks
     expected = torch.empty_like(q)
     kernels.paged_decode(expected, q, cache, tables, lens, 0.125, num_threads=1)
     threads = torch.get_num_threads()

@@ -24,6 +24,15 @@
 #define PS_ERR_SLOT 4    /* a slot >= num_blocks * block_size */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Sequences longer than this are attended in splits of this many tokens, one task each, then
+ * merged. Measured on the CI machine's Zen 4 (2 threads, 9 query / 3 KV heads, D 64, 30 layer
+ * caches, 14 MB of weights streamed between calls as in a decode step), per call: batch 1 x 256
+ * tokens 64.5 -> 42.9 us (one task per KV head before: 3 tasks on 2 threads, each walking every
+ * page), 1 x 1024 tokens 146 -> 81 us; batch 64 x 256 unchanged (1215 -> 1169 us); splits of 64
+ * tokens were no faster at batch 1 and 6% slower at batch 64. */
+#ifndef SPLIT_TOKENS
+#define SPLIT_TOKENS 128
+#endif
 #ifndef PREFETCH_TOKENS
 #define PREFETCH_TOKENS 4
 #endif
@@ -35,10 +44,9 @@
  * ahead in bursts 2.32 ms on 1 thread / 1.22 ms on 2 (no better than none); one key row 8 tokens
  * ahead in each pass 2.00 / 1.08; keys and values 4 tokens ahead in pass 1 1.67 / 0.88. */
 
-/* Prefetch n rows (stride `row_stride` floats) of `width` floats each: one block's rows of some heads. */
-ALWAYS_INLINE void prefetch_rows(const float *p, int64_t n, int64_t row_stride, int64_t width) {
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < width; d += 16) __builtin_prefetch(p + j * row_stride + d, 0, 3);
+/* Prefetch one cache row of `width` floats. */
+ALWAYS_INLINE void prefetch_row(const float *p, int64_t width) {
+    for (int64_t d = 0; d < width; d += 16) __builtin_prefetch(p + d, 0, 3);
 }
 
 /* Shapes and strides of one decode call (element strides, innermost dim contiguous). */
@@ -109,70 +117,70 @@ ALWAYS_INLINE float exp_nonpos(float x) {
     return p * scale;
 }
 
-/* One sequence, KV heads [h0, h0 + nh): their R = nh * G query rows attend over the sequence's
- * seq_len keys. Two passes over the paged rows; each K and V row of these heads is read once for
- * all R query rows (the nh heads of a row are adjacent in memory):
- *   1. scores[r][t] = scale * q_r . k_t  (then per-row max, exp, sum: an exact softmax)
- *   2. acc[r] = sum_t p[r][t] * v_t, out_r = acc[r] / sum_r
- * `scratch` holds R * seq_len scores + R * D accumulators + R * D scaled queries. The caller has
- * checked every block id. D is a compile-time constant in the specialised callers below. */
-ALWAYS_INLINE void decode_heads(const decode_shape *sh, float *out, const float *q, const float *kv,
-                                const int32_t *table, int64_t seq_len, int64_t h0, int64_t nh,
-                                float *restrict scratch, const int64_t D) {
-    const int64_t G = sh->num_heads / sh->num_kv_heads, R = nh * G;
+/* One sequence's tokens [t_begin, t_end), all its KV heads: its R = H query rows attend over
+ * those keys. Two passes over the paged rows; each K and V row is read once for all R query rows
+ * (the heads of a cache row are adjacent in memory):
+ *   1. scores[r][t] = scale * q_r . k_t  (then per-row max m_r, exp, sum l_r: an exact softmax)
+ *   2. acc[r] = sum_t p[r][t] * v_t
+ * With `out` the result is final: out_r = acc[r] / l_r. Without (out == NULL) the range is one
+ * split of a longer sequence and `part` receives acc ([R][D]), then m ([R]), then l ([R]) for
+ * `merge_splits`. `scratch` holds R * (t_end - t_begin) scores + R * D scaled queries. The
+ * caller has checked every block id. D is a compile-time constant in the specialised callers. */
+ALWAYS_INLINE void decode_range(const decode_shape *sh, float *out, float *part, const float *q, const float *kv,
+                                const int32_t *table, int64_t t_begin, int64_t t_end, float *restrict scratch,
+                                const int64_t D) {
+    const int64_t G = sh->num_heads / sh->num_kv_heads, R = sh->num_heads;
     const int64_t BS = sh->block_size, row = sh->num_kv_heads * D; /* floats per cache row */
-    const float *k_plane = kv + h0 * D, *v_plane = k_plane + sh->num_blocks * BS * row;
-    float *restrict scores = scratch;           /* [R][seq_len] */
-    float *restrict acc = scores + R * seq_len; /* [R][D] */
-    float *restrict qs = acc + R * D;           /* [R][D]: scale * q */
-    const int64_t n_blk = (seq_len + BS - 1) / BS;
+    const float *k_plane = kv, *v_plane = kv + sh->num_blocks * BS * row;
+    const int64_t len = t_end - t_begin;
+    float *restrict scores = scratch;        /* [R][len] */
+    float *restrict qs = scores + R * len;   /* [R][D]: scale * q */
+    float *restrict acc = part ? part : qs + R * D; /* [R][D] (the caller sized scratch for it) */
 
     for (int64_t r = 0; r < R; ++r) {
-        const float *qr = q + (h0 * G + r) * sh->q_stride_head;
+        const float *qr = q + r * sh->q_stride_head;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sh->scale;
     }
-    for (int64_t t = 0; t < PREFETCH_TOKENS && t < seq_len; ++t) {
+    for (int64_t t = t_begin; t < t_begin + PREFETCH_TOKENS && t < t_end; ++t) {
         const int64_t off = (table[t / BS] * BS + t % BS) * row;
-        prefetch_rows(k_plane + off, 1, row, nh * D);
-        prefetch_rows(v_plane + off, 1, row, nh * D);
+        prefetch_row(k_plane + off, row);
+        prefetch_row(v_plane + off, row);
     }
     /* pass 1: scores */
-    for (int64_t b = 0; b < n_blk; ++b) {
-        const int64_t t0 = b * BS, n = (seq_len - t0 < BS) ? seq_len - t0 : BS;
-        const float *k = k_plane + table[b] * BS * row; /* row j of the block at k + j * row */
-        for (int64_t j = 0; j < n; ++j) {
-            const int64_t ahead = t0 + j + PREFETCH_TOKENS;
-            if (ahead < seq_len) {
-                const int64_t off = (table[ahead / BS] * BS + ahead % BS) * row;
-                prefetch_rows(k_plane + off, 1, row, nh * D);
-                prefetch_rows(v_plane + off, 1, row, nh * D);
-            }
-            for (int64_t r = 0; r < R; ++r) scores[r * seq_len + t0 + j] = dot(qs + r * D, k + j * row + (r / G) * D, D);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+        const int64_t ahead = t + PREFETCH_TOKENS;
+        if (ahead < t_end) {
+            const int64_t off = (table[ahead / BS] * BS + ahead % BS) * row;
+            prefetch_row(k_plane + off, row);
+            prefetch_row(v_plane + off, row);
         }
+        const float *k = k_plane + (table[t / BS] * BS + t % BS) * row;
+        for (int64_t r = 0; r < R; ++r) scores[r * len + t - t_begin] = dot(qs + r * D, k + (r / G) * D, D);
     }
     /* softmax numerators, max-subtracted; acc zeroed */
-    float inv_sum[R];
+    float m_r[R], l_r[R];
     for (int64_t r = 0; r < R; ++r) {
-        float *s = scores + r * seq_len;
+        float *s = scores + r * len;
         float m = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < seq_len; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < seq_len; ++t) {
+        for (int64_t t = 0; t < len; ++t) {
             s[t] = exp_nonpos(s[t] - m);
             total += s[t];
         }
-        inv_sum[r] = 1.0f / total;
+        m_r[r] = m;
+        l_r[r] = total;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
     }
-    /* pass 2: weighted sum of values */
-    for (int64_t b = 0; b < n_blk; ++b) {
-        const int64_t t0 = b * BS, n = (seq_len - t0 < BS) ? seq_len - t0 : BS;
-        const float *v = v_plane + table[b] * BS * row;
-        for (int64_t r = 0; r < R; ++r) { /* row r's accumulator stays in registers over the block */
-            const float *p = scores + r * seq_len + t0, *vr = v + (r / G) * D;
+    /* pass 2: weighted sum of values, a block's piece of the range at a time */
+    for (int64_t t0 = t_begin; t0 < t_end;) {
+        const int64_t in_blk = t0 % BS, n = (t_end - t0 < BS - in_blk) ? t_end - t0 : BS - in_blk;
+        const float *v = v_plane + (table[t0 / BS] * BS + in_blk) * row;
+        for (int64_t r = 0; r < R; ++r) { /* row r's accumulator stays in registers over the piece */
+            const float *p = scores + r * len + (t0 - t_begin), *vr = v + (r / G) * D;
             float *restrict a = acc + r * D;
             if (D % 16 == 0 && D <= 256) {
                 v16f a16[D % 16 == 0 && D <= 256 ? D / 16 : 1];
@@ -186,22 +194,65 @@ ALWAYS_INLINE void decode_heads(const decode_shape *sh, float *out, const float 
                     for (int64_t d = 0; d < D; ++d) a[d] += p[j] * vr[j * row + d];
             }
         }
+        t0 += n;
+    }
+    if (part) {
+        memcpy(part + R * D, m_r, R * sizeof(float));
+        memcpy(part + R * D + R, l_r, R * sizeof(float));
+        return;
     }
     for (int64_t r = 0; r < R; ++r) {
-        float *o = out + (h0 * G + r) * sh->out_stride_head;
+        float *o = out + r * sh->out_stride_head;
+        const float inv = 1.0f / l_r[r];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv_sum[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
     }
 }
 
-static void decode_heads_any(const decode_shape *sh, float *out, const float *q, const float *kv,
-                             const int32_t *table, int64_t seq_len, int64_t h0, int64_t nh, float *scratch) {
+static void decode_range_any(const decode_shape *sh, float *out, float *part, const float *q, const float *kv,
+                             const int32_t *table, int64_t t_begin, int64_t t_end, float *scratch) {
     switch (sh->head_size) { /* constant D: fully unrolled, vectorized dot products */
-    case 64: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, 64); break;
-    case 128: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, 128); break;
-    case 256: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, 256); break;
-    default: decode_heads(sh, out, q, kv, table, seq_len, h0, nh, scratch, sh->head_size);
+    case 64: decode_range(sh, out, part, q, kv, table, t_begin, t_end, scratch, 64); break;
+    case 128: decode_range(sh, out, part, q, kv, table, t_begin, t_end, scratch, 128); break;
+    case 256: decode_range(sh, out, part, q, kv, table, t_begin, t_end, scratch, 256); break;
+    default: decode_range(sh, out, part, q, kv, table, t_begin, t_end, scratch, sh->head_size);
     }
+}
+
+/* out_r = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over a sequence's `n` splits (M = max_s m_s):
+ * the exact softmax over the whole sequence from its splits' partial ones. */
+static void merge_splits(const decode_shape *sh, float *out, const float *parts, int64_t n) {
+    const int64_t R = sh->num_heads, D = sh->head_size, stride = R * (D + 2);
+    for (int64_t r = 0; r < R; ++r) {
+        float M = -INFINITY;
+        for (int64_t s = 0; s < n; ++s) M = fmaxf(M, parts[s * stride + R * D + r]);
+        float *o = out + r * sh->out_stride_head, total = 0.0f;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        for (int64_t s = 0; s < n; ++s) {
+            const float *p = parts + s * stride, w = exp_nonpos(p[R * D + r] - M);
+            total += w * p[R * D + R + r];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += w * p[r * D + d];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+}
+
+/* A buffer of at least `bytes`, kept per calling thread and grown as needed (the split index and
+ * partial results of each decode call: allocating them per call costs page faults at large
+ * batches). NULL when out of memory. */
+static char *workspace(size_t bytes) {
+    static _Thread_local char *buf = NULL;
+    static _Thread_local size_t size = 0;
+    if (bytes > size) {
+        char *grown = (char *)realloc(buf, bytes);
+        if (!grown) return NULL;
+        buf = grown;
+        size = bytes;
+    }
+    return buf;
 }
 
 /* Decode attention: sequence i has one query token (row i of `query`) and attends over all
@@ -211,7 +262,13 @@ static void decode_heads_any(const decode_shape *sh, float *out, const float *q,
  *   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_size] fp32, contiguous
  *   block_tables [num_seqs, >= max_blocks] int32 (row stride table_stride)
  *   seq_lens     [num_seqs] int32
- * num_heads must be a multiple of num_kv_heads. A seq_len of 0 gives a zero output row. */
+ * num_heads must be a multiple of num_kv_heads. A seq_len of 0 gives a zero output row.
+ *
+ * A task is one split of one sequence, all its heads (whole cache rows: one thread walks each
+ * cache page, and every row it reads is contiguous). A sequence longer than SPLIT_TOKENS is cut
+ * into ceil(seq_len / SPLIT_TOKENS) splits attended independently and merged (flash-decoding),
+ * so a batch of one keeps every thread busy; the cut depends only on seq_len, so the result is
+ * the same whatever the thread count and whatever else is in the batch. */
 int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, const int32_t *block_tables,
                         const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
@@ -219,24 +276,37 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                         int64_t out_stride_head, int64_t table_stride, float scale, int num_threads) {
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
                              q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale};
-    const int64_t G = num_heads / num_kv_heads;
-    int64_t max_len = 0;
     for (int64_t i = 0; i < num_seqs; ++i) { /* validate everything before touching the cache */
         const int64_t len = seq_lens[i];
         if (len > max_blocks * block_size) return PS_ERR_LEN;
-        if (len > max_len) max_len = len;
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
             const int64_t blk = block_tables[i * table_stride + b];
             if (blk < 0 || blk >= num_blocks) return PS_ERR_BLOCK;
         }
     }
-    /* A task is (sequence, KV heads): all heads of a sequence together (their rows are
-     * contiguous, which the hardware prefetcher streams) while there are enough sequences to keep
-     * the threads busy, else one KV head per task. */
+    /* task_start[i]: sequence i's first task; split s of it covers tokens [s, s + 1) * SPLIT_TOKENS.
+     * Then the partial results of split tasks, indexed by task (only split tasks' entries are used). */
+    int64_t tasks = 0, split_tasks = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t n = seq_lens[i] > SPLIT_TOKENS ? (seq_lens[i] + SPLIT_TOKENS - 1) / SPLIT_TOKENS : 1;
+        tasks += n;
+        split_tasks += n > 1 ? n : 0;
+    }
+    const int64_t part_floats = num_heads * (head_size + 2);
+    const size_t index_bytes = ((size_t)(num_seqs + 1) * sizeof(int64_t) + 63) / 64 * 64;
+    char *work = workspace(index_bytes + (split_tasks ? (size_t)(tasks * part_floats) * sizeof(float) : 0));
+    if (!work) return PS_ERR_NOMEM;
+    int64_t *task_start = (int64_t *)work;
+    float *parts = (float *)(work + index_bytes);
+    task_start[0] = 0;
+    for (int64_t i = 0; i < num_seqs; ++i)
+        task_start[i + 1] = task_start[i] + (seq_lens[i] > SPLIT_TOKENS ? (seq_lens[i] + SPLIT_TOKENS - 1) / SPLIT_TOKENS : 1);
+    const int64_t chunk = SPLIT_TOKENS; /* the most tokens one task scores */
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    const int64_t scores_len = max_len < chunk ? max_len : chunk;
+    const size_t scratch_floats = (size_t)(num_heads * (scores_len + 2 * head_size));
     const int threads = num_threads > 0 ? num_threads : 1;
-    const int64_t nh = num_seqs >= 4 * (int64_t)threads ? num_kv_heads : 1;
-    const int64_t per_seq = num_kv_heads / nh, tasks = num_seqs * per_seq;
-    const size_t scratch_floats = (size_t)(nh * G * (max_len + 2 * head_size));
     int status = PS_OK;
 
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
@@ -246,17 +316,27 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
 #pragma omp atomic write
             status = PS_ERR_NOMEM;
         }
+        int64_t i = 0; /* the sequence of the task: tasks are visited in increasing order per thread */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             if (!scratch) continue;
-            const int64_t i = task / per_seq, h0 = (task % per_seq) * nh;
+            while (task_start[i + 1] <= task) ++i;
+            const int64_t n = task_start[i + 1] - task_start[i], s = task - task_start[i];
             float *o = out + i * out_stride_tok;
             if (seq_lens[i] <= 0) {
-                for (int64_t r = 0; r < nh * G; ++r) memset(o + (h0 * G + r) * out_stride_head, 0, head_size * sizeof(float));
+                for (int64_t r = 0; r < num_heads; ++r) memset(o + r * out_stride_head, 0, head_size * sizeof(float));
                 continue;
             }
-            decode_heads_any(&sh, o, query + i * q_stride_tok, kv_cache, block_tables + i * table_stride, seq_lens[i],
-                             h0, nh, scratch);
+            const int64_t t_begin = s * chunk, t_end = n > 1 && (s + 1) * chunk < seq_lens[i] ? (s + 1) * chunk : seq_lens[i];
+            decode_range_any(&sh, n > 1 ? NULL : o, n > 1 ? parts + task * part_floats : NULL, query + i * q_stride_tok,
+                             kv_cache, block_tables + i * table_stride, t_begin, t_end, scratch);
+        }
+        if (split_tasks && status == PS_OK) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t j = 0; j < num_seqs; ++j) {
+                const int64_t n = task_start[j + 1] - task_start[j];
+                if (n > 1) merge_splits(&sh, out + j * out_stride_tok, parts + task_start[j] * part_floats, n);
+            }
         }
         free(scratch);
     }
