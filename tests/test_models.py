@@ -15,7 +15,7 @@ from portside.backend_api import Communicator, KVCacheSpec
 from portside.config import ModelConfig
 from portside.model.args import ModelArgs, RopeScaling
 from portside.model.registry import load_model
-from portside.model.rotary import rope_inv_freq
+from portside.model.rotary import RotaryEmbedding, rope_inv_freq
 from portside.testing.paged import PagedSequence
 from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model
 
@@ -135,6 +135,21 @@ def test_dynamic_rope_beyond_trained_context_matches_transformers_formula(tmp_pa
     torch.testing.assert_close(rope_inv_freq(16, 10000.0, scaling, 512, max_model_len=2048), expected)
     # within the trained context, dynamic scaling changes nothing
     torch.testing.assert_close(rope_inv_freq(16, 10000.0, scaling, 512, 512), rope_inv_freq(16, 10000.0, None, 512))
+
+
+def test_rotary_table_matches_computing_the_angles():
+    """The cos/sin table looked up per step holds exactly what computing a step's angles gives,
+    for every position up to the context length, in the model's dtype; past it, an error."""
+    rotary = RotaryEmbedding(16, 10000.0, None, 512, max_model_len=300)
+    positions = torch.tensor([0, 1, 17, 255, 299])
+    freqs = positions.float().unsqueeze(1) * rope_inv_freq(16, 10000.0, None, 512).unsqueeze(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = rotary(positions, dtype)
+        assert cos.shape == sin.shape == (5, 8) and cos.dtype == dtype
+        torch.testing.assert_close(cos, freqs.cos().to(dtype), rtol=0, atol=0)
+        torch.testing.assert_close(sin, freqs.sin().to(dtype), rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        rotary(torch.tensor([300]), torch.float32)
 
 
 # ---- tensor parallelism (threads standing in for ranks) ---------------------------------------

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 GRAPH_MODES = ("eager", "inductor", "openvino")
 DEFAULT_GRAPH_MODE = "eager"
 
-# Token counts run once in `capture`: dynamo specializes a size of 1 (its own static graph,
-# batch-1 decode) and compiles one graph with a symbolic token count for every size >= 2.
+# Token counts run once in `capture`: one call for each of `_compile`'s two compiled functions
+# (a symbolic token count for every size >= 2, and a static graph for one token: batch-1 decode).
 WARMUP_TOKENS = (2, 1)
 
 
@@ -43,32 +43,53 @@ def _own_code(fn: Callable[..., Any], name: str) -> types.FunctionType:
 
 
 def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """torch.compile `fn` under its own code object; the token axis (dim 0) of every input is
-    marked dynamic at two or more rows, so one graph serves every count >= 2 and a single row
-    (specialised by dynamo anyway) gets its own graph."""
+    """torch.compile `fn` twice, under code objects of its own: once for one row (static shapes:
+    batch-1 decode) and once for two or more rows (the token axis, dim 0 of every input, marked
+    dynamic), each called only with its kind of input.
+
+    So each has exactly one graph, and both drop dynamo's filterable guards
+    (`skip_all_guards_unsafe`): those re-check, every call, the ~3000 module attributes the graph
+    was built from (0.18 ms a call for the default model even through dict version tags, twice a
+    step with the LM head; ~1 us is left, the inputs' own checks), and nothing in a running
+    engine changes them: the weights are constants (Inductor's freezing), the inputs' dtypes and
+    ranks are fixed by the runner, and the row count picks the graph here. (Inputs of the first
+    call that alias one another would be compiled in, no longer checked: see `_step_inputs`.)"""
     if isinstance(fn, types.MethodType):
-        fn = types.MethodType(_own_code(fn.__func__, name), fn.__self__)
-    compiled = torch.compile(fn)
+        one = types.MethodType(_own_code(fn.__func__, f"{name}_1"), fn.__self__)
+        many = types.MethodType(_own_code(fn.__func__, f"{name}_n"), fn.__self__)
+    else:
+        one, many = _own_code(fn, f"{name}_1"), _own_code(fn, f"{name}_n")
+    options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    compiled_one = torch.compile(one, options=options)
+    compiled_many = torch.compile(many, options=options)
 
     def run(*args: torch.Tensor) -> Any:
-        if args[0].shape[0] > 1:
-            for a in args:
-                torch._dynamo.mark_dynamic(a, 0)
-        return compiled(*args)
+        if args[0].shape[0] == 1:
+            return compiled_one(*args)
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        return compiled_many(*args)
 
     return run
 
 
 class _Body(nn.Module):
     """Every decoder layer and the final norm, attention through the opaque custom op
-    (`attention_op`): h, *aux -> hidden, one graph for the whole model."""
+    (`attention_op`): one graph for the whole model. With `embed`, the graph starts from the
+    token ids and positions (the embedding lookup and the rotary angles in it too); without
+    (tensor parallelism: the embedding's all-reduce stays eager), from h and the rotary tensors."""
 
-    def __init__(self, model: PiecewiseModel) -> None:
+    def __init__(self, model: PiecewiseModel, embed: bool) -> None:
         super().__init__()
         self.model = model
+        self.embed = embed
 
-    def forward(self, h: torch.Tensor, *aux: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         m = self.model
+        if self.embed:
+            h, aux = m.embed(*inputs)
+        else:
+            h, *aux = inputs
         for i in range(m.num_layers):
             q, k, v = m.pre_attention(i, h, aux)
             o = torch.ops.portside_cpu.attention(q, k, v, i, m.attention_scale(i))
@@ -77,8 +98,8 @@ class _Body(nn.Module):
 
 
 class InductorGraphRunner(GraphRunner):
-    """torch.compile (Inductor) over the whole model but its embedding (`_Body`), with paged
-    attention an opaque custom op inside the graph (`attention_op`) that runs the step's attention
+    """torch.compile (Inductor) over the whole model (`_Body`; the embedding stays eager under
+    tensor parallelism), with paged attention an opaque custom op inside the graph (`attention_op`) that runs the step's attention
     backend eagerly. Host-side attention metadata never reaches dynamo, so nothing guards on it:
     after `capture` compiles the two graphs (1 token, and a symbolic count >= 2) for the body and
     for the LM head, no step recompiles, and a step is one call into compiled code (plus the LM
@@ -102,9 +123,11 @@ class InductorGraphRunner(GraphRunner):
 
         self._forward_context = attention_op.forward_context
         self.model = model_fn
-        self._body = _compile(_Body(model_fn).forward, "portside_body")
-        # The LM head too (its all-gather under tensor parallelism stays eager).
-        if config.parallel.tensor_parallel_size == 1:
+        # Without tensor parallelism the embedding and the LM head are compiled too (under it,
+        # their all-reduce / all-gather stay eager).
+        self._whole = config.parallel.tensor_parallel_size == 1
+        self._body = _compile(_Body(model_fn, embed=self._whole).forward, "portside_body")
+        if self._whole:
             self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
@@ -123,29 +146,35 @@ class InductorGraphRunner(GraphRunner):
         from portside.backends.cpu.gemv_pass import GemvAsReduction  # imports Inductor (~1 s)
 
         options = {"freezing": True, "pre_grad_custom_pass": GemvAsReduction(), "cpp_wrapper": True}
-        # Guards on the model's ~3000 module attributes are checked through the dicts' version
-        # tags, module by module, instead of one by one: a step's two guard checks take ~0.18 ms
-        # instead of ~0.44 ms each (default model). Still exact: a changed module fails its tag.
-        guards = {"use_recursive_dict_tags_for_guards": True, "max_saved_pointers_for_recursive_dict_tags_check": 1 << 16}
-        with torch._inductor.config.patch(options), torch._dynamo.config.patch(guards):
+        with torch._inductor.config.patch(options):
             for n in WARMUP_TOKENS:
                 ctx = make_dummy_context(n)
-                zeros = torch.zeros(n, dtype=torch.long, device=ctx.metadata.slot_mapping.device)
-                hidden = self(zeros, zeros, ctx)
+                hidden = self(*_step_inputs(n, ctx.metadata.slot_mapping.device), ctx)
                 self.compute_logits(hidden)
         logger.info("inductor: compiled the model in %.1f s", time.perf_counter() - t0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.model is None:
             return self.model_fn(input_ids, positions, ctx)
-        h, aux = self.model.embed(input_ids, positions)  # embedding and rotary gathers stay eager
         with self._forward_context(ctx):
+            if self._whole:
+                return self._body(input_ids, positions)
+            h, aux = self.model.embed(input_ids, positions)
             return self._body(h, *aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._logits is None:
             return super().compute_logits(hidden)
         return self._logits(hidden)
+
+
+def _step_inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dummy token ids and positions made like the runner's: two tensors (one passed twice would
+    compile a graph with a single input, and with no guards, `_compile`, it would then read the
+    ids as positions) and normal ones, not inference tensors (the runner makes its inputs outside
+    inference mode; a graph compiled for the other kind would be compiled again)."""
+    with torch.inference_mode(False):
+        return torch.zeros(n, dtype=torch.long, device=device), torch.zeros(n, dtype=torch.long, device=device)
 
 
 def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:

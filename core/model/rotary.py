@@ -68,9 +68,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin for the step's positions once; every layer applies them."""
+    """cos/sin of the step's positions, looked up once per step in a table computed at start-up
+    for every position up to the context length (a gather, exact wherever it runs: also inside a
+    compiled graph, whose own cos/sin could differ from eager's in the last bit); every layer
+    applies them."""
 
     inv_freq: torch.Tensor  # registered buffer [D/2] fp32
+    cos_sin: torch.Tensor  # registered buffer [positions, D] fp32: cos | sin
 
     def __init__(
         self,
@@ -83,8 +87,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings, max_model_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
+        freqs = torch.arange(max_model_len or max_position_embeddings).float().unsqueeze(1) * inv_freq  # [P, D/2]
+        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, D/2] in `dtype`."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        """positions [T] (below the context length) -> (cos, sin), each [T, D/2] in `dtype`."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).chunk(2, dim=1)
+        return cos, sin
