@@ -23,14 +23,22 @@ _current: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[None]:
-    """Make `ctx` the context the attention op reads while the block runs."""
+def forward_context(ctx: ForwardContext, native: bool = False) -> Iterator[None]:
+    """Make `ctx` the context the attention op reads while the block runs. With `native` (the
+    graph calls `portside_cpu_native::attention`, `native_ops`), a decode-only step's native plan
+    (`kernels.DecodeStep`) is also installed for the C++ operator, which then runs every layer
+    without calling back into Python."""
     global _current
     previous, _current = _current, ctx
+    step = getattr(ctx.metadata.backend_data, "native_step", None) if native else None
+    if step is not None:
+        torch.ops.portside_cpu_native.set_decode_step(ctx.kv_caches, *step.tensors)
     try:
         yield
     finally:
         _current = previous
+        if step is not None:
+            torch.ops.portside_cpu_native.clear_decode_step()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
@@ -52,6 +60,8 @@ _lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> 
 _lib.impl("attention", attention, "CPU")
 
 
-@torch.library.register_fake("portside_cpu::attention")
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+torch.library.register_fake("portside_cpu::attention", attention_fake)

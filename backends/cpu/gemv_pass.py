@@ -44,7 +44,7 @@ def _is_buffer(node: object) -> bool:
 
 class GemvAsReduction(CustomGraphPass):
     """Inductor pre-grad pass: `F.linear` of a single fp32 row becomes the native C++ operator
-    `portside_cpu_native::linear_row` (`linear_op.py`) when it builds here, else (and for other
+    `portside_cpu_native::linear_row` (`native_ops.py`) when it builds here, else (and for other
     dtypes) a multiply and a row sum that Inductor fuses.
 
     A one-token step (batch-1 decode) is a matrix-vector product per linear, bound by reading
@@ -66,9 +66,9 @@ class GemvAsReduction(CustomGraphPass):
     def __init__(self, native: bool = True) -> None:
         """`native`: use the C++ operator if it builds here (False: always the fused reduction)."""
         if native:
-            from portside.backends.cpu import linear_op
+            from portside.backends.cpu import native_ops
 
-            reason = linear_op.unavailable_reason()
+            reason = native_ops.unavailable_reason()
             if reason:
                 logger.warning("one-row linears use Inductor's fused reduction: the native operator is "
                                "unavailable (%s)", reason)

@@ -74,15 +74,17 @@ def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 class _Body(nn.Module):
-    """Every decoder layer and the final norm, attention through the opaque custom op
-    (`attention_op`): one graph for the whole model. With `embed`, the graph starts from the
+    """Every decoder layer and the final norm, attention through an opaque custom op
+    (`portside_cpu::attention` of `attention_op`, or its C++ front `portside_cpu_native::attention`
+    of `native_ops`): one graph for the whole model. With `embed`, the graph starts from the
     token ids and positions (the embedding lookup and the rotary angles in it too); without
     (tensor parallelism: the embedding's all-reduce stays eager), from h and the rotary tensors."""
 
-    def __init__(self, model: PiecewiseModel, embed: bool) -> None:
+    def __init__(self, model: PiecewiseModel, embed: bool, attention: Callable[..., torch.Tensor]) -> None:
         super().__init__()
         self.model = model
         self.embed = embed
+        self.attention = attention
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -92,7 +94,7 @@ class _Body(nn.Module):
             h, *aux = inputs
         for i in range(m.num_layers):
             q, k, v = m.pre_attention(i, h, aux)
-            o = torch.ops.portside_cpu.attention(q, k, v, i, m.attention_scale(i))
+            o = self.attention(q, k, v, i, m.attention_scale(i))
             h = m.post_attention(i, h, o)
         return m.final_norm(h)
 
@@ -126,7 +128,13 @@ class InductorGraphRunner(GraphRunner):
         # Without tensor parallelism the embedding and the LM head are compiled too (under it,
         # their all-reduce / all-gather stay eager).
         self._whole = config.parallel.tensor_parallel_size == 1
-        self._body = _compile(_Body(model_fn, embed=self._whole).forward, "portside_body")
+        # Decode-only steps attend in C++ with no call back into Python when the native
+        # operators build here (~12 us a layer warm, more right after the weight stream).
+        from portside.backends.cpu import native_ops
+
+        self._native = native_ops.unavailable_reason() is None
+        attention = torch.ops.portside_cpu_native.attention if self._native else torch.ops.portside_cpu.attention
+        self._body = _compile(_Body(model_fn, self._whole, attention).forward, "portside_body")
         if self._whole:
             self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
@@ -156,7 +164,7 @@ class InductorGraphRunner(GraphRunner):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.model is None:
             return self.model_fn(input_ids, positions, ctx)
-        with self._forward_context(ctx):
+        with self._forward_context(ctx, self._native):
             if self._whole:
                 return self._body(input_ids, positions)
             h, aux = self.model.embed(input_ids, positions)
@@ -204,15 +212,15 @@ class _OneRowLinears(torch.overrides.TorchFunctionMode):
 
 class EagerGraphRunner(_CoreEagerGraphRunner):
     """Op by op, as core's eager runner, but a one-row fp32 linear (batch-1 decode, a single
-    sequence's LM head) runs in the native operator (`linear_op`) rather than MKL's GEMV, which
+    sequence's LM head) runs in the native operator (`native_ops`) rather than MKL's GEMV, which
     streams the weight at ~10 GB/s on a Zen 4 where the operator gets 35-49 (batch-1 decode of the
     default model, 2 threads: see docs/cpu.md). Without a C++ compiler: core's runner, unchanged."""
 
     def __init__(self, model_fn: ModelFn, config) -> None:
         super().__init__(model_fn, config)
-        from portside.backends.cpu import linear_op
+        from portside.backends.cpu import native_ops
 
-        reason = linear_op.unavailable_reason()
+        reason = native_ops.unavailable_reason()
         if reason:
             logger.warning("cpu eager: one-row linears use torch's GEMV (native operator unavailable: %s)", reason)
         self._native = reason is None

@@ -91,35 +91,36 @@ def cache_dir() -> Path:
     return Path(base) / "portside" / "kernels"
 
 
-def build_key(cc: list[str], source: Path | None = None, flags: tuple[str, ...] | None = None,
+def build_key(cc: list[str], sources: tuple[Path, ...] | None = None, flags: tuple[str, ...] | None = None,
               extra: str = "") -> str:
-    """sha256 of what a .so depends on: source, flags, compiler version, CPU (and `extra`, e.g.
-    the torch version a C++ operator is built against). Defaults: the paged-attention kernels."""
-    source, flags = source or SOURCE, flags or FLAGS
+    """sha256 of what a .so depends on: its sources (and the files they include), flags, compiler
+    version, CPU (and `extra`, e.g. the torch version a C++ operator is built against). Defaults:
+    the paged-attention kernels."""
+    sources, flags = sources or (SOURCE,), flags or FLAGS
     version = _run([*cc, "--version"], timeout=30)
     if version.returncode != 0:
         raise NativeBuildError(f"compiler {shlex.join(cc)!r} failed on --version:\n{_tail(version.stderr)}")
     h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join([*cc, *flags]).encode(), version.stdout.encode(),
+    for part in (*(src.read_bytes() for src in sources), " ".join([*cc, *flags]).encode(), version.stdout.encode(),
                  platform.machine().encode(), _cpu_flags().encode(), extra.encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:32]
 
 
-def build(cc: list[str], source: Path, flags: tuple[str, ...], libs: tuple[str, ...], target: Path) -> bool:
-    """Compile `source` into the shared library `target` unless it is already there; True when
-    this call compiled it. `libs` go after the source, as the linker wants."""
+def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs: tuple[str, ...], target: Path) -> bool:
+    """Compile `sources` into the shared library `target` unless it is already there; True when
+    this call compiled it. `libs` go after the sources, as the linker wants."""
     if target.exists():
         return False
-    logger.info("building native cpu kernels: %s -> %s", source.name, target)
+    logger.info("building native cpu kernels: %s -> %s", " ".join(src.name for src in sources), target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        res = _run([*cc, *flags, "-o", tmp, str(source), *libs], timeout=300)
+        res = _run([*cc, *flags, "-o", tmp, *map(str, sources), *libs], timeout=300)
         if res.returncode != 0:
-            raise NativeBuildError(f"building {source.name} with {shlex.join(cc)} failed "
+            raise NativeBuildError(f"building {' '.join(src.name for src in sources)} with {shlex.join(cc)} failed "
                                    f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
         os.replace(tmp, target)  # atomic: other processes see no file or a whole one
     finally:
@@ -142,7 +143,7 @@ def load_library() -> NativeLibrary:
     """Build (once per cache key) and load the kernels. Raises `NativeBuildError` with the reason."""
     cc = compiler()
     target = cache_dir() / build_key(cc) / "paged_attention.so"
-    compiled = build(cc, SOURCE, FLAGS[:-1], FLAGS[-1:], target)
+    compiled = build(cc, (SOURCE,), FLAGS[:-1], FLAGS[-1:], target)
     try:
         lib = ctypes.CDLL(str(target))
         _declare(lib)
@@ -255,7 +256,7 @@ class DecodeStep:
         if not seq_lens.is_contiguous() or not slots.is_contiguous():
             raise ValueError("seq_lens and slots must be contiguous")
         self._lib = load_library().lib
-        self._keep = (block_tables, seq_lens, slots)  # the pointers below point into these
+        self.tensors = (block_tables, seq_lens, slots)  # the pointers below point into these
         self._batch = batch
         self._tables = (block_tables.data_ptr(), seq_lens.data_ptr())
         self._table_shape = (block_tables.shape[1], block_tables.stride(0))

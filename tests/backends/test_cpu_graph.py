@@ -66,6 +66,31 @@ def test_batch1_decode_parity_with_transformers(model_path, mode):
     assert out.outputs[0].token_ids == hf_greedy(model_path, prompt, MAX_TOKENS), mode
 
 
+def test_inductor_decode_steps_attend_in_cpp(model_path, monkeypatch):
+    """With the native operators, a decode-only step's attention runs in C++
+    (`portside_cpu_native::attention` with the plan `forward_context` installs): the Python
+    backend is called for prefill steps only, and greedy tokens still match transformers, batched."""
+    from portside.backends.cpu import native_ops
+    from portside.backends.cpu.attention import NativeAttentionBackend
+
+    if native_ops.unavailable_reason() is not None:
+        pytest.skip(f"the native operators do not build here: {native_ops.unavailable_reason()}")
+    calls: list[bool] = []  # per Python attention call: was its step decode-only?
+    forward = NativeAttentionBackend.forward
+
+    def counting(self, query, key, value, kv_cache, metadata, scale):
+        calls.append(metadata.num_decode_tokens == query.shape[0])
+        return forward(self, query, key, value, kv_cache, metadata, scale)
+
+    llm = _engine(model_path, "inductor", attention="auto")
+    monkeypatch.setattr(NativeAttentionBackend, "forward", counting)
+    prompts = _prompts(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_path, prompt, MAX_TOKENS)
+    assert calls and not any(calls)  # prefill (and mixed) steps only
+
+
 def test_openvino_really_executes(tiny_llama):
     """Every step goes through compiled OpenVINO models: the runner counts its inferences, and
     each segment is an OpenVINO CompiledModel on the CPU device with a dynamic token axis."""

@@ -155,9 +155,9 @@ def test_native_linear_row_matches_linear(rows, cols, bias):
     row counts and a column tail that is not a multiple of the vector width."""
     import torch.nn.functional as F
 
-    from portside.backends.cpu import linear_op
+    from portside.backends.cpu import native_ops
 
-    assert linear_op.unavailable_reason() is None
+    assert native_ops.unavailable_reason() is None
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, cols, generator=g), torch.randn(rows, cols, generator=g)
     b = torch.randn(rows, generator=g) if bias else None
@@ -171,9 +171,9 @@ def test_native_linear_row_hands_other_inputs_to_linear():
     F.linear's result: the operator is always correct to call."""
     import torch.nn.functional as F
 
-    from portside.backends.cpu import linear_op
+    from portside.backends.cpu import native_ops
 
-    linear_op.load()
+    native_ops.load()
     op = torch.ops.portside_cpu_native.linear_row
     x, w = torch.randn(3, 16), torch.randn(5, 16)
     torch.testing.assert_close(op(x, w, None), F.linear(x, w))
@@ -207,16 +207,16 @@ def test_decode_step_checks_its_inputs():
 
 def test_linear_row_without_cxx_compiler_falls_back(monkeypatch, tmp_path):
     """No C++ compiler: the operator's reason names it, and the GEMV pass uses Inductor's reduction."""
-    from portside.backends.cpu import linear_op
+    from portside.backends.cpu import native_ops
     from portside.backends.cpu.gemv_pass import GemvAsReduction
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached there
-    linear_op.load.cache_clear()
+    native_ops.load.cache_clear()
     try:
-        assert "could not run" in linear_op.unavailable_reason()
+        assert "could not run" in native_ops.unavailable_reason()
         assert GemvAsReduction().native is False
     finally:
         monkeypatch.undo()
-        linear_op.load.cache_clear()
-    assert linear_op.unavailable_reason() is None  # loads again in the same process
+        native_ops.load.cache_clear()
+    assert native_ops.unavailable_reason() is None  # loads again in the same process

@@ -1,0 +1,69 @@
+"""The cpu backend's C++ torch operators, one library built on first use against the running
+torch with the system C++ compiler and cached like the paged-attention kernels (`kernels.py`):
+
+- `portside_cpu_native::linear_row`: the one-row fp32 linear (`csrc/linear_row.cpp`);
+- `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
+  the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
+  Python operator `portside_cpu::attention` (`attention_op`).
+
+Being C++ operators, a compiled graph (`cpp_wrapper`) calls them through the dispatcher without a
+trip through Python: 121 linears and 30 attention calls a step for the default model.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from portside.backends.cpu import kernels
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "linear_row.cpp", CSRC / "decode_attention.cpp")
+INCLUDED = (CSRC / "paged_attention.c",)  # by decode_attention.cpp
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
+
+
+def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from torch.utils import cpp_extension
+
+    lib_dir = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = (*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths()))
+    return compile_flags, (f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10")
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Path:
+    """Build (once per cache key) and register the operators; raises `NativeBuildError` with why not."""
+    from portside.backends.cpu import attention_op  # noqa: F401  (the Python operator attention falls back to)
+
+    cxx = kernels.compiler("CXX", ("c++", "g++"), "C++")
+    compile_flags, libs = _torch_flags()
+    key = kernels.build_key(cxx, SOURCES + INCLUDED, compile_flags + libs, extra=torch.__version__)
+    target = kernels.cache_dir() / key / "portside_cpu_native.so"
+    kernels.build(cxx, SOURCES, compile_flags, libs, target)
+    try:
+        torch.ops.load_library(str(target))
+    except OSError as e:
+        raise kernels.NativeBuildError(f"loading {target} failed: {e}") from e
+    if not hasattr(load, "fakes"):  # once per process, whatever clears load's cache
+        load.fakes = (  # type: ignore[attr-defined]
+            torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
+            torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
+        )
+    return target
+
+
+def _linear_row_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def unavailable_reason() -> str | None:
+    """None when the operator is registered (building it on first call), else why not."""
+    try:
+        load()
+    except kernels.NativeBuildError as e:
+        return str(e)
+    return None
