@@ -312,6 +312,12 @@ class GraphRunner(ABC):
         model's own (`model_fn.compute_logits`); a runner may compile it with the model."""
         return self.model_fn.compute_logits(hidden)  # type: ignore[attr-defined]
 
+    def logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] of rows `indices` ([N] int64) of this step's `hidden` (what the last
+        `__call__` returned), called at most once per step. Default: `compute_logits` of those
+        rows; a runner that already computed them in the step's graph returns those."""
+        return self.compute_logits(hidden[indices])
+
 
 class EagerGraphRunner(GraphRunner):
     """No capture: every step runs the model eagerly. The fallback every platform can use."""

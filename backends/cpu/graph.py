@@ -42,10 +42,10 @@ def _own_code(fn: Callable[..., Any], name: str) -> types.FunctionType:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """torch.compile `fn` twice, under code objects of its own: once for one row (static shapes:
-    batch-1 decode) and once for two or more rows (the token axis, dim 0 of every input, marked
-    dynamic), each called only with its kind of input.
+    batch-1 decode; `fn_one` instead when given) and once for two or more rows (the token axis,
+    dim 0 of every input, marked dynamic), each called only with its kind of input.
 
     So each has exactly one graph, and both drop dynamo's filterable guards
     (`skip_all_guards_unsafe`): those re-check, every call, the ~3000 module attributes the graph
@@ -54,14 +54,15 @@ def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     engine changes them: the weights are constants (Inductor's freezing), the inputs' dtypes and
     ranks are fixed by the runner, and the row count picks the graph here. (Inputs of the first
     call that alias one another would be compiled in, no longer checked: see `_step_inputs`.)"""
-    if isinstance(fn, types.MethodType):
-        one = types.MethodType(_own_code(fn.__func__, f"{name}_1"), fn.__self__)
-        many = types.MethodType(_own_code(fn.__func__, f"{name}_n"), fn.__self__)
-    else:
-        one, many = _own_code(fn, f"{name}_1"), _own_code(fn, f"{name}_n")
+
+    def own(f: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+        if isinstance(f, types.MethodType):
+            return types.MethodType(_own_code(f.__func__, name + suffix), f.__self__)
+        return _own_code(f, name + suffix)
+
     options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-    compiled_one = torch.compile(one, options=options)
-    compiled_many = torch.compile(many, options=options)
+    compiled_one = torch.compile(own(fn_one or fn, "_1"), options=options)
+    compiled_many = torch.compile(own(fn, "_n"), options=options)
 
     def run(*args: torch.Tensor) -> Any:
         if args[0].shape[0] == 1:
@@ -78,13 +79,16 @@ class _Body(nn.Module):
     (`portside_cpu::attention` of `attention_op`, or its C++ front `portside_cpu_native::attention`
     of `native_ops`): one graph for the whole model. With `embed`, the graph starts from the
     token ids and positions (the embedding lookup and the rotary angles in it too); without
-    (tensor parallelism: the embedding's all-reduce stays eager), from h and the rotary tensors."""
+    (tensor parallelism: the embedding's all-reduce stays eager), from h and the rotary tensors.
+    With `logits` it returns the LM head's logits of every row too."""
 
-    def __init__(self, model: PiecewiseModel, embed: bool, attention: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, model: PiecewiseModel, embed: bool, attention: Callable[..., torch.Tensor],
+                 logits: bool = False) -> None:
         super().__init__()
         self.model = model
         self.embed = embed
         self.attention = attention
+        self.logits = logits
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -96,7 +100,8 @@ class _Body(nn.Module):
             q, k, v = m.pre_attention(i, h, aux)
             o = self.attention(q, k, v, i, m.attention_scale(i))
             h = m.post_attention(i, h, o)
-        return m.final_norm(h)
+        h = m.final_norm(h)
+        return (h, m.compute_logits(h)) if self.logits else h  # type: ignore[attr-defined]
 
 
 class InductorGraphRunner(GraphRunner):
@@ -134,7 +139,11 @@ class InductorGraphRunner(GraphRunner):
 
         self._native = native_ops.unavailable_reason() is None
         attention = torch.ops.portside_cpu_native.attention if self._native else torch.ops.portside_cpu.attention
-        self._body = _compile(_Body(model_fn, self._whole, attention).forward, "portside_body")
+        # One-row steps (batch-1 decode) get the LM head in the same graph: one compiled call a
+        # step instead of two, each with its Python entry and exit, and no gather between them.
+        one_row = _Body(model_fn, self._whole, attention, logits=self._whole).forward
+        self._body = _compile(_Body(model_fn, self._whole, attention).forward, "portside_body", one_row)
+        self._step_logits: torch.Tensor | None = None  # the one-row graph's, for `logits`
         if self._whole:
             self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
@@ -164,16 +173,26 @@ class InductorGraphRunner(GraphRunner):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.model is None:
             return self.model_fn(input_ids, positions, ctx)
+        self._step_logits = None
         with self._forward_context(ctx, self._native):
-            if self._whole:
-                return self._body(input_ids, positions)
-            h, aux = self.model.embed(input_ids, positions)
-            return self._body(h, *aux)
+            if not self._whole:
+                h, aux = self.model.embed(input_ids, positions)
+                return self._body(h, *aux)
+            out = self._body(input_ids, positions)
+        if isinstance(out, tuple):  # the one-row graph: hidden and logits
+            out, self._step_logits = out
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._logits is None:
             return super().compute_logits(hidden)
         return self._logits(hidden)
+
+    def logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        step_logits, self._step_logits = self._step_logits, None
+        if step_logits is not None:  # a one-row step: the row sampled is that row
+            return step_logits
+        return self.compute_logits(hidden[indices])
 
 
 def _step_inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

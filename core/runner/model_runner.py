@@ -151,7 +151,7 @@ class ModelRunner:
             sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
             logprobs: dict[str, LogprobsLists] = {}
             if batch.sampled_req_ids:
-                logits = self.graph_runner.compute_logits(hidden[batch.logits_indices])
+                logits = self.graph_runner.logits(hidden, batch.logits_indices)
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
                 meta = SamplingMetadata.build(
                     [s.sampling_params for s in states],
