@@ -105,12 +105,14 @@ class _Body(nn.Module):
 
 
 class InductorGraphRunner(GraphRunner):
-    """torch.compile (Inductor) over the whole model (`_Body`; the embedding stays eager under
-    tensor parallelism), with paged attention an opaque custom op inside the graph (`attention_op`) that runs the step's attention
-    backend eagerly. Host-side attention metadata never reaches dynamo, so nothing guards on it:
-    after `capture` compiles the two graphs (1 token, and a symbolic count >= 2) for the body and
-    for the LM head, no step recompiles, and a step is one call into compiled code (plus the LM
-    head's) instead of one per layer.
+    """torch.compile (Inductor) over the whole model (`_Body`; under tensor parallelism the
+    embedding and the LM head stay eager), with paged attention an opaque custom op inside the
+    graph (`attention_op`) that runs the step's attention backend eagerly, or, in decode-only
+    steps, the native kernels with no Python at all (`native_ops`). Host-side attention metadata
+    never reaches dynamo, so nothing guards on it: after `capture` compiles the two graphs
+    (1 token, and a symbolic count >= 2) for the body and for the LM head, no step recompiles. A
+    batch-1 step is one call into compiled code (its graph computes the LM head too), a larger
+    one two (the body, then the LM head of the sampled rows).
 
     A model that is not a `PiecewiseModel` runs eagerly (with a warning): compiling a whole
     step with its Python attention traced in recompiles on nearly every step."""
@@ -141,6 +143,8 @@ class InductorGraphRunner(GraphRunner):
         attention = torch.ops.portside_cpu_native.attention if self._native else torch.ops.portside_cpu.attention
         # One-row steps (batch-1 decode) get the LM head in the same graph: one compiled call a
         # step instead of two, each with its Python entry and exit, and no gather between them.
+        # (A one-row step that samples nothing, a one-token prefill chunk before the last,
+        # computes logits it does not use: rare, and cheaper than a second graph call when used.)
         one_row = _Body(model_fn, self._whole, attention, logits=self._whole).forward
         self._body = _compile(_Body(model_fn, self._whole, attention).forward, "portside_body", one_row)
         self._step_logits: torch.Tensor | None = None  # the one-row graph's, for `logits`

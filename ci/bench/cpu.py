@@ -150,7 +150,7 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     elapsed = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
     info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed)
-    info["decode_ms_per_token"] = _decode_ms(lambda n: run(prompts[:1], n), decode_tokens)
+    info.update(_decode(lambda n: run(prompts[:1], n), decode_tokens))
     llm.shutdown()
     llm = runner = None
     gc.collect()
@@ -162,6 +162,15 @@ def _decode_ms(run: Callable[[int], Any], n: int) -> float:
     t1 = _best(lambda: run(1), 2)
     tn = _best(lambda: run(1 + n), 2)
     return 1000 * (tn - t1) / n
+
+
+def _decode(run: Callable[[int], Any], n: int) -> dict[str, float]:
+    """`_decode_ms`, with the read bandwidth measured just before and just after it: the VM this
+    runs on moves between ~35 and ~64 GB/s for minutes at a time, so the bound the decode ran
+    under is the faster of the two (`decode_read_bandwidth_gbs`), next to the run's best."""
+    before = read_bandwidth_huge_pages(512)
+    ms = _decode_ms(run, n)
+    return {"decode_ms_per_token": ms, "decode_read_bandwidth_gbs": max(before, read_bandwidth_huge_pages(512))}
 
 
 # ---- transformers ----------------------------------------------------------------------------------
@@ -191,7 +200,7 @@ def bench_hf_static(path: str, prompts, gen: int, decode_tokens: int) -> dict[st
     elapsed = time.perf_counter() - t
     assert out.shape[1] == ids.shape[1] + gen
     info = {"throughput_s": elapsed, "output_tok_s": len(prompts) * gen / elapsed}
-    info["decode_ms_per_token"] = _decode_ms(lambda n: run(ids[:1], n), decode_tokens)
+    info.update(_decode(lambda n: run(ids[:1], n), decode_tokens))
     return info
 
 
@@ -359,6 +368,9 @@ def _ratios(result: dict[str, Any]) -> None:
         if "decode_ms_per_token" in r:
             s["decode_ms_per_token"] = round(r["decode_ms_per_token"], 2)
             s["decode_vs_bandwidth_bound"] = round(r["decode_ms_per_token"] / bounds["decode_ms_per_token"], 3)
+            if "decode_read_bandwidth_gbs" in r:  # the bound at the time of the decode measurement
+                bound_then = 1000 * result["model"]["weight_bytes_per_token"] / (r["decode_read_bandwidth_gbs"] * 1e9)
+                s["decode_vs_bandwidth_bound_then"] = round(r["decode_ms_per_token"] / bound_then, 3)
         summary[name] = s
     ps = [(k, v) for k, v in summary.items() if k.startswith("portside")]
     if ps:
@@ -368,7 +380,11 @@ def _ratios(result: dict[str, Any]) -> None:
             summary["target_throughput_1.5x_met"] = best[1]["vs_transformers_static"] >= 1.5
         dec = min((v["decode_vs_bandwidth_bound"] for _, v in ps if "decode_vs_bandwidth_bound" in v), default=None)
         if dec is not None:
-            summary["target_decode_1.25x_met"] = dec <= 1.25
+            summary["target_decode_1.25x_met"] = dec <= 1.25  # against the run's best bandwidth
+        then = min((v["decode_vs_bandwidth_bound_then"] for _, v in ps if "decode_vs_bandwidth_bound_then" in v),
+                   default=None)
+        if then is not None:
+            summary["target_decode_1.25x_met_then"] = then <= 1.25  # against the bandwidth of the moment
     result["summary"] = summary
 
 

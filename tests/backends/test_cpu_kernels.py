@@ -205,6 +205,37 @@ def test_decode_step_checks_its_inputs():
         kernels.DecodeStep(tables, lens, bad)(q, kv, kv, cache, 0.25)
 
 
+def test_native_attention_operator_runs_the_installed_plan():
+    """`portside_cpu_native::attention` with a decode plan installed (`set_decode_step`) writes K/V
+    and attends exactly as `kernels.DecodeStep` (the same kernels), split sequences included;
+    without a plan it hands the call to the Python operator; a bad plan is refused."""
+    from portside.backends.cpu import native_ops
+
+    native_ops.load()
+    ops = torch.ops.portside_cpu_native
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randn(2, 40, 16, 3, 64, generator=g) for _ in range(2)]
+    tables = torch.randperm(40, generator=g)[:36].view(2, 18).int()
+    lens = torch.tensor([200, 37], dtype=torch.int32)  # the first in two 128-token splits
+    slots = (tables[:, 0].long() * 16 + 5).contiguous()
+    q, k, v = torch.randn(2, 9, 64, generator=g), torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+    expected_cache = caches[1].clone()
+    expected = kernels.DecodeStep(tables, lens, slots)(q, k, v, expected_cache, 0.125)
+    ops.set_decode_step(caches, tables, lens, slots)
+    try:
+        out = ops.attention(q, k, v, 1, 0.125)
+    finally:
+        ops.clear_decode_step()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(caches[1], expected_cache, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="outside forward_context"):  # no plan: the Python operator
+        ops.attention(q, k, v, 1, 0.125)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.set_decode_step(caches, tables.long(), lens, slots)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.set_decode_step([caches[0].bfloat16()], tables, lens, slots)
+
+
 def test_linear_row_without_cxx_compiler_falls_back(monkeypatch, tmp_path):
     """No C++ compiler: the operator's reason names it, and the GEMV pass uses Inductor's reduction."""
     from portside.backends.cpu import native_ops
