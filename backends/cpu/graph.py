@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,14 +42,20 @@ def _own_code(fn: Callable[..., Any], name: str) -> types.FunctionType:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+def _no_guards(guard_entries: Sequence[Any]) -> list[bool]:
+    """A dynamo `guard_filter_fn` that keeps none of the guards it is offered."""
+    return [False] * len(guard_entries)
+
+
 def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """torch.compile `fn` twice, under code objects of its own: once for one row (static shapes:
     batch-1 decode; `fn_one` instead when given) and once for two or more rows (the token axis,
     dim 0 of every input, marked dynamic), each called only with its kind of input.
 
-    So each has exactly one graph, and both drop dynamo's filterable guards
-    (`skip_all_guards_unsafe`): those re-check, every call, the ~3000 module attributes the graph
-    was built from (0.18 ms a call for the default model even through dict version tags, twice a
+    So each has exactly one graph, and both drop dynamo's filterable guards (`_no_guards`: what
+    recent torch calls `torch.compiler.skip_all_guards_unsafe`; torch 2.8 has the filter hook but
+    not that function): those re-check, every call, the ~3000 module attributes the graph was
+    built from (0.18 ms a call for the default model even through dict version tags, twice a
     step with the LM head; ~1 us is left, the inputs' own checks), and nothing in a running
     engine changes them: the weights are constants (Inductor's freezing), the inputs' dtypes and
     ranks are fixed by the runner, and the row count picks the graph here. (Inputs of the first
@@ -60,7 +66,7 @@ def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | Non
             return types.MethodType(_own_code(f.__func__, name + suffix), f.__self__)
         return _own_code(f, name + suffix)
 
-    options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    options = {"guard_filter_fn": _no_guards}
     compiled_one = torch.compile(own(fn_one or fn, "_1"), options=options)
     compiled_many = torch.compile(own(fn, "_n"), options=options)
 
