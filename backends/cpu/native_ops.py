@@ -37,7 +37,7 @@ def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
 @functools.lru_cache(maxsize=1)
 def load() -> Path:
     """Build (once per cache key) and register the operators; raises `NativeBuildError` with why not."""
-    from portside.backends.cpu import attention_op  # noqa: F401  (the Python operator attention falls back to)
+    from portside.backends.cpu import attention_op  # the Python operator attention falls back to
 
     cxx = kernels.compiler("CXX", ("c++", "g++"), "C++")
     compile_flags, libs = _torch_flags()
@@ -61,7 +61,7 @@ def _linear_row_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def unavailable_reason() -> str | None:
-    """None when the operator is registered (building it on first call), else why not."""
+    """None when the operators are registered (building them on first call), else why not."""
     try:
         load()
     except kernels.NativeBuildError as e:

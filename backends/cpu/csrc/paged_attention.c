@@ -1,4 +1,6 @@
-/* Paged attention kernels for the cpu backend, called through ctypes (portside.backends.cpu.kernels).
+/* Paged attention kernels for the cpu backend, called through ctypes (portside.backends.cpu.kernels)
+ * and compiled into the C++ operator library too (csrc/decode_attention.cpp, which includes this
+ * file as C++: keep it valid in both languages).
  *
  * Plain C, fp32 only, no torch headers. Cache layout of one layer (the canonical one):
  *     kv_cache[2][num_blocks][block_size][num_kv_heads][head_size]
@@ -6,7 +8,7 @@
  * where slot = block * block_size + offset; plane 1 holds the values.
  *
  * Built with -O3 -march=native -fopenmp: the inner loops over head_size are `omp simd` so the
- * compiler vectorizes them; sequences x KV heads are spread over OpenMP threads.
+ * compiler vectorizes them; (sequence, 128-token split) tasks are spread over OpenMP threads.
  *
  * Every entry point returns 0 on success or a PS_ERR_* code; nothing is written past the
  * buffers described by its size arguments.
