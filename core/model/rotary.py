@@ -73,7 +73,6 @@ class RotaryEmbedding(nn.Module):
     compiled graph, whose own cos/sin could differ from eager's in the last bit); every layer
     applies them."""
 
-    inv_freq: torch.Tensor  # registered buffer [D/2] fp32
     cos_sin: torch.Tensor  # registered buffer [positions, D] fp32: cos | sin
 
     def __init__(
@@ -86,7 +85,6 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings, max_model_len)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
         freqs = torch.arange(max_model_len or max_position_embeddings).float().unsqueeze(1) * inv_freq  # [P, D/2]
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=1), persistent=False)
 

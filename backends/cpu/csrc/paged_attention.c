@@ -242,6 +242,9 @@ static void merge_splits(const decode_shape *sh, float *out, const float *parts,
     }
 }
 
+/* How many tasks a sequence of `len` tokens is attended in: one, or one per SPLIT_TOKENS. */
+ALWAYS_INLINE int64_t num_splits(int64_t len) { return len > SPLIT_TOKENS ? (len + SPLIT_TOKENS - 1) / SPLIT_TOKENS : 1; }
+
 /* A buffer of at least `bytes`, kept per calling thread and grown as needed (the split index and
  * partial results of each decode call: allocating them per call costs page faults at large
  * batches). NULL when out of memory. */
@@ -278,22 +281,20 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                         int64_t out_stride_head, int64_t table_stride, float scale, int num_threads) {
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
                              q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale};
+    int64_t max_len = 0, tasks = 0, split_tasks = 0;
     for (int64_t i = 0; i < num_seqs; ++i) { /* validate everything before touching the cache */
-        const int64_t len = seq_lens[i];
+        const int64_t len = seq_lens[i], n = num_splits(len);
         if (len > max_blocks * block_size) return PS_ERR_LEN;
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
             const int64_t blk = block_tables[i * table_stride + b];
             if (blk < 0 || blk >= num_blocks) return PS_ERR_BLOCK;
         }
-    }
-    /* task_start[i]: sequence i's first task; split s of it covers tokens [s, s + 1) * SPLIT_TOKENS.
-     * Then the partial results of split tasks, indexed by task (only split tasks' entries are used). */
-    int64_t tasks = 0, split_tasks = 0;
-    for (int64_t i = 0; i < num_seqs; ++i) {
-        const int64_t n = seq_lens[i] > SPLIT_TOKENS ? (seq_lens[i] + SPLIT_TOKENS - 1) / SPLIT_TOKENS : 1;
+        max_len = len > max_len ? len : max_len;
         tasks += n;
         split_tasks += n > 1 ? n : 0;
     }
+    /* task_start[i]: sequence i's first task; split s of it covers tokens [s, s + 1) * SPLIT_TOKENS.
+     * Then the partial results of split tasks, indexed by task (only split tasks' entries are used). */
     const int64_t part_floats = num_heads * (head_size + 2);
     const size_t index_bytes = ((size_t)(num_seqs + 1) * sizeof(int64_t) + 63) / 64 * 64;
     char *work = workspace(index_bytes + (split_tasks ? (size_t)(tasks * part_floats) * sizeof(float) : 0));
@@ -301,12 +302,8 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
     int64_t *task_start = (int64_t *)work;
     float *parts = (float *)(work + index_bytes);
     task_start[0] = 0;
-    for (int64_t i = 0; i < num_seqs; ++i)
-        task_start[i + 1] = task_start[i] + (seq_lens[i] > SPLIT_TOKENS ? (seq_lens[i] + SPLIT_TOKENS - 1) / SPLIT_TOKENS : 1);
-    const int64_t chunk = SPLIT_TOKENS; /* the most tokens one task scores */
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < num_seqs; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-    const int64_t scores_len = max_len < chunk ? max_len : chunk;
+    for (int64_t i = 0; i < num_seqs; ++i) task_start[i + 1] = task_start[i] + num_splits(seq_lens[i]);
+    const int64_t scores_len = max_len < SPLIT_TOKENS ? max_len : SPLIT_TOKENS; /* the most tokens a task scores */
     const size_t scratch_floats = (size_t)(num_heads * (scores_len + 2 * head_size));
     const int threads = num_threads > 0 ? num_threads : 1;
     int status = PS_OK;
@@ -329,7 +326,7 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                 for (int64_t r = 0; r < num_heads; ++r) memset(o + r * out_stride_head, 0, head_size * sizeof(float));
                 continue;
             }
-            const int64_t t_begin = s * chunk, t_end = n > 1 && (s + 1) * chunk < seq_lens[i] ? (s + 1) * chunk : seq_lens[i];
+            const int64_t t_begin = s * SPLIT_TOKENS, t_end = (s + 1) * SPLIT_TOKENS < seq_lens[i] ? (s + 1) * SPLIT_TOKENS : seq_lens[i];
             decode_range_any(&sh, n > 1 ? NULL : o, n > 1 ? parts + task * part_floats : NULL, query + i * q_stride_tok,
                              kv_cache, block_tables + i * table_stride, t_begin, t_end, scratch);
         }
