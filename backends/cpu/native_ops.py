@@ -4,7 +4,9 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
 - `portside_cpu_native::linear_row`: the one-row fp32 linear (`csrc/linear_row.cpp`);
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
-  Python operator `portside_cpu::attention` (`attention_op`).
+  Python operator `portside_cpu::attention` (`attention_op`);
+- `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
+  (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`).
 
 Being C++ operators, a compiled graph (`cpp_wrapper`) calls them through the dispatcher without a
 trip through Python: 121 linears and 30 attention calls a step for the default model.
@@ -20,7 +22,7 @@ import torch
 from portside.backends.cpu import kernels
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "linear_row.cpp", CSRC / "decode_attention.cpp")
+SOURCES = (CSRC / "linear_row.cpp", CSRC / "decode_attention.cpp", CSRC / "cpu_allocator.cpp")
 INCLUDED = (CSRC / "paged_attention.c",)  # by decode_attention.cpp
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 

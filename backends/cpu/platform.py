@@ -70,6 +70,30 @@ def configure_threads(requested: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+DEFAULT_ALLOCATOR_CACHE_MB = 512
+
+
+def install_caching_allocator(cache_mb: int) -> bool:
+    """Serve torch's CPU tensors from the native caching allocator (`csrc/cpu_allocator.cpp`),
+    keeping up to `cache_mb` MiB of freed blocks for reuse (0: none; once installed it stays,
+    only caching nothing). Every decode step allocates and frees the same few hundred small buffers, which
+    glibc serves from a heap fragmented by model load and compilation (batch-1 decode of the
+    default model, 2 threads, same process: 0.3-0.4 ms a step less with the cache). Process-wide,
+    like preloading tcmalloc or jemalloc (the fix vLLM's and IPEX's CPU guides give). Returns
+    whether it is installed; without the native library (no C++ compiler) nothing changes."""
+    from portside.backends.cpu import native_ops
+
+    reason = native_ops.unavailable_reason()
+    if reason:
+        logger.debug("cpu: no caching allocator (native library unavailable: %s)", reason)
+        return False
+    ops = torch.ops.portside_cpu_native
+    if cache_mb <= 0 and not ops.caching_allocator_stats()[0]:
+        return False
+    ops.set_caching_allocator(max(cache_mb, 0) << 20)
+    return cache_mb > 0
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -103,10 +127,12 @@ class CpuPlatform(Platform):
 
     @classmethod
     def prepare_model(cls, model, config) -> None:
-        """Weights into one huge-page buffer in read order (`weights.pack_weights`)."""
+        """Weights into one huge-page buffer in read order (`weights.pack_weights`); tensors
+        allocated from then on come from the caching allocator (`install_caching_allocator`)."""
         from portside.backends.cpu.weights import pack_weights
 
         pack_weights(model)
+        install_caching_allocator(int(config.option("cpu_allocator_cache_mb", DEFAULT_ALLOCATOR_CACHE_MB)))
 
     @classmethod
     def check_and_update_config(cls, config):
@@ -136,6 +162,9 @@ class CpuPlatform(Platform):
             reason = native_unavailable_reason()
             if reason:
                 raise ValueError(f"cpu_attention=native: the native kernels are unavailable: {reason}")
+        cache_mb = config.option("cpu_allocator_cache_mb", DEFAULT_ALLOCATOR_CACHE_MB)
+        if not str(cache_mb).isdigit():
+            raise ValueError(f"cpu_allocator_cache_mb={cache_mb!r}: give a size in MiB (0 turns the caching allocator off)")
         threads = config.option("cpu_threads")
         if threads is not None and not str(threads).isdigit():
             raise ValueError(f"cpu_threads={threads!r}: give a positive integer")

@@ -154,6 +154,11 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     llm.shutdown()
     llm = runner = None
     gc.collect()
+    # The engine installed its caching allocator process-wide (CpuPlatform.prepare_model): the
+    # peers measured after it run without its cache, as they would on their own.
+    from portside.backends.cpu.platform import install_caching_allocator
+
+    install_caching_allocator(0)
     return info
 
 
