@@ -76,9 +76,9 @@ DEFAULT_ALLOCATOR_CACHE_MB = 512
 def install_caching_allocator(cache_mb: int) -> bool:
     """Serve torch's CPU tensors from the native caching allocator (`csrc/cpu_allocator.cpp`),
     keeping up to `cache_mb` MiB of freed blocks for reuse (0: none; once installed it stays,
-    only caching nothing). Every decode step allocates and frees the same few hundred small buffers, which
-    glibc serves from a heap fragmented by model load and compilation (batch-1 decode of the
-    default model, 2 threads, same process: 0.3-0.4 ms a step less with the cache). Process-wide,
+    only caching nothing). Every decode step allocates and frees the same few hundred small
+    buffers, which glibc serves from a heap fragmented by model load and compilation (batch-1
+    decode of the default model, 2 threads, same process: 0.29 ms a step less, median). Process-wide,
     like preloading tcmalloc or jemalloc (the fix vLLM's and IPEX's CPU guides give). Returns
     whether it is installed; without the native library (no C++ compiler) nothing changes."""
     from portside.backends.cpu import native_ops

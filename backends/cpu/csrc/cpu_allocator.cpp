@@ -59,6 +59,7 @@ class CachingAllocator final : public c10::Allocator {
         it->second.pop_back();
         cached -= size;
         ++hits;
+        live.insert(base + HEADER);
       } else {
         ++misses;
       }
@@ -66,12 +67,10 @@ class CachingAllocator final : public c10::Allocator {
     if (!base) {
       base = static_cast<char*>(c10::alloc_cpu(size + HEADER));  // throws on OOM
       *reinterpret_cast<size_t*>(base) = size;
+      std::lock_guard<std::mutex> lock(mu);
+      live.insert(base + HEADER);
     }
     void* data = base + HEADER;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      live.insert(data);
-    }
     return {data, data, &release, cpu};
   }
 
