@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from portside.sample.sampler import Sampler  # what `Platform.sampler` returns
+
 if TYPE_CHECKING:  # config imports nothing from here; this only names the type.
     from portside.config import EngineConfig
 
@@ -46,6 +48,7 @@ __all__ = [
     "Communicator",
     "SingleRankCommunicator",
     "TorchDistributedCommunicator",
+    "Sampler",
     "Platform",
 ]
 
@@ -514,6 +517,12 @@ class Platform(ABC):
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config: EngineConfig) -> GraphRunner:
         return EagerGraphRunner(model_fn, config)
+
+    @classmethod
+    def sampler(cls, config: EngineConfig) -> Sampler:
+        """The sampler the model runner uses. Default: core's, all torch ops; a platform may pass
+        faster kernels for its steps (`Sampler`'s `argmax`)."""
+        return Sampler()
 
     @classmethod
     def communicator(cls, group: Any = None) -> Communicator:

@@ -222,3 +222,27 @@ def test_engine_add_request_takes_prompt_dicts(tiny_llama):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert done["ids"] == done["dict"] and len(done["ids"]) == 3
+
+
+def test_repetition_penalty_parity_in_a_steady_batch(tiny_llama, monkeypatch):
+    """A penalty depends on the tokens sampled so far, so the runner rebuilds that batch's sampling
+    metadata every step (a plain greedy batch reuses it: one build for the whole run). Three
+    prompts decoded together equal transformers' greedy `generate` with the same penalty."""
+    from portside.sample.metadata import SamplingMetadata
+
+    builds = []
+    build = SamplingMetadata.build.__func__
+    monkeypatch.setattr(SamplingMetadata, "build", classmethod(lambda cls, *a, **k: builds.append(1) or build(cls, *a, **k)))
+    llm = LLM(model=str(tiny_llama), device="cpu", max_model_len=256, block_size=4)
+    prompts = make_prompts(llm.get_tokenizer(), [7, 12, 5])
+    llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert len(builds) == 1, f"a steady greedy batch built its sampling metadata {len(builds)} times"
+    builds.clear()
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], penalized, use_tqdm=False)
+    assert len(builds) == MAX_TOKENS
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(tiny_llama, prompt, MAX_TOKENS, repetition_penalty=1.8)
+        assert expected != hf_greedy(tiny_llama, prompt, MAX_TOKENS), "the penalty changes nothing here"
+        assert out.outputs[0].token_ids == expected
+    assert_all_blocks_free(llm)

@@ -40,7 +40,7 @@ class TorchAttentionPlan:
     """What `CpuAttentionBackend.prepare` computes once per step (`metadata.backend_data`)."""
 
     keep: torch.Tensor | None  # [T'] int64 rows with a valid slot, or None when all are valid
-    slots: torch.Tensor  # [T'] int64 slots to write
+    slots: torch.Tensor | None  # [T'] int64 slots to write (None: not computed yet, `NativeAttentionBackend`)
     num_decodes: int
     decode_tables: torch.Tensor | None  # [B, n] int64 blocks of the decodes (padded with 0)
     decode_mask: torch.Tensor | None  # [B, 1, 1, n * block_size] bool: key position < seq_len
@@ -127,13 +127,17 @@ class NativeAttentionBackend(CpuAttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         md = metadata
         nd = md.num_decode_tokens
-        plan = TorchAttentionPlan(*valid_slots(md.slot_mapping), nd, None, None, _plan_prefills(md))
+        decode_only = nd == md.slot_mapping.shape[0]
+        # The torch path's slot filter is only needed when a step falls back to it (`forward`):
+        # in a decode-only step the native kernels skip slot -1 themselves.
+        keep, slots = (None, None) if decode_only else valid_slots(md.slot_mapping)
+        plan = TorchAttentionPlan(keep, slots, nd, None, None, [] if decode_only else _plan_prefills(md))
         plan.native_slots = md.slot_mapping.long().contiguous()
         if nd:
             n = -(-max(md.seq_lens_cpu[:nd]) // md.block_size)
             plan.native_tables = md.block_tables[:nd, :n].to(torch.int32).contiguous()
             plan.native_lens = md.seq_lens[:nd].to(torch.int32).contiguous()
-            if nd == md.slot_mapping.shape[0]:
+            if decode_only:
                 plan.native_step = kernels.DecodeStep(plan.native_tables, plan.native_lens, plan.native_slots)
         md.backend_data = plan
         return md
@@ -154,6 +158,8 @@ class NativeAttentionBackend(CpuAttentionBackend):
         if native:
             kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), plan.native_slots)
         else:
+            if plan.slots is None:
+                plan.keep, plan.slots = valid_slots(plan.native_slots)
             self._write(kv_cache, key, value, plan.keep, plan.slots)
         out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
         nd = plan.num_decodes

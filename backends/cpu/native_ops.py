@@ -5,6 +5,8 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
   Python operator `portside_cpu::attention` (`attention_op`);
+- `portside_cpu_native::argmax_rows`: row-wise argmax of fp32 logits for the sampler
+  (`csrc/argmax.cpp`, `CpuPlatform.sampler`);
 - `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
   (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`).
 
@@ -22,7 +24,7 @@ import torch
 from portside.backends.cpu import kernels
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "linear_row.cpp", CSRC / "decode_attention.cpp", CSRC / "cpu_allocator.cpp")
+SOURCES = (CSRC / "linear_row.cpp", CSRC / "decode_attention.cpp", CSRC / "cpu_allocator.cpp", CSRC / "argmax.cpp")
 INCLUDED = (CSRC / "paged_attention.c",)  # by decode_attention.cpp
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 
@@ -54,12 +56,17 @@ def load() -> Path:
         load.fakes = (  # type: ignore[attr-defined]
             torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
             torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
+            torch.library.register_fake("portside_cpu_native::argmax_rows", _argmax_rows_fake),
         )
     return target
 
 
 def _linear_row_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.long)
 
 
 def unavailable_reason() -> str | None:

@@ -17,7 +17,6 @@ import torch
 from portside.backend_api import AttentionMetadata, Communicator, ForwardContext, KVCacheSpec, Platform
 from portside.config import EngineConfig
 from portside.sample.metadata import SamplingMetadata
-from portside.sample.sampler import Sampler
 from portside.sampling_params import SamplingParams
 from portside.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
@@ -81,12 +80,13 @@ class ModelRunner:
         self.attn_backend = platform.attention_backend(config)
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
         self.graph_runner = platform.graph_runner(self.model, config)
-        self.sampler = Sampler()
+        self.sampler = platform.sampler(config)
         assert config.cache.block_size is not None
         self.block_size: int = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.scratch_block = -1  # a block never handed out, for padded graph entries
+        self._last_sampling: tuple[list[str], SamplingMetadata] | None = None  # see _sampling_metadata
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -153,14 +153,7 @@ class ModelRunner:
             if batch.sampled_req_ids:
                 logits = self.graph_runner.logits(hidden, batch.logits_indices)
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
-                meta = SamplingMetadata.build(
-                    [s.sampling_params for s in states],
-                    [s.prompt_token_ids for s in states],
-                    [s.output_token_ids for s in states],
-                    eos_token_id=self.eos_token_id,
-                    vocab_size=self.vocab_size,
-                    device=self.device,
-                )
+                meta = self._sampling_metadata(batch.sampled_req_ids, states)
                 out = self.sampler(logits, meta)
                 token_ids = out.sampled_token_ids  # [num_sampled]
                 if self.comm.world_size > 1:
@@ -178,7 +171,27 @@ class ModelRunner:
             self.requests[rid].num_computed_tokens += n
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
+    def _sampling_metadata(self, req_ids: list[str], states: list[CachedRequestState]) -> SamplingMetadata:
+        """The step's sampling metadata: last step's when it samples the same requests in the same
+        order and nothing in it depends on the tokens sampled since (`SamplingMetadata.reusable`),
+        as in a steady run of decodes; else built anew (the build costs ~0.1 ms a step at batch 1,
+        more than the greedy sampling it feeds)."""
+        if self._last_sampling is not None and self._last_sampling[0] == req_ids:
+            return self._last_sampling[1]
+        meta = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            eos_token_id=self.eos_token_id,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        self._last_sampling = (req_ids, meta) if meta.reusable else None
+        return meta
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        if so.finished_req_ids or so.scheduled_new_reqs:
+            self._last_sampling = None  # a request id may come back as another request
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
@@ -201,37 +214,44 @@ class ModelRunner:
         req_ids = sorted(counts, key=lambda r: counts[r] != 1)
         bs = self.block_size
         ids: list[int] = []
-        pos_parts, slot_parts = [], []
+        positions: list[int] = []
+        slots: list[int] = []
         seq_lens, qsl = [], [0]
         logits_rows, sampled = [], []
+        tables: list[list[int]] = []
         num_decodes = 0
-        max_blocks = 0
         for rid in req_ids:
             state = self.requests[rid]
             start, n = state.num_computed_tokens, counts[rid]
             end = start + n
-            ids.extend(state.token_slice(start, end))
-            pos = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(state.block_ids, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+            blocks = state.block_ids
+            if n == 1:  # plain Python for a single token: a numpy call costs more than its work
+                ids.append(state.token_slice(start, end)[0])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+                num_decodes += 1
+            else:
+                ids.extend(state.token_slice(start, end))
+                pos = np.arange(start, end, dtype=np.int64)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(end)
             qsl.append(qsl[-1] + n)
-            max_blocks = max(max_blocks, len(state.block_ids))
-            num_decodes += n == 1
+            tables.append(blocks)
             if end >= state.num_tokens:  # the chunk reaches the last known token: sample
                 logits_rows.append(qsl[-1] - 1)
                 sampled.append(rid)
-        table = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
-        for i, rid in enumerate(req_ids):
-            b = self.requests[rid].block_ids
-            table[i, : len(b)] = b
+        width = max(len(b) for b in tables)
         d = self.device
+
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=d)
+
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(d),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=d),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=d),
-            block_tables=torch.from_numpy(table).to(d),
+            slot_mapping=tensor(slots, torch.int64),
+            query_start_loc=tensor(qsl, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor([b + [0] * (width - len(b)) for b in tables], torch.int32),
             max_query_len=max(counts.values()),
             max_seq_len=max(seq_lens),
             block_size=bs,
@@ -241,10 +261,9 @@ class ModelRunner:
         )
         return BatchInputs(
             req_ids=req_ids,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(d),
+            input_ids=tensor(ids, torch.int64),
+            positions=tensor(positions, torch.int64),
             metadata=md,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=d),
+            logits_indices=tensor(logits_rows, torch.int64),
             sampled_req_ids=sampled,
         )
-

@@ -85,6 +85,13 @@ class SamplingMetadata:
         return self.temperature.shape[0]
 
     @property
+    def reusable(self) -> bool:
+        """True when the same rows' metadata stays valid as they sample more tokens: nothing here
+        depends on their outputs (no penalties, no seeded generator, no min_tokens ban left: a ban
+        only ever lifts, and is built only while some row's outputs are short of min_tokens)."""
+        return self.no_penalties and not self.generators and self.min_tokens_rows is None
+
+    @property
     def needs_logits_processing(self) -> bool:
         """True when logit_bias, min_tokens or penalties change some row's logits."""
         return not self.no_penalties or self.bias_rows is not None or self.min_tokens_rows is not None

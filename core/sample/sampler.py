@@ -20,6 +20,7 @@ with a strictly larger raw logprob (rank 1 = most likely; a tie with the top tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,15 +65,23 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None = None  # None when no row asked for logprobs
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Stateless apart from the generator shared by unseeded rows.
 
     `generator=None` uses torch's default generator of the logits' device (seeded by the
-    platform's `seed(n)`).
+    platform's `seed(n)`). `argmax`: [N, V] -> [N] int64, the first index of each row's maximum
+    (NaN counting as the largest), as `torch.argmax(x, dim=-1)`; a platform passes a faster one
+    (`Platform.sampler`).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax) -> None:
         self.generator = generator
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Samples one token per row of `logits` [N, V] (left unmodified)."""
@@ -88,11 +97,11 @@ class Sampler:
             logits = apply_penalties(logits, md)
 
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)  # [N]
+            sampled = self.argmax(logits)  # [N]
         else:
             sampled = self._sample_random(logits, md)
             if not md.all_random:
-                sampled = torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(md.greedy_mask, self.argmax(logits), sampled)
 
         lp = None
         if raw_logprobs is not None:
@@ -115,7 +124,7 @@ class Sampler:
                 q[row].exponential_(generator=gen)
             else:  # a host generator for a device without its own
                 q[row] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen).to(q.device)
-        return probs.div_(q.clamp_(min=_MIN_EXP_NOISE)).argmax(dim=-1)
+        return self.argmax(probs.div_(q.clamp_(min=_MIN_EXP_NOISE)))
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:

@@ -212,11 +212,13 @@ def _hf_model(path: str | os.PathLike) -> Any:
 
 @torch.no_grad()
 def hf_greedy(
-    path: str | os.PathLike, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None
+    path: str | os.PathLike, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+    **generate_kwargs: Any,
 ) -> list[int]:
     """transformers' greedy continuation of `prompt_ids` (new tokens only), in fp32.
 
     EOS is ignored unless `eos_token_id` is given (then generation stops after emitting it).
+    `generate_kwargs` go to `generate` (e.g. ``repetition_penalty``).
     """
     model = _hf_model(path)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long)
@@ -230,6 +232,7 @@ def hf_greedy(
         temperature=None,
         top_p=None,
         top_k=None,
+        **generate_kwargs,
     )
     return out[0, len(prompt_ids) :].tolist()
 
