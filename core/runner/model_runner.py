@@ -241,17 +241,19 @@ class ModelRunner:
             if end >= state.num_tokens:  # the chunk reaches the last known token: sample
                 logits_rows.append(qsl[-1] - 1)
                 sampled.append(rid)
-        width = max(len(b) for b in tables)
+        table = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
+        for i, b in enumerate(tables):
+            table[i, : len(b)] = b
         d = self.device
 
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=d)
 
         md = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
             query_start_loc=tensor(qsl, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor([b + [0] * (width - len(b)) for b in tables], torch.int32),
+            block_tables=torch.from_numpy(table).to(d),
             max_query_len=max(counts.values()),
             max_seq_len=max(seq_lens),
             block_size=bs,
