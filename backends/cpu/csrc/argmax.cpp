@@ -4,9 +4,10 @@
 // Same result as torch.argmax(x, dim=-1): the first index of the row's largest value, and the
 // first NaN's index when the row has one (torch ranks NaN above every number). torch 2.x's CPU
 // argmax walks each row one element at a time (~43 us for one 49152-token row here, 1.3 ms for
-// 64 rows); this takes two vectorized passes over the row, the max and then its first index
-// (~4 us, the row staying in L2 between them). Anything else (another dtype, a non-dense row,
-// other ranks) goes to at::argmax, so it is always correct to call.
+// 64 rows); this takes two vectorized passes over the row, the max and then its first index, the
+// row staying in L2 between them (8 us with the call from Python; 64 rows 0.41 ms, reading the
+// logits at ~31 GB/s). Anything else (another dtype, a non-dense row, other ranks) goes to
+// at::argmax, so it is always correct to call.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/argmax.h>
