@@ -225,15 +225,13 @@ class ModelRunner:
             start, n = state.num_computed_tokens, counts[rid]
             end = start + n
             blocks = state.block_ids
+            ids.extend(state.token_slice(start, end))
+            positions.extend(range(start, end))
             if n == 1:  # plain Python for a single token: a numpy call costs more than its work
-                ids.append(state.token_slice(start, end)[0])
-                positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
                 num_decodes += 1
             else:
-                ids.extend(state.token_slice(start, end))
                 pos = np.arange(start, end, dtype=np.int64)
-                positions.extend(pos.tolist())
                 slots.extend((np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(end)
             qsl.append(qsl[-1] + n)
