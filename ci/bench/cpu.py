@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import platform as _platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -151,6 +152,8 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
     info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed)
     info.update(_decode(lambda n: run(prompts[:1], n), decode_tokens))
+    if mode == "inductor":  # the fastest decode: what its weight stream alone costs, same minute
+        info["weight_streams"] = weight_streams(runner.model)
     llm.shutdown()
     llm = runner = None
     gc.collect()
@@ -160,6 +163,52 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
 
     install_caching_allocator(0)
     return info
+
+
+def weight_streams(model: torch.nn.Module, repeats: int = 9) -> dict[str, float]:
+    """What reading a batch-1 decode's weights costs without the rest of a step: ms per pass over
+    the model's weight matrices in the order a decode reads them (median of `repeats`), each loop's
+    Python call overhead (the same loop over one-row slices) subtracted, with the read bandwidth
+    just before and after:
+
+    - `flat_sum_ms`: one sum over the packed weight buffer (all matrices as one read, what the
+      bandwidth bound assumes; only when the platform packed them into one buffer);
+    - `matrix_sums_ms`: one sum per matrix, one after another, as a decode's dependent reads;
+    - `linear_row_ms`: the native one-row linear (`portside_cpu_native::linear_row`) over every
+      matrix, one after another: the decode's weight stream with nothing between the linears."""
+    ws = [p.detach() for p in model.parameters() if p.dim() == 2 and p.dtype == torch.float32]
+    xs = {k: torch.randn(1, k) for k in {w.shape[1] for w in ws}}
+    ops = getattr(torch.ops, "portside_cpu_native", None)
+    loops: dict[str, Callable[[list[torch.Tensor]], Any]] = {"matrix_sums_ms": lambda m: [w.sum() for w in m]}
+    if ops is not None and hasattr(ops, "linear_row"):
+        loops["linear_row_ms"] = lambda m: [ops.linear_row(xs[w.shape[1]], w, None) for w in m]
+
+    fns: dict[str, Callable[[], Any]] = {}
+    storage = ws[0].untyped_storage()
+    if all(w.untyped_storage().data_ptr() == storage.data_ptr() for w in ws):
+        flat = torch.empty(0).set_(storage, 0, (storage.nbytes() // 4,))
+        fns["flat_sum_ms"] = flat.sum
+    heads = [w[:1] for w in ws]
+    for name, loop in loops.items():
+        fns[name] = lambda loop=loop: loop(ws)
+        fns[name + " overhead"] = lambda loop=loop: loop(heads)
+    for fn in fns.values():
+        fn()  # warm
+    # Every repeat times each loop once, in turn: the VM's bandwidth moves within seconds.
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    out = {"read_bandwidth_before_gbs": read_bandwidth_huge_pages(512)}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - t))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    if "flat_sum_ms" in med:
+        out["flat_sum_ms"] = med["flat_sum_ms"] * sum(w.numel() for w in ws) / flat.numel()
+    for name in loops:
+        out[name] = med[name] - med[name + " overhead"]
+    out["read_bandwidth_after_gbs"] = read_bandwidth_huge_pages(512)
+    return out
 
 
 def _decode_ms(run: Callable[[int], Any], n: int) -> float:
@@ -359,9 +408,10 @@ def _ratios(result: dict[str, Any]) -> None:
     # deliver at least that), so a peer measured in a slow moment is not flattered by it. That
     # includes the readings around each decode: a decode the VM ran in its fast state must not
     # be held to a bound from its slow one (run 12: 35.7 GB/s everywhere else, 63.0 there).
+    readings = [({**r, **r.get("weight_streams", {})}) for r in runs.values()]
     best_bw = max([result["machine"]["read_bandwidth_gbs"]]
-                  + [r[k] for r in runs.values() for k in ("read_bandwidth_after_gbs", "decode_read_bandwidth_gbs")
-                     if k in r])
+                  + [r[k] for r in readings for k in ("read_bandwidth_after_gbs", "decode_read_bandwidth_gbs",
+                                                     "read_bandwidth_before_gbs") if k in r])
     bounds["read_bandwidth_best_gbs"] = best_bw
     bounds["decode_ms_per_token"] = 1000 * result["model"]["weight_bytes_per_token"] / (best_bw * 1e9)
     base = runs.get("transformers-static", {}).get("output_tok_s")
@@ -379,6 +429,12 @@ def _ratios(result: dict[str, Any]) -> None:
             if "decode_read_bandwidth_gbs" in r:  # the bound at the time of the decode measurement
                 bound_then = 1000 * result["model"]["weight_bytes_per_token"] / (r["decode_read_bandwidth_gbs"] * 1e9)
                 s["decode_vs_bandwidth_bound_then"] = round(r["decode_ms_per_token"] / bound_then, 3)
+        if "weight_streams" in r:  # the weight stream alone, against the bound of its own minute
+            ws = r["weight_streams"]
+            bound_ws = 1000 * result["model"]["weight_bytes_per_token"] / (
+                max(ws["read_bandwidth_before_gbs"], ws["read_bandwidth_after_gbs"]) * 1e9)
+            s["weight_streams_vs_bandwidth_bound_then"] = {
+                k.removesuffix("_ms"): round(v / bound_ws, 3) for k, v in ws.items() if k.endswith("_ms")}
         summary[name] = s
     ps = [(k, v) for k, v in summary.items() if k.startswith("portside")]
     if ps:
