@@ -408,10 +408,9 @@ def _ratios(result: dict[str, Any]) -> None:
     # deliver at least that), so a peer measured in a slow moment is not flattered by it. That
     # includes the readings around each decode: a decode the VM ran in its fast state must not
     # be held to a bound from its slow one (run 12: 35.7 GB/s everywhere else, 63.0 there).
-    readings = [({**r, **r.get("weight_streams", {})}) for r in runs.values()]
+    keys = ("read_bandwidth_after_gbs", "decode_read_bandwidth_gbs", "read_bandwidth_before_gbs")
     best_bw = max([result["machine"]["read_bandwidth_gbs"]]
-                  + [r[k] for r in readings for k in ("read_bandwidth_after_gbs", "decode_read_bandwidth_gbs",
-                                                     "read_bandwidth_before_gbs") if k in r])
+                  + [d[k] for r in runs.values() for d in (r, r.get("weight_streams", {})) for k in keys if k in d])
     bounds["read_bandwidth_best_gbs"] = best_bw
     bounds["decode_ms_per_token"] = 1000 * result["model"]["weight_bytes_per_token"] / (best_bw * 1e9)
     base = runs.get("transformers-static", {}).get("output_tok_s")
