@@ -178,9 +178,9 @@ def weight_streams(model: torch.nn.Module, repeats: int = 9) -> dict[str, float]
       matrix, one after another: the decode's weight stream with nothing between the linears."""
     ws = [p.detach() for p in model.parameters() if p.dim() == 2 and p.dtype == torch.float32]
     xs = {k: torch.randn(1, k) for k in {w.shape[1] for w in ws}}
-    ops = getattr(torch.ops, "portside_cpu_native", None)
+    ops = torch.ops.portside_cpu_native
     loops: dict[str, Callable[[list[torch.Tensor]], Any]] = {"matrix_sums_ms": lambda m: [w.sum() for w in m]}
-    if ops is not None and hasattr(ops, "linear_row"):
+    if hasattr(ops, "linear_row"):  # registered when the native operators built
         loops["linear_row_ms"] = lambda m: [ops.linear_row(xs[w.shape[1]], w, None) for w in m]
 
     fns: dict[str, Callable[[], Any]] = {}
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compute_s = total_flops / (result["machine"]["fp32_matmul_gflops"] * 1e9)
     result["bounds"] = {
         "throughput_tok_s": w["num_prompts"] * w["gen_len"] / compute_s,
-        "decode_ms_per_token": 1000 * m["weight_bytes_per_token"] / (result["machine"]["read_bandwidth_gbs"] * 1e9),
+        "decode_ms_per_token": _decode_bound_ms(result, result["machine"]["read_bandwidth_gbs"]),
     }
     print("bounds:", json.dumps(result["bounds"]), flush=True)
     prompts = make_prompts(m["config"]["vocab_size"], args.num_prompts, args.prompt_len)
@@ -402,6 +402,11 @@ def _save(result: dict[str, Any], out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
 
 
+def _decode_bound_ms(result: dict[str, Any], read_bandwidth_gbs: float) -> float:
+    """Batch-1 decode bound at `read_bandwidth_gbs`: the weight bytes a token reads over it, in ms."""
+    return 1000 * result["model"]["weight_bytes_per_token"] / (read_bandwidth_gbs * 1e9)
+
+
 def _ratios(result: dict[str, Any]) -> None:
     runs, bounds = result["runs"], result["bounds"]
     # The decode bound uses the best read bandwidth seen anywhere in the run (the machine can
@@ -412,7 +417,7 @@ def _ratios(result: dict[str, Any]) -> None:
     best_bw = max([result["machine"]["read_bandwidth_gbs"]]
                   + [d[k] for r in runs.values() for d in (r, r.get("weight_streams", {})) for k in keys if k in d])
     bounds["read_bandwidth_best_gbs"] = best_bw
-    bounds["decode_ms_per_token"] = 1000 * result["model"]["weight_bytes_per_token"] / (best_bw * 1e9)
+    bounds["decode_ms_per_token"] = _decode_bound_ms(result, best_bw)
     base = runs.get("transformers-static", {}).get("output_tok_s")
     summary: dict[str, Any] = {}
     for name, r in runs.items():
@@ -426,12 +431,11 @@ def _ratios(result: dict[str, Any]) -> None:
             s["decode_ms_per_token"] = round(r["decode_ms_per_token"], 2)
             s["decode_vs_bandwidth_bound"] = round(r["decode_ms_per_token"] / bounds["decode_ms_per_token"], 3)
             if "decode_read_bandwidth_gbs" in r:  # the bound at the time of the decode measurement
-                bound_then = 1000 * result["model"]["weight_bytes_per_token"] / (r["decode_read_bandwidth_gbs"] * 1e9)
+                bound_then = _decode_bound_ms(result, r["decode_read_bandwidth_gbs"])
                 s["decode_vs_bandwidth_bound_then"] = round(r["decode_ms_per_token"] / bound_then, 3)
         if "weight_streams" in r:  # the weight stream alone, against the bound of its own minute
             ws = r["weight_streams"]
-            bound_ws = 1000 * result["model"]["weight_bytes_per_token"] / (
-                max(ws["read_bandwidth_before_gbs"], ws["read_bandwidth_after_gbs"]) * 1e9)
+            bound_ws = _decode_bound_ms(result, max(ws["read_bandwidth_before_gbs"], ws["read_bandwidth_after_gbs"]))
             s["weight_streams_vs_bandwidth_bound_then"] = {
                 k.removesuffix("_ms"): round(v / bound_ws, 3) for k, v in ws.items() if k.endswith("_ms")}
         summary[name] = s
