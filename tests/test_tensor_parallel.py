@@ -1,7 +1,8 @@
 """Tensor parallelism over real worker processes and gloo: greedy parity with TP=1 and with
 transformers (heads split evenly, and fewer KV heads than ranks), failure handling (a killed or
-raising worker gives a clear error within seconds, no process left behind), clean shutdown,
-a launcher-started (torchrun-style) world on loopback, and `portside serve -tp 2`."""
+raising worker gives a clear error within seconds, no process left behind), clean shutdown (no
+gloo thread outliving `destroy_process_group`), a launcher-started (torchrun-style) world on
+loopback, and `portside serve -tp 2`."""
 
 from __future__ import annotations
 
@@ -195,6 +196,35 @@ def test_launcher_env_parsing():
         launcher_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "x"})
 
 
+DESTROY = """
+import os, sys
+from portside.distributed.env import destroy_process_group, free_port, init_process_group
+from portside.model.registry import read_model_args
+from portside.platform import resolve_platform
+init_process_group(resolve_platform("cpu"), 0, 1, f"tcp://127.0.0.1:{free_port()}")
+read_model_args(sys.argv[1])  # as every rank does while loading its shard
+import torch.distributed.nn  # what that imports under transformers 5; explicit for other versions
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
+print("BEFORE", gloo_threads())
+destroy_process_group()
+print("AFTER", gloo_threads())
+"""
+
+
+def test_destroy_process_group_stops_gloo_threads(even_model):
+    """After `destroy_process_group` no gloo thread is left running into interpreter exit, even
+    though reading a model config imported torch.distributed.nn (whose defaults would capture the
+    live group): a launched worker whose group outlived it aborted at exit in CI ("terminate
+    called without an active exception", exit -6)."""
+    out = subprocess.run([sys.executable, "-c", DESTROY, str(even_model)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("BEFORE", "AFTER")))
+    assert lines["BEFORE"] != "[]", "no gloo threads while the group was up: the check would prove nothing"
+    assert lines["AFTER"] == "[]", f"gloo threads still running after destroy_process_group: {lines['AFTER']}"
+
+
 RANK0 = """
 import json, sys
 from portside import LLM, SamplingParams
@@ -214,7 +244,7 @@ def test_launcher_world_on_loopback(even_model, tp1):
     port = free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "portside.distributed.worker", "--device", "cpu"],
+        [sys.executable, "-X", "faulthandler", "-m", "portside.distributed.worker", "--device", "cpu"],
         env={**base, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

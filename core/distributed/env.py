@@ -58,6 +58,13 @@ def init_process_group(
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
+    # torch.distributed.nn binds `group.WORLD` into its functions' defaults when imported; once
+    # the group exists, that import (transformers makes it when a config is read) would keep the
+    # group alive past destroy_process_group, its gloo threads running into interpreter exit,
+    # where they can abort the process ("terminate called without an active exception").
+    # Imported first, the defaults hold None. (~3 ms)
+    import torch.distributed.nn  # noqa: F401
+
     dist.init_process_group(
         backend=platform.dist_backend,
         init_method=init_method,
