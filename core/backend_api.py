@@ -386,7 +386,10 @@ class TorchDistributedCommunicator(Communicator):
     """Collectives through an initialised torch.distributed process group (gloo, nccl, ...).
 
     Backends whose collectives torch.distributed already speaks subclass this and only choose
-    the process-group backend name (`Platform.dist_backend`).
+    the process-group backend name (`Platform.dist_backend`). Traced by `torch.compile`, the
+    collectives are the opaque `portside::` operators (`portside.distributed.collectives`), which
+    find the group by name when they run: a compiled graph that held the group itself would keep
+    it alive past `destroy_process_group`.
     """
 
     name = "torch.distributed"
@@ -394,25 +397,37 @@ class TorchDistributedCommunicator(Communicator):
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
 
+        from portside.distributed import collectives  # registers the operators before any tracing
+
         self._dist = dist
+        self._ops = collectives
         self.group = group
+        self.group_name = (dist.group.WORLD if group is None else group).group_name
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            self._dist.all_reduce(x, group=self.group)
+            if torch.compiler.is_compiling():
+                self._ops.all_reduce(x, self.group_name)
+            else:
+                self._dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        if torch.compiler.is_compiling():
+            return self._ops.all_gather(x, dim, self.world_size, self.group_name)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self._dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
-            self._dist.broadcast(x, src=src, group=self.group)
+            if torch.compiler.is_compiling():
+                self._ops.broadcast(x, src, self.group_name)
+            else:
+                self._dist.broadcast(x, src=src, group=self.group)
         return x
 
     def barrier(self) -> None:

@@ -133,6 +133,20 @@ def test_tp2_random_sampling_matches_tp1_with_seeds(tp2, tp1):
     assert greedy(tp2, prompts[:1]) == greedy(tp1, prompts[:1])  # the ranks still agree afterwards
 
 
+def test_tp2_inductor_graph_greedy_equals_transformers(even_model):
+    """`--cpu-graph inductor -tp 2`: each rank's compiled graphs trace the row-parallel
+    all-reduces (as the opaque `portside::all_reduce`) and still match transformers, batched
+    (the graph with a symbolic token count) and at batch 1 (the one-token graph)."""
+    llm = LLM(model=str(even_model), tensor_parallel_size=2, platform_options={"cpu_graph": "inductor"}, **ENGINE)
+    try:
+        prompts = prompts_for(llm)
+        expected = [hf_greedy(even_model, p, MAX_TOKENS) for p in prompts]
+        assert greedy(llm, prompts) == expected
+        assert greedy(llm, prompts[1:2]) == expected[1:2]
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tp2_fewer_kv_heads_than_ranks_then_del_stops_workers(tmp_path):
     path = make_tiny_model(tmp_path / "kv1", "llama", num_key_value_heads=1)  # KV head replicated
     llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
@@ -223,6 +237,55 @@ def test_destroy_process_group_stops_gloo_threads(even_model):
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("BEFORE", "AFTER")))
     assert lines["BEFORE"] != "[]", "no gloo threads while the group was up: the check would prove nothing"
     assert lines["AFTER"] == "[]", f"gloo threads still running after destroy_process_group: {lines['AFTER']}"
+
+
+COMPILED = """
+import gc, os, sys, torch
+from portside.distributed.env import destroy_process_group, init_process_group, launcher_env
+from portside.platform import resolve_platform
+env = launcher_env()
+platform = resolve_platform("cpu")
+init_process_group(platform, env.rank, env.world_size, env.init_method)
+comm = platform.communicator()
+def step(x):  # what a compiled model does under tensor parallelism
+    y = comm.all_reduce(x * 2.0)
+    z = comm.broadcast(y + env.rank, src=1)
+    return comm.all_gather(z, dim=0)
+compiled = torch.compile(step, backend=sys.argv[1], fullgraph=True)
+out = compiled(torch.full((3,), float(env.rank + 1)))
+assert out.tolist() == [7.0] * 6, out.tolist()  # 2 * (1 + 2) + rank 1, gathered from both ranks
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
+print("BEFORE", gloo_threads())
+destroy_process_group()
+gc.collect()
+print("AFTER", gloo_threads())  # `compiled` is still alive: it must not hold the group
+"""
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_collectives_release_the_group(backend):
+    """Collectives traced by torch.compile (the inductor graph runner under tensor parallelism)
+    compute the right values and leave no gloo thread after `destroy_process_group`: a graph that
+    took the ProcessGroup as an input would keep it alive into interpreter exit."""
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", COMPILED, backend], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, results, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
+        lines = dict(line.split(" ", 1) for line in stdout.splitlines() if line.startswith(("BEFORE", "AFTER")))
+        assert lines["BEFORE"] != "[]", "no gloo threads while the group was up: the check would prove nothing"
+        assert lines["AFTER"] == "[]", f"gloo threads still running after destroy_process_group: {lines['AFTER']}"
 
 
 RANK0 = """
