@@ -291,7 +291,8 @@ def test_compiled_collectives_release_the_group(backend):
 RANK0 = """
 import json, sys
 from portside import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=128, block_size=4, num_kv_blocks=96)
+llm = LLM(model=sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=128, block_size=4, num_kv_blocks=96,
+          platform_options={"cpu_graph": sys.argv[4]})
 prompts = json.loads(sys.argv[2])
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True), use_tqdm=False)
@@ -300,19 +301,33 @@ llm.engine.shutdown()
 """
 
 
-def test_launcher_world_on_loopback(even_model, tp1):
+# `python -m portside.distributed.worker`, reporting the gloo threads still running at exit.
+LAUNCHED_WORKER = """
+import atexit, os, runpy, sys
+def report():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print("EXIT", sorted(n for n in names if n.startswith(("gloo", "pt_gloo"))), flush=True)
+atexit.register(report)
+sys.argv = ["portside.distributed.worker", "--device", "cpu"]
+runpy.run_module("portside.distributed.worker", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("graph", ["eager", "inductor"])
+def test_launcher_world_on_loopback(even_model, tp1, graph):
     """Two processes given MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK, as torchrun does:
-    rank 0 runs the engine, rank 1 `python -m portside.distributed.worker`."""
+    rank 0 runs the engine, rank 1 `python -m portside.distributed.worker`. Rank 1 exits cleanly
+    with no gloo thread left, also when its compiled graphs ran the collectives (inductor)."""
     prompts = prompts_for(tp1)
     port = free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     worker = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", "-m", "portside.distributed.worker", "--device", "cpu"],
+        [sys.executable, "-X", "faulthandler", "-c", LAUNCHED_WORKER],
         env={**base, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         engine = subprocess.run(
-            [sys.executable, "-c", RANK0, str(even_model), json.dumps(prompts), str(MAX_TOKENS)],
+            [sys.executable, "-c", RANK0, str(even_model), json.dumps(prompts), str(MAX_TOKENS), graph],
             env={**base, "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=300,
         )
         assert engine.returncode == 0, engine.stderr[-3000:]
@@ -321,6 +336,7 @@ def test_launcher_world_on_loopback(even_model, tp1):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+    assert "EXIT []" in worker.stdout.read().splitlines(), "gloo threads left running at the worker's exit"
     line = next(x for x in engine.stdout.splitlines() if x.startswith("TOKENS "))
     assert json.loads(line.removeprefix("TOKENS ")) == greedy(tp1, prompts)
 
