@@ -402,7 +402,10 @@ class TorchDistributedCommunicator(Communicator):
         self._dist = dist
         self._ops = collectives
         self.group = group
-        self.group_name = (dist.group.WORLD if group is None else group).group_name
+        pg = dist.group.WORLD if group is None else group
+        if pg is None:
+            raise RuntimeError("TorchDistributedCommunicator needs an initialised torch.distributed process group")
+        self.group_name = pg.group_name
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -418,9 +421,7 @@ class TorchDistributedCommunicator(Communicator):
             return x
         if torch.compiler.is_compiling():
             return self._ops.all_gather(x, dim, self.world_size, self.group_name)
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self._dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return self._ops.gather(x, dim, self.world_size, self.group)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:

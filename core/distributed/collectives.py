@@ -12,6 +12,8 @@ a call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -20,15 +22,24 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 @torch.library.custom_op("portside::all_reduce", mutates_args=("x",))
 def all_reduce(x: torch.Tensor, group_name: str) -> None:
     """Sum `x` over the ranks of the group named `group_name`, in place."""
-    dist.all_reduce(x, group=_resolve_process_group(group_name))
+    dist.all_reduce(x, group=_group(group_name))
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(name)  # type: ignore[arg-type]  # a NewType of str in torch 2.13
+
+
+def gather(x: torch.Tensor, dim: int, world_size: int, group: Any) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (`group` None: the default one)."""
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 @torch.library.custom_op("portside::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
-    """Every rank's `x` concatenated along `dim`, in rank order."""
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group_name))
-    return torch.cat(parts, dim=dim)
+    """`gather` over the group named `group_name`."""
+    return gather(x, dim, world_size, _group(group_name))
 
 
 @all_gather.register_fake
@@ -41,4 +52,4 @@ def _(x: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tens
 @torch.library.custom_op("portside::broadcast", mutates_args=("x",))
 def broadcast(x: torch.Tensor, src: int, group_name: str) -> None:
     """Rank `src`'s `x` on every rank, in place (`src` as `dist.broadcast` takes it)."""
-    dist.broadcast(x, src=src, group=_resolve_process_group(group_name))
+    dist.broadcast(x, src=src, group=_group(group_name))
