@@ -26,6 +26,7 @@ from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
 logger = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "native", "torch", "ipex")  # platform option "cpu_attention"
+OPTIONS = ("cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb")  # docs/cpu.md
 
 
 @lru_cache(maxsize=1)
@@ -137,6 +138,9 @@ class CpuPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, config):
+        unknown = sorted({k for k, _ in config.platform_options} - set(OPTIONS))
+        if unknown:  # a misspelt option would otherwise be ignored without a word
+            raise ValueError(f"unknown cpu platform option(s) {unknown}; known: {list(OPTIONS)}")
         mode = config.option("cpu_graph", DEFAULT_GRAPH_MODE)
         if mode not in GRAPH_MODES:
             raise ValueError(f"unknown cpu graph mode {mode!r}; use one of {list(GRAPH_MODES)}")

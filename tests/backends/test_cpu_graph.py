@@ -155,6 +155,12 @@ def test_unknown_attention_impl_is_rejected(tiny_llama):
         LLM(model=str(tiny_llama), device="cpu", max_model_len=64, platform_options={"cpu_attention": "fast"})
 
 
+def test_unknown_platform_option_is_rejected(tiny_llama):
+    """A misspelt option fails with the known ones named, rather than being ignored."""
+    with pytest.raises(ValueError, match=r"unknown cpu platform option\(s\) \['cpu_grpah'\].*'cpu_graph'"):
+        LLM(model=str(tiny_llama), device="cpu", max_model_len=64, platform_options={"cpu_grpah": "inductor"})
+
+
 # ---- platform knobs: collectives, threads ------------------------------------------------------
 
 
