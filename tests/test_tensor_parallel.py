@@ -210,7 +210,15 @@ def test_launcher_env_parsing():
         launcher_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "x"})
 
 
-DESTROY = """
+# Prepended to the subprocess scripts below: gloo's threads in this process, by name.
+GLOO_THREADS = """
+import os
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
+"""
+
+DESTROY = GLOO_THREADS + """
 import os, sys
 from portside.distributed.env import destroy_process_group, free_port, init_process_group
 from portside.model.registry import read_model_args
@@ -218,9 +226,6 @@ from portside.platform import resolve_platform
 init_process_group(resolve_platform("cpu"), 0, 1, f"tcp://127.0.0.1:{free_port()}")
 read_model_args(sys.argv[1])  # as every rank does while loading its shard
 import torch.distributed.nn  # what that imports under transformers 5; explicit for other versions
-def gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
 print("BEFORE", gloo_threads())
 destroy_process_group()
 print("AFTER", gloo_threads())
@@ -239,7 +244,7 @@ def test_destroy_process_group_stops_gloo_threads(even_model):
     assert lines["AFTER"] == "[]", f"gloo threads still running after destroy_process_group: {lines['AFTER']}"
 
 
-COMPILED = """
+COMPILED = GLOO_THREADS + """
 import gc, os, sys, torch
 from portside.distributed.env import destroy_process_group, init_process_group, launcher_env
 from portside.platform import resolve_platform
@@ -254,9 +259,6 @@ def step(x):  # what a compiled model does under tensor parallelism
 compiled = torch.compile(step, backend=sys.argv[1], fullgraph=True)
 out = compiled(torch.full((3,), float(env.rank + 1)))
 assert out.tolist() == [7.0] * 6, out.tolist()  # 2 * (1 + 2) + rank 1, gathered from both ranks
-def gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
 print("BEFORE", gloo_threads())
 destroy_process_group()
 gc.collect()
@@ -302,12 +304,9 @@ llm.engine.shutdown()
 
 
 # `python -m portside.distributed.worker`, reporting the gloo threads still running at exit.
-LAUNCHED_WORKER = """
-import atexit, os, runpy, sys
-def report():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    print("EXIT", sorted(n for n in names if n.startswith(("gloo", "pt_gloo"))), flush=True)
-atexit.register(report)
+LAUNCHED_WORKER = GLOO_THREADS + """
+import atexit, runpy, sys
+atexit.register(lambda: print("EXIT", gloo_threads(), flush=True))
 sys.argv = ["portside.distributed.worker", "--device", "cpu"]
 runpy.run_module("portside.distributed.worker", run_name="__main__")
 """
