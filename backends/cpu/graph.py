@@ -81,27 +81,22 @@ def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | Non
 
 
 class _Body(nn.Module):
-    """Every decoder layer and the final norm, attention through an opaque custom op
-    (`portside_cpu::attention` of `attention_op`, or its C++ front `portside_cpu_native::attention`
-    of `native_ops`): one graph for the whole model. With `embed`, the graph starts from the
-    token ids and positions (the embedding lookup and the rotary angles in it too); without
-    (tensor parallelism: the embedding's all-reduce stays eager), from h and the rotary tensors.
-    With `logits` it returns the LM head's logits of every row too."""
+    """The embedding (with the rotary angles), every decoder layer and the final norm, attention
+    through an opaque custom op (`portside_cpu::attention` of `attention_op`, or its C++ front
+    `portside_cpu_native::attention` of `native_ops`): one graph for the whole model, from the
+    token ids and positions. Under tensor parallelism the collectives trace as opaque operators
+    too (`portside.distributed.collectives`). With `logits` it returns the LM head's logits of
+    every row too."""
 
-    def __init__(self, model: PiecewiseModel, embed: bool, attention: Callable[..., torch.Tensor],
-                 logits: bool = False) -> None:
+    def __init__(self, model: PiecewiseModel, attention: Callable[..., torch.Tensor], logits: bool = False) -> None:
         super().__init__()
         self.model = model
-        self.embed = embed
         self.attention = attention
         self.logits = logits
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m = self.model
-        if self.embed:
-            h, aux = m.embed(*inputs)
-        else:
-            h, *aux = inputs
+        h, aux = m.embed(input_ids, positions)
         for i in range(m.num_layers):
             q, k, v = m.pre_attention(i, h, aux)
             o = self.attention(q, k, v, i, m.attention_scale(i))
@@ -111,8 +106,7 @@ class _Body(nn.Module):
 
 
 class InductorGraphRunner(GraphRunner):
-    """torch.compile (Inductor) over the whole model (`_Body`; under tensor parallelism the
-    embedding and the LM head stay eager), with paged attention an opaque custom op inside the
+    """torch.compile (Inductor) over the whole model (`_Body`), with paged attention an opaque custom op inside the
     graph (`attention_op`) that runs the step's attention backend eagerly, or, in decode-only
     steps, the native kernels with no Python at all (`native_ops`). Host-side attention metadata
     never reaches dynamo, so nothing guards on it: after `capture` compiles the two graphs
@@ -138,9 +132,6 @@ class InductorGraphRunner(GraphRunner):
 
         self._forward_context = attention_op.forward_context
         self.model = model_fn
-        # Without tensor parallelism the embedding and the LM head are compiled too (under it,
-        # their all-reduce / all-gather stay eager).
-        self._whole = config.parallel.tensor_parallel_size == 1
         # Decode-only steps attend in C++ with no call back into Python when the native
         # operators build here (~12 us a layer warm, more right after the weight stream).
         from portside.backends.cpu import native_ops
@@ -151,11 +142,10 @@ class InductorGraphRunner(GraphRunner):
         # step instead of two, each with its Python entry and exit, and no gather between them.
         # (A one-row step that samples nothing, a one-token prefill chunk before the last,
         # computes logits it does not use: rare, and cheaper than a second graph call when used.)
-        one_row = _Body(model_fn, self._whole, attention, logits=self._whole).forward
-        self._body = _compile(_Body(model_fn, self._whole, attention).forward, "portside_body", one_row)
+        one_row = _Body(model_fn, attention, logits=True).forward
+        self._body = _compile(_Body(model_fn, attention).forward, "portside_body", one_row)
         self._step_logits: torch.Tensor | None = None  # the one-row graph's, for `logits`
-        if self._whole:
-            self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
+        self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
         """Compile the graphs now, on dummy decode batches, not in the first steps."""
@@ -185,9 +175,6 @@ class InductorGraphRunner(GraphRunner):
             return self.model_fn(input_ids, positions, ctx)
         self._step_logits = None
         with self._forward_context(ctx, self._native):
-            if not self._whole:
-                h, aux = self.model.embed(input_ids, positions)
-                return self._body(h, *aux)
             out = self._body(input_ids, positions)
         if isinstance(out, tuple):  # the one-row graph: hidden and logits
             out, self._step_logits = out
