@@ -106,10 +106,10 @@ class _Body(nn.Module):
 
 
 class InductorGraphRunner(GraphRunner):
-    """torch.compile (Inductor) over the whole model (`_Body`), with paged attention an opaque custom op inside the
-    graph (`attention_op`) that runs the step's attention backend eagerly, or, in decode-only
-    steps, the native kernels with no Python at all (`native_ops`). Host-side attention metadata
-    never reaches dynamo, so nothing guards on it: after `capture` compiles the two graphs
+    """torch.compile (Inductor) over the whole model (`_Body`), with paged attention an opaque
+    custom op inside the graph (`attention_op`) that runs the step's attention backend eagerly,
+    or, in decode-only steps, the native kernels with no Python at all (`native_ops`). Host-side
+    attention metadata never reaches dynamo, so nothing guards on it: after `capture` compiles the two graphs
     (1 token, and a symbolic count >= 2) for the body and for the LM head, no step recompiles. A
     batch-1 step is one call into compiled code (its graph computes the LM head too), a larger
     one two (the body, then the LM head of the sampled rows).

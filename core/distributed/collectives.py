@@ -19,14 +19,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
+def _group(name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(name)  # type: ignore[arg-type]  # a NewType of str in torch 2.13
+
+
 @torch.library.custom_op("portside::all_reduce", mutates_args=("x",))
 def all_reduce(x: torch.Tensor, group_name: str) -> None:
     """Sum `x` over the ranks of the group named `group_name`, in place."""
     dist.all_reduce(x, group=_group(group_name))
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    return _resolve_process_group(name)  # type: ignore[arg-type]  # a NewType of str in torch 2.13
 
 
 def gather(x: torch.Tensor, dim: int, world_size: int, group: Any) -> torch.Tensor:
