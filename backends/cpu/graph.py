@@ -23,6 +23,7 @@ from torch import nn
 
 from portside.backend_api import EagerGraphRunner as _CoreEagerGraphRunner
 from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
+from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,29 @@ def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | Non
     return run
 
 
+class _FusedDecodeSteps:
+    """The part of a runner that sends one-sequence decode steps to the fused native step
+    (`fused_decode`, when it covers the model and the step) and hands the logits a step computed
+    itself (there, or in the one-row graph) to `logits`."""
+
+    _fused: FusedDecoder | None = None
+    _step_logits: torch.Tensor | None = None
+
+    def _fused_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """The step's hidden states when the fused step ran it (its logits kept), else None."""
+        self._step_logits = None
+        if self._fused is None or not self._fused.covers(input_ids, ctx):
+            return None
+        hidden, self._step_logits = self._fused(input_ids, positions, ctx)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        step_logits, self._step_logits = self._step_logits, None
+        if step_logits is not None:  # a one-row step: the row sampled is that row
+            return step_logits
+        return self.compute_logits(hidden[indices])  # type: ignore[attr-defined]
+
+
 class _Body(nn.Module):
     """The embedding (with the rotary angles), every decoder layer and the final norm, attention
     through an opaque custom op (`portside_cpu::attention` of `attention_op`, or its C++ front
@@ -105,7 +129,7 @@ class _Body(nn.Module):
         return (h, m.compute_logits(h)) if self.logits else h  # type: ignore[attr-defined]
 
 
-class InductorGraphRunner(GraphRunner):
+class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
     """torch.compile (Inductor) over the whole model (`_Body`), with paged attention an opaque
     custom op inside the graph (`attention_op`) that runs the step's attention backend eagerly,
     or, in decode-only steps, the native kernels with no Python at all (`native_ops`). Host-side
@@ -113,6 +137,9 @@ class InductorGraphRunner(GraphRunner):
     (1 token, and a symbolic count >= 2) for the body and for the LM head, no step recompiles. A
     batch-1 step is one call into compiled code (its graph computes the LM head too), a larger
     one two (the body, then the LM head of the sampled rows).
+
+    One-sequence decode steps of a Llama-family fp32 model run in the fused native step instead
+    (`fused_decode`), so the one-row body graph is compiled only where that does not apply.
 
     A model that is not a `PiecewiseModel` runs eagerly (with a warning): compiling a whole
     step with its Python attention traced in recompiles on nearly every step."""
@@ -132,6 +159,7 @@ class InductorGraphRunner(GraphRunner):
 
         self._forward_context = attention_op.forward_context
         self.model = model_fn
+        self._fused = make_fused_decoder(model_fn, config)
         # Decode-only steps attend in C++ with no call back into Python when the native
         # operators build here (~12 us a layer warm, more right after the weight stream).
         from portside.backends.cpu import native_ops
@@ -144,11 +172,11 @@ class InductorGraphRunner(GraphRunner):
         # computes logits it does not use: rare, and cheaper than a second graph call when used.)
         one_row = _Body(model_fn, attention, logits=True).forward
         self._body = _compile(_Body(model_fn, attention).forward, "portside_body", one_row)
-        self._step_logits: torch.Tensor | None = None  # the one-row graph's, for `logits`
         self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
-        """Compile the graphs now, on dummy decode batches, not in the first steps."""
+        """Compile the graphs now, on dummy decode batches, not in the first steps (the one-row
+        body graph only if the fused step does not cover a one-row decode: `__call__`)."""
         if self.model is None:
             return
         t0 = time.perf_counter()
@@ -171,9 +199,11 @@ class InductorGraphRunner(GraphRunner):
         logger.info("inductor: compiled the model in %.1f s", time.perf_counter() - t0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self._fused_step(input_ids, positions, ctx)
+        if hidden is not None:
+            return hidden
         if self.model is None:
             return self.model_fn(input_ids, positions, ctx)
-        self._step_logits = None
         with self._forward_context(ctx, self._native):
             out = self._body(input_ids, positions)
         if isinstance(out, tuple):  # the one-row graph: hidden and logits
@@ -184,12 +214,6 @@ class InductorGraphRunner(GraphRunner):
         if self._logits is None:
             return super().compute_logits(hidden)
         return self._logits(hidden)
-
-    def logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        step_logits, self._step_logits = self._step_logits, None
-        if step_logits is not None:  # a one-row step: the row sampled is that row
-            return step_logits
-        return self.compute_logits(hidden[indices])
 
 
 def _step_inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,11 +250,13 @@ class _OneRowLinears(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class EagerGraphRunner(_CoreEagerGraphRunner):
+class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
     """Op by op, as core's eager runner, but a one-row fp32 linear (batch-1 decode, a single
     sequence's LM head) runs in the native operator (`native_ops`) rather than MKL's GEMV, which
     streams the weight at ~10 GB/s on a Zen 4 where the operator gets 35-49 (batch-1 decode of the
-    default model, 2 threads: see docs/cpu.md). Without a C++ compiler: core's runner, unchanged."""
+    default model, 2 threads: see docs/cpu.md). One-sequence decode steps of a Llama-family fp32
+    model run in the fused native step (`fused_decode`). Without a C++ compiler: core's runner,
+    unchanged."""
 
     def __init__(self, model_fn: ModelFn, config) -> None:
         super().__init__(model_fn, config)
@@ -240,6 +266,7 @@ class EagerGraphRunner(_CoreEagerGraphRunner):
         if reason:
             logger.warning("cpu eager: one-row linears use torch's GEMV (native operator unavailable: %s)", reason)
         self._native = reason is None
+        self._fused = make_fused_decoder(model_fn, config) if self._native else None
 
     def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
         # Only one-row steps: the mode's Python hook on every torch call costs ~6% of a
@@ -247,6 +274,9 @@ class EagerGraphRunner(_CoreEagerGraphRunner):
         return _OneRowLinears() if self._native and rows == 1 else contextlib.nullcontext()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self._fused_step(input_ids, positions, ctx)
+        if hidden is not None:
+            return hidden
         with self._mode(input_ids.shape[0]):
             return self.model_fn(input_ids, positions, ctx)
 

@@ -5,6 +5,8 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
   Python operator `portside_cpu::attention` (`attention_op`);
+- `portside_cpu_native.LlamaDecoder` (a torch class): a whole batch-1 decode step of a
+  Llama-family fp32 model in one call (`csrc/fused_decode.cpp`, `fused_decode.py`);
 - `portside_cpu_native::argmax_rows`: row-wise argmax of fp32 logits for the sampler
   (`csrc/argmax.cpp`, `CpuPlatform.sampler`);
 - `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
@@ -24,8 +26,14 @@ import torch
 from portside.backends.cpu import kernels
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "linear_row.cpp", CSRC / "decode_attention.cpp", CSRC / "cpu_allocator.cpp", CSRC / "argmax.cpp")
-INCLUDED = (CSRC / "paged_attention.c",)  # by decode_attention.cpp
+SOURCES = (
+    CSRC / "linear_row.cpp",
+    CSRC / "decode_attention.cpp",
+    CSRC / "fused_decode.cpp",
+    CSRC / "cpu_allocator.cpp",
+    CSRC / "argmax.cpp",
+)
+INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 
 

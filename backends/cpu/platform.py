@@ -21,12 +21,13 @@ from portside.backend_api import (
     host_memory,
 )
 from portside.backends.cpu.communicator import select_dist_backend
+from portside.backends.cpu.fused_decode import FUSED_DECODE_MODES
 from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "native", "torch", "ipex")  # platform option "cpu_attention"
-OPTIONS = ("cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb")  # docs/cpu.md
+OPTIONS = ("cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb", "cpu_fused_decode")  # docs/cpu.md
 
 
 @lru_cache(maxsize=1)
@@ -152,6 +153,9 @@ class CpuPlatform(Platform):
                 raise ValueError(f"--cpu-graph openvino: {reason}")
             if config.parallel.tensor_parallel_size > 1:
                 raise ValueError("--cpu-graph openvino runs at tensor_parallel_size 1; use inductor or eager for TP")
+        fused = config.option("cpu_fused_decode", "on")
+        if fused not in FUSED_DECODE_MODES:
+            raise ValueError(f"cpu_fused_decode={fused!r}: use one of {list(FUSED_DECODE_MODES)}")
         impl = config.option("cpu_attention", "auto")
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown cpu attention {impl!r}; use one of {list(ATTENTION_IMPLS)}")

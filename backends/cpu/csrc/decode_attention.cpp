@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "decode_plan.h"
+
 namespace paged {  // C++ names for the C kernels: no clash with the ctypes build of the same file
 #define restrict __restrict__
 #define _Thread_local thread_local
@@ -37,15 +39,8 @@ namespace paged {  // C++ names for the C kernels: no clash with the ctypes buil
 
 namespace {
 
-// The step's decode plan, per thread (the engine runs one step at a time on its thread).
-struct DecodePlan {
-  std::vector<at::Tensor> caches;  // one [2, num_blocks, block_size, KVH, D] fp32 cache per layer
-  at::Tensor tables;               // [B, n] int32, rows dense
-  at::Tensor lens;                 // [B] int32
-  at::Tensor slots;                // [B] int64
-  bool active = false;
-};
-thread_local DecodePlan plan;
+using portside_native::DecodePlan;
+using portside_native::decode_plan;
 
 void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots) {
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2 && tables.stride(1) == 1,
@@ -60,6 +55,7 @@ void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::
     TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == at::kFloat && c.dim() == 5 && c.size(0) == 2 &&
                     c.is_contiguous(),
                 "set_decode_step: every cache must be a contiguous fp32 [2, num_blocks, block_size, KVH, D] cpu tensor");
+  DecodePlan& plan = decode_plan();
   plan.caches.assign(caches.begin(), caches.end());
   plan.tables = tables;
   plan.lens = lens;
@@ -67,10 +63,10 @@ void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::
   plan.active = true;
 }
 
-void clear_decode_step() { plan = DecodePlan(); }
+void clear_decode_step() { decode_plan() = DecodePlan(); }
 
 // q [B, H, D], k/v [B, KVH, D], fp32, each row's heads dense, against this layer's cache.
-bool fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
+bool fits(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
   if (!plan.active || layer < 0 || layer >= (int64_t)plan.caches.size()) return false;
   const at::Tensor& c = plan.caches[layer];
   const int64_t batch = plan.lens.size(0), kvh = c.size(3), d = c.size(4);
@@ -82,7 +78,8 @@ bool fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale) {
-  if (!fits(q, k, v, layer)) {
+  const DecodePlan& plan = decode_plan();
+  if (!fits(plan, q, k, v, layer)) {
     static const auto python_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("portside_cpu::attention", "")
                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -107,6 +104,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 }  // namespace
+
+portside_native::DecodePlan& portside_native::decode_plan() {
+  thread_local DecodePlan plan;
+  return plan;
+}
 
 TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");

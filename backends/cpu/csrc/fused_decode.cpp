@@ -1,0 +1,293 @@
+// A whole batch-1 decode step of a Llama-family fp32 model in one C++ call:
+// torch.classes.portside_cpu_native.LlamaDecoder(tensors, dims, eps, scale).step(ids, positions)
+// -> (hidden [1, hidden] after the final norm, logits [1, vocab]).
+//
+// Batch-1 decode reads every weight once per token, one matrix after another. Run op by op (eager
+// or an Inductor graph), the matrices are separated by dispatcher calls, small kernels (norms,
+// rotary, SiLU, residual adds), one OpenMP fork/join each and the compiled call's entry and exit:
+// ~2 ms of a ~12 ms step on the CI machine's Zen 4 in its high-bandwidth state. Here the step is
+// one OpenMP parallel region: each thread streams its share of every matrix (row_dot.h), the
+// small operations run inside the region on data the threads already hold, and the threads meet
+// at a barrier only where the next matrix needs the whole of the previous result (5 a layer).
+//
+// Attention reads the step's decode plan (decode_plan.h, installed by set_decode_step) with the
+// kernels of paged_attention.c: one task per 128-token split of the context, merged
+// (flash-decoding). The thread that attends the newest split first writes the new K/V row.
+// Numerically it is the model's own forward pass (same operations, fp32), summed in another
+// order: portside.backends.cpu.fused_decode checks greedy parity against transformers.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "decode_plan.h"
+#include "row_dot.h"
+
+namespace {
+namespace paged {  // the kernels' pieces, internal to this file (decode_attention.cpp has its own)
+#define restrict __restrict__
+#define _Thread_local thread_local
+#include "paged_attention.c"
+#undef restrict
+#undef _Thread_local
+}  // namespace paged
+
+// Build with -DPORTSIDE_FUSED_PROFILE for per-thread cycle counts of each stage of a step
+// (`fused_profile()`: [threads, stages], summed over steps since the last call).
+#ifdef PORTSIDE_FUSED_PROFILE
+#include <x86intrin.h>
+constexpr int kStages = 11;
+int64_t prof[64][kStages];
+#define MARK(k)                                   \
+  do {                                            \
+    const int64_t now = (int64_t)__rdtsc();       \
+    prof[t][k] += now - last;                     \
+    last = now;                                   \
+  } while (0)
+#else
+#define MARK(k) \
+  do {          \
+  } while (0)
+#endif
+
+// The tensors of one decoder layer, in the order `LlamaDecoder`'s constructor takes them.
+constexpr int kPerLayer = 10;
+struct Layer {
+  const float *in_norm, *qkv, *qkv_b, *o, *o_b, *post_norm, *gate_up, *gate_up_b, *down, *down_b;
+};
+
+// [begin, end) of `n` items for thread `t` of `threads`: even contiguous shares.
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
+  return {n * t / threads, n * (t + 1) / threads};
+}
+
+// out = w * x / rms(x) over `n` floats (Hugging Face's RMSNorm in fp32).
+void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// Rotate `heads` heads of `d` floats (rotate-half layout) by one position's cos | sin row.
+void rotate(const float* x, float* out, int64_t heads, int64_t d, const float* cos_sin) {
+  const int64_t half = d / 2;
+  const float *c = cos_sin, *s = cos_sin + half;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* a = x + h * d;
+    float* o = out + h * d;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      o[i] = a[i] * c[i] - a[half + i] * s[i];
+      o[half + i] = a[half + i] * c[i] + a[i] * s[i];
+    }
+  }
+}
+
+// silu(g) = g * sigmoid(g), with exp of a non-positive argument only (vectorizable, no overflow).
+inline float silu(float g) {
+  const float e = paged::exp_nonpos(-fabsf(g));
+  return g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+}
+
+at::Tensor checked(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "LlamaDecoder: ", what, " must be a contiguous fp32 cpu tensor");
+  TORCH_CHECK(t.sizes().vec() == shape, "LlamaDecoder: ", what, " has shape ", t.sizes(), ", expected ",
+              at::IntArrayRef(shape));
+  return t;
+}
+
+struct LlamaDecoder : torch::CustomClassHolder {
+  std::vector<at::Tensor> tensors;  // keeps every weight alive: the pointers below are into these
+  std::vector<Layer> layers;
+  const float *embed, *final_norm, *lm_head, *cos_sin;
+  int64_t L, H, NH, KVH, D, I, V, P;
+  float eps, scale;
+  // Step buffers: shared by the threads (each writes its own share), and per thread.
+  std::vector<float> h, qkv, attn, act, y, parts;
+  std::vector<std::vector<float>> mine;  // per thread: normed input | roped q | merged attention | scratch
+
+  // `tensors`: embedding [V, H], final norm [H], LM head [V, H], rotary cos | sin table [P, D], then
+  // per layer: input norm [H], qkv [(NH + 2 KVH) D, H], its bias, o [H, NH D], its bias, post norm
+  // [H], gate_up [2 I, H] (gate rows first), its bias, down [H, I], its bias; a missing bias is an
+  // empty tensor. `dims`: L, H, NH, KVH, D, I, V.
+  LlamaDecoder(std::vector<at::Tensor> ts, std::vector<int64_t> dims, double eps_, double scale_)
+      : tensors(std::move(ts)), eps((float)eps_), scale((float)scale_) {
+    TORCH_CHECK(dims.size() == 7, "LlamaDecoder: dims are L, H, NH, KVH, D, I, V");
+    L = dims[0], H = dims[1], NH = dims[2], KVH = dims[3], D = dims[4], I = dims[5], V = dims[6];
+    TORCH_CHECK((int64_t)tensors.size() == 4 + kPerLayer * L, "LlamaDecoder: expected ", 4 + kPerLayer * L,
+                " tensors for ", L, " layers, got ", tensors.size());
+    TORCH_CHECK(KVH > 0 && NH % KVH == 0 && D % 2 == 0, "LlamaDecoder: bad head counts or head size");
+    TORCH_CHECK(tensors[3].dim() == 2, "LlamaDecoder: the rotary table must be [positions, head_dim]");
+    P = tensors[3].size(0);
+    embed = checked(tensors[0], {V, H}, "the embedding").data_ptr<float>();
+    final_norm = checked(tensors[1], {H}, "the final norm").data_ptr<float>();
+    lm_head = checked(tensors[2], {V, H}, "the LM head").data_ptr<float>();
+    cos_sin = checked(tensors[3], {P, D}, "the rotary table").data_ptr<float>();
+    const int64_t QKV = (NH + 2 * KVH) * D;
+    auto bias = [&](const at::Tensor& t, int64_t n, const char* what) -> const float* {
+      return t.numel() ? checked(t, {n}, what).data_ptr<float>() : nullptr;
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* t = &tensors[4 + kPerLayer * l];
+      layers.push_back({checked(t[0], {H}, "an input norm").data_ptr<float>(),
+                        checked(t[1], {QKV, H}, "a qkv projection").data_ptr<float>(), bias(t[2], QKV, "a qkv bias"),
+                        checked(t[3], {H, NH * D}, "an o projection").data_ptr<float>(), bias(t[4], H, "an o bias"),
+                        checked(t[5], {H}, "a post-attention norm").data_ptr<float>(),
+                        checked(t[6], {2 * I, H}, "a gate_up projection").data_ptr<float>(),
+                        bias(t[7], 2 * I, "a gate_up bias"), checked(t[8], {H, I}, "a down projection").data_ptr<float>(),
+                        bias(t[9], H, "a down bias")});
+    }
+    h.resize(H), qkv.resize(QKV), attn.resize(NH * D), act.resize(I), y.resize(std::max(H, V));
+  }
+
+  std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions) {
+    const portside_native::DecodePlan& plan = portside_native::decode_plan();
+    TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && (int64_t)plan.caches.size() == L,
+                "LlamaDecoder.step: needs the decode plan of a one-sequence decode step (set_decode_step)");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == 1 && positions.scalar_type() == at::kLong &&
+                    positions.numel() == 1,
+                "LlamaDecoder.step: one int64 token id and one int64 position");
+    const int64_t token = ids.data_ptr<int64_t>()[0], pos = positions.data_ptr<int64_t>()[0];
+    TORCH_CHECK(token >= 0 && token < V, "LlamaDecoder.step: token id ", token, " outside the vocabulary");
+    TORCH_CHECK(pos >= 0 && pos < P, "LlamaDecoder.step: position ", pos, " outside the rotary table");
+    const at::Tensor& c0 = plan.caches[0];
+    const int64_t num_blocks = c0.size(1), block_size = c0.size(2);
+    for (const at::Tensor& c : plan.caches)
+      TORCH_CHECK(c.dim() == 5 && c.size(1) == num_blocks && c.size(2) == block_size && c.size(3) == KVH &&
+                      c.size(4) == D,
+                  "LlamaDecoder.step: a KV cache does not fit the model's KV heads and head size");
+    const int64_t len = plan.lens.data_ptr<int32_t>()[0], slot = plan.slots.data_ptr<int64_t>()[0];
+    const int64_t max_blocks = plan.tables.size(1);
+    const int32_t* table = plan.tables.data_ptr<int32_t>();
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "LlamaDecoder.step: seq_len ", len,
+                " does not fit its block table");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "LlamaDecoder.step: block id ", table[b],
+                  " outside the cache");
+    TORCH_CHECK(slot >= 0 && slot < num_blocks * block_size, "LlamaDecoder.step: slot ", slot, " outside the cache");
+
+    const paged::decode_shape sh = {1, NH, KVH, D, num_blocks, block_size, max_blocks, NH * D, D, NH * D, D,
+                                    plan.tables.stride(0), scale};
+    const int64_t splits = paged::num_splits(len), part_floats = NH * (D + 2);
+    if ((int64_t)parts.size() < splits * part_floats) parts.resize(splits * part_floats);
+    const int threads = std::max(1, at::get_num_threads());
+    const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D);
+    if ((int)mine.size() < threads) mine.resize(threads);
+    for (auto& m : mine) m.resize(H + 2 * NH * D + scratch);
+
+    at::Tensor hidden = at::empty({1, H}, ids.options().dtype(at::kFloat));
+    at::Tensor logits = at::empty({1, V}, ids.options().dtype(at::kFloat));
+    memcpy(h.data(), embed + token * H, H * sizeof(float));
+    const float* rope = cos_sin + pos * D;
+    const int64_t QS = NH * D, KS = KVH * D, QKV = QS + 2 * KS;
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#ifdef PORTSIDE_FUSED_PROFILE
+      int64_t last = (int64_t)__rdtsc();
+#endif
+      float *x = mine[t].data(), *q = x + H, *merged = q + QS, *work = merged + QS;
+      const auto [q0, q1] = share(QKV, t, n);
+      const auto [h0, h1] = share(H, t, n);
+      const auto [i0, i1] = share(I, t, n);
+      const int owner = (int)((splits - 1) % n);  // attends the newest split, so writes the new K/V
+      for (const Layer& w : layers) {
+        const int64_t l = &w - layers.data();
+        float* cache = plan.caches[l].data_ptr<float>();
+        // input norm (every thread, its own copy), then this thread's rows of q, k, v
+        rms_norm(h.data(), w.in_norm, x, H, eps);
+        portside_rows::rows(x, w.qkv, qkv.data(), H, q0, q1);
+        if (w.qkv_b)
+          for (int64_t r = q0; r < q1; ++r) qkv[r] += w.qkv_b[r];
+        MARK(0);
+#pragma omp barrier
+        MARK(1);
+        // rotary on q (each thread, its own copy); the new K/V row; this thread's splits
+        rotate(qkv.data(), q, NH, D, rope);
+        if (t == owner) {
+          float* k_row = cache + slot * KS;
+          rotate(qkv.data() + QS, k_row, KVH, D, rope);
+          memcpy(cache + num_blocks * block_size * KS + slot * KS, qkv.data() + QS + KS, KS * sizeof(float));
+        }
+        for (int64_t s = t; s < splits; s += n) {
+          const int64_t t0 = s * SPLIT_TOKENS, t1 = std::min(len, t0 + SPLIT_TOKENS);
+          paged::decode_range_any(&sh, splits > 1 ? nullptr : attn.data(), splits > 1 ? parts.data() + s * part_floats : nullptr,
+                                  q, cache, table, t0, t1, work);
+        }
+        MARK(2);
+#pragma omp barrier
+        MARK(3);
+        const float* o_in = attn.data();
+        if (splits > 1) {  // every thread merges the splits into its own copy: no second barrier
+          paged::merge_splits(&sh, merged, parts.data(), splits);
+          o_in = merged;
+        }
+        // this thread's rows of o, added to the residual
+        portside_rows::rows(o_in, w.o, y.data(), QS, h0, h1);
+        for (int64_t r = h0; r < h1; ++r) h[r] += y[r] + (w.o_b ? w.o_b[r] : 0.f);
+        MARK(4);
+#pragma omp barrier
+        MARK(5);
+        // post-attention norm, then this thread's channels of gate and up (side by side) and SiLU
+        rms_norm(h.data(), w.post_norm, x, H, eps);
+        for (int64_t c = i0; c < i1; ++c) {
+          float g, u;
+          portside_rows::dot2(x, w.gate_up + c * H, w.gate_up + (I + c) * H, H, &g, &u);
+          if (w.gate_up_b) g += w.gate_up_b[c], u += w.gate_up_b[I + c];
+          act[c] = silu(g) * u;
+        }
+        MARK(6);
+#pragma omp barrier
+        MARK(7);
+        // this thread's rows of down, added to the residual
+        portside_rows::rows(act.data(), w.down, y.data(), I, h0, h1);
+        for (int64_t r = h0; r < h1; ++r) h[r] += y[r] + (w.down_b ? w.down_b[r] : 0.f);
+        MARK(8);
+#pragma omp barrier
+        MARK(9);
+      }
+      rms_norm(h.data(), final_norm, x, H, eps);
+      if (t == 0) memcpy(hidden.data_ptr<float>(), x, H * sizeof(float));
+      const auto [v0, v1] = share(V, t, n);
+      portside_rows::rows(x, lm_head, logits.data_ptr<float>(), H, v0, v1);
+      MARK(10);
+    }
+    return {hidden, logits};
+  }
+};
+
+#ifdef PORTSIDE_FUSED_PROFILE
+at::Tensor fused_profile() {
+  at::Tensor out = at::empty({64, kStages}, at::kLong);
+  memcpy(out.data_ptr<int64_t>(), prof, sizeof(prof));
+  memset(prof, 0, sizeof(prof));
+  return out;
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
+#ifdef PORTSIDE_FUSED_PROFILE
+  m.def("fused_profile() -> Tensor", &fused_profile);
+#endif
+  m.class_<LlamaDecoder>("LlamaDecoder")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
+      .def("step", &LlamaDecoder::step);
+}

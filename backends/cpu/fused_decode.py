@@ -1,0 +1,97 @@
+"""Batch-1 decode of a Llama-family fp32 model as one native call: the torch class
+`portside_cpu_native.LlamaDecoder` (`csrc/fused_decode.cpp`), used by the eager and inductor cpu
+graph runners for every one-sequence decode step (option ``cpu_fused_decode``, on by default).
+
+A batch-1 decode step reads every weight once, one matrix after another, and does little else;
+run op by op (or as an Inductor graph calling one operator per matrix), the gaps between the
+matrices (dispatcher calls, small kernels, a fork/join each, the compiled call's entry and exit)
+cost ~2 ms of a ~12 ms step on the CI machine. The native step runs the whole model in one OpenMP
+parallel region instead (see the C++ file). Steps it does not cover (more than one row, a prefill
+chunk, other models, tensor parallelism, other dtypes) run as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from portside.backend_api import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+FUSED_DECODE_MODES = ("on", "off")
+
+
+class FusedDecoder:
+    """The native decoder of one model; `__call__` runs a one-sequence decode step."""
+
+    def __init__(self, model: Any) -> None:
+        m, args = model.model, model.config
+        attn = m.layers[0].self_attn
+
+        def bias(linear: torch.nn.Module) -> torch.Tensor:
+            b = getattr(linear, "bias", None)
+            return b.detach() if b is not None else torch.empty(0)
+
+        tensors = [w.detach() for w in (m.embed_tokens.weight, m.norm.weight, model.lm_head.weight)]
+        tensors.append(m.rotary.cos_sin)
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            tensors += [
+                layer.input_layernorm.weight.detach(), a.qkv_proj.weight.detach(), bias(a.qkv_proj),
+                a.o_proj.weight.detach(), bias(a.o_proj), layer.post_attention_layernorm.weight.detach(),
+                mlp.gate_up_proj.weight.detach(), bias(mlp.gate_up_proj), mlp.down_proj.weight.detach(),
+                bias(mlp.down_proj),
+            ]
+        dims = [len(m.layers), args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                args.intermediate_size, args.vocab_size]
+        self._decoder = torch.classes.portside_cpu_native.LlamaDecoder(tensors, dims, args.rms_norm_eps, attn.scale)
+
+    @staticmethod
+    def covers(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether this step is a one-sequence decode the native step runs: one row, and a
+        decode-only native attention plan (fp32 caches)."""
+        return input_ids.shape[0] == 1 and getattr(ctx.metadata.backend_data, "native_step", None) is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [1, hidden] after the final norm, fp32 logits [1, vocab]) of a covered step;
+        the new K/V rows are written into `ctx.kv_caches`."""
+        step = ctx.metadata.backend_data.native_step
+        torch.ops.portside_cpu_native.set_decode_step(ctx.kv_caches, *step.tensors)
+        try:
+            return self._decoder.step(input_ids, positions)
+        finally:
+            torch.ops.portside_cpu_native.clear_decode_step()
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """None when `model` can run in the native decode step, else why not."""
+    from portside.model.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    if model.dtype != torch.float32:
+        return f"dtype {model.dtype} (the native step is fp32)"
+    if model.model.embed_tokens.tp_size != 1:
+        return "tensor parallelism"
+    params = [*model.parameters(), model.model.rotary.cos_sin]
+    if any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
+        return "a weight that is not a contiguous cpu tensor"
+    from portside.backends.cpu import native_ops
+
+    return native_ops.unavailable_reason()
+
+
+def make_fused_decoder(model: Any, config: Any) -> FusedDecoder | None:
+    """The native decoder for `model` when option ``cpu_fused_decode`` is on (the default) and the
+    model qualifies; None otherwise (logged)."""
+    if config.option("cpu_fused_decode", "on") == "off":
+        return None
+    reason = unsupported_reason(model)
+    if reason:
+        logger.info("cpu: batch-1 decode runs op by op, not in the fused native step: %s", reason)
+        return None
+    logger.info("cpu: batch-1 decode steps run in the fused native step (csrc/fused_decode.cpp)")
+    return FusedDecoder(model)

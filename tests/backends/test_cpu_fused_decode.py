@@ -1,0 +1,123 @@
+"""The fused native batch-1 decode step (`backends/cpu/fused_decode.py`, `csrc/fused_decode.cpp`):
+one step against the model's own forward pass (hidden states, logits and the K/V rows it writes),
+across the 128-token attention splits, for Llama, Qwen2 (qkv bias) and tied embeddings, on 1 and 2
+threads; greedy parity with transformers through the engine, which must run every batch-1 decode
+in it; and when it stays out of the way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from portside import LLM, SamplingParams
+from portside.backend_api import ForwardContext
+from portside.config import ModelConfig
+from portside.model.registry import load_model
+from portside.testing.paged import single_sequence_metadata
+from portside.testing.tiny import hf_greedy, make_tiny_model
+
+native_ops = pytest.importorskip("portside.backends.cpu.native_ops")
+if native_ops.unavailable_reason() is not None:
+    pytest.skip(f"the native operators do not build here: {native_ops.unavailable_reason()}", allow_module_level=True)
+
+from portside.backends.cpu.attention import NativeAttentionBackend  # noqa: E402
+from portside.backends.cpu.fused_decode import FusedDecoder, unsupported_reason  # noqa: E402
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),  # qkv bias
+    "tied-hd32": ("llama", {"tie_word_embeddings": True, "head_dim": 32, "num_attention_heads": 8,
+                            "num_key_value_heads": 2}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory) -> Path:
+    arch, overrides = VARIANTS[request.param]
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
+
+
+def _context(backend, caches, num_cached: int, num_new: int, table: list[int], block_size: int) -> ForwardContext:
+    md = backend.prepare(single_sequence_metadata(num_cached, num_new, table, block_size))
+    return ForwardContext(backend=backend, kv_caches=caches, metadata=md)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("context", [1, 9, 127, 128, 129, 300])
+def test_fused_step_matches_the_model(variant, context, threads):
+    """Prefill `context` tokens with the model, then decode one with the model and with the fused
+    step on copies of the cache: same hidden states, logits and cache (the K/V row written)."""
+    model = load_model(ModelConfig(path=str(variant), max_model_len=512), torch.device("cpu"))
+    assert unsupported_reason(model) is None
+    backend, block_size = NativeAttentionBackend(), 8
+    spec = model.kv_cache_spec()
+    num_blocks = 48
+    shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size)
+    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
+    table = [(7 * i + 3) % num_blocks for i in range(num_blocks)]  # scattered blocks
+    gen = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, model.config.vocab_size, (context + 1,), generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            model(ids[:context], torch.arange(context), _context(backend, caches, 0, context, table, block_size))
+            fused_caches = [c.clone() for c in caches]
+            step_ids, step_pos = ids[context:], torch.tensor([context])
+            ctx = _context(backend, caches, context, 1, table, block_size)
+            expected_hidden = model(step_ids, step_pos, ctx)
+            expected_logits = model.compute_logits(expected_hidden)
+            ctx = _context(backend, fused_caches, context, 1, table, block_size)
+            hidden, logits = FusedDecoder(model)(step_ids, step_pos, ctx)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(hidden, expected_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+    for got, want in zip(fused_caches, caches, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+def test_engine_runs_batch1_decodes_fused_with_greedy_parity(variant, mode, monkeypatch):
+    """One request at a time through the engine: every decode step runs in the fused step (and
+    nothing else does), and greedy tokens equal transformers', across blocks and splits."""
+    calls: list[int] = []
+    fused_call = FusedDecoder.__call__
+
+    def counting(self, input_ids, positions, ctx):
+        calls.append(int(positions[0]))
+        return fused_call(self, input_ids, positions, ctx)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
+    llm = LLM(model=str(variant), device="cpu", max_model_len=512, block_size=8, platform_options={"cpu_graph": mode})
+    calls.clear()  # the inductor runner's warm-up step
+    prompt = list(range(3, 3 + 120))
+    n = 16  # the context crosses 128 tokens: one attention split, then two
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]  # fmt: skip
+    assert out.outputs[0].token_ids == hf_greedy(variant, prompt, n)
+    assert calls == list(range(len(prompt), len(prompt) + n - 1))  # every decode step, and only those
+
+
+def test_fused_decode_can_be_turned_off_and_checks_its_option(tiny_llama):
+    llm = LLM(model=str(tiny_llama), device="cpu", max_model_len=64, platform_options={"cpu_fused_decode": "off"})
+    assert llm.engine.executor.runner.graph_runner._fused is None
+    with pytest.raises(ValueError, match="cpu_fused_decode"):
+        LLM(model=str(tiny_llama), device="cpu", max_model_len=64, platform_options={"cpu_fused_decode": "yes"})
+
+
+def test_models_the_step_does_not_cover(tiny_llama):
+    model = load_model(ModelConfig(path=str(tiny_llama), dtype=torch.bfloat16), torch.device("cpu"))
+    assert "dtype" in unsupported_reason(model)
+    assert "not a Llama-family model" in unsupported_reason(torch.nn.Linear(2, 2))
+
+
+def test_step_without_a_decode_plan_is_an_error(tiny_llama):
+    """Called outside a decode step (no plan installed) the C++ step raises, it does not read
+    stale or missing tables."""
+    model = load_model(ModelConfig(path=str(tiny_llama)), torch.device("cpu"))
+    decoder = FusedDecoder(model)._decoder
+    with pytest.raises(RuntimeError, match="decode plan"):
+        decoder.step(torch.tensor([1]), torch.tensor([0]))
