@@ -135,7 +135,8 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     t0 = time.perf_counter()
     llm = LLM(model=path, device="cpu", dtype="float32", max_model_len=len(prompts[0]) + gen + 8,
               max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=TOKEN_BUDGET, enable_prefix_caching=False,
-              platform_options={"cpu_graph": mode, "cpu_attention": attention})
+              platform_options={"cpu_graph": mode.removesuffix("-unfused"), "cpu_attention": attention,
+                                "cpu_fused_decode": "off" if mode.endswith("-unfused") else "on"})
     runner = llm.engine.executor.runner
     info = {"graph": runner.graph_runner.name, "attention": runner.attn_backend.name}
 
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens timed for batch-1 decode")
-    ap.add_argument("--paths", default="eager,inductor,openvino", help="portside graph modes to run")
+    ap.add_argument("--paths", default="eager,inductor,inductor-unfused,openvino",
+                    help="portside graph modes to run (a mode with -unfused: option cpu_fused_decode=off)")
     ap.add_argument("--attention", default="auto", help="portside cpu_attention option (auto|torch|ipex)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-cb", action="store_true")

@@ -11,10 +11,10 @@
 // at a barrier only where the next matrix needs the whole of the previous result (5 a layer).
 //
 // Attention reads the step's decode plan (decode_plan.h, installed by set_decode_step) with the
-// kernels of paged_attention.c: one task per 128-token split of the context, merged
-// (flash-decoding). The thread that attends the newest split first writes the new K/V row.
-// Numerically it is the model's own forward pass (same operations, fp32), summed in another
-// order: portside.backends.cpu.fused_decode checks greedy parity against transformers.
+// kernels of paged_attention.c, the context cut into splits of equal length (see `step`) that
+// are merged (flash-decoding); the thread that attends the newest split first writes the new K/V
+// row. Numerically it is the model's own forward pass (same operations, fp32) summed in another
+// order: tests/backends/test_cpu_fused_decode.py checks it against the model and transformers.
 
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -63,6 +64,7 @@ int64_t prof[64][kStages];
 
 // The tensors of one decoder layer, in the order `LlamaDecoder`'s constructor takes them.
 constexpr int kPerLayer = 10;
+
 struct Layer {
   const float *in_norm, *qkv, *qkv_b, *o, *o_b, *post_norm, *gate_up, *gate_up_b, *down, *down_b;
 };
@@ -70,6 +72,30 @@ struct Layer {
 // [begin, end) of `n` items for thread `t` of `threads`: even contiguous shares.
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
   return {n * t / threads, n * (t + 1) / threads};
+}
+
+// Rows [0, n_rows) of one matrix-vector product over the threads. Each thread streams its even
+// share in chunks of kGrain rows taken from its own counter, then takes the chunks left in the
+// others' shares: a thread slowed down (the VM's other work, an interrupt) is not waited for at the
+// next barrier. Measured on the CI machine (default model, 2 threads): with even static shares the
+// faster thread waited 0.5-2.5 ms a step at the barriers, ~0.1 ms with this; chunks of 16 rows
+// streamed slower than 64 in the high-bandwidth state.
+constexpr int64_t kGrain = 64;
+struct alignas(64) Counter {
+  std::atomic<int64_t> next;
+};
+
+template <class F>
+inline void rows_shared(Counter* counters, int64_t n_rows, int t, int n, F&& fn) {
+  for (int o = 0; o < n; ++o) {
+    const int u = (t + o) % n;
+    const auto [u0, u1] = share(n_rows, u, n);
+    for (;;) {
+      const int64_t r0 = u0 + counters[u].next.fetch_add(kGrain, std::memory_order_relaxed);
+      if (r0 >= u1) break;
+      fn(r0, std::min(u1, r0 + kGrain));
+    }
+  }
 }
 
 // out = w * x / rms(x) over `n` floats (Hugging Face's RMSNorm in fp32).
@@ -119,6 +145,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
   float eps, scale;
   // Step buffers: shared by the threads (each writes its own share), and per thread.
   std::vector<float> h, qkv, attn, act, y, parts;
+  std::vector<Counter> counters;         // per matrix of a step, per thread: `rows_shared`
   std::vector<std::vector<float>> mine;  // per thread: normed input | roped q | merged attention | scratch
 
   // `tensors`: embedding [V, H], final norm [H], LM head [V, H], rotary cos | sin table [P, D], then
@@ -183,13 +210,23 @@ struct LlamaDecoder : torch::CustomClassHolder {
 
     const paged::decode_shape sh = {1, NH, KVH, D, num_blocks, block_size, max_blocks, NH * D, D, NH * D, D,
                                     plan.tables.stride(0), scale};
-    const int64_t splits = paged::num_splits(len), part_floats = NH * (D + 2);
-    if ((int64_t)parts.size() < splits * part_floats) parts.resize(splits * part_floats);
     const int threads = std::max(1, at::get_num_threads());
+    // Attention in splits of equal length (merged, flash-decoding): at most SPLIT_TOKENS each, and
+    // a multiple of the thread count of them, or one per thread while each keeps >= 16 tokens,
+    // so every thread attends about as many tokens.
+    int64_t splits = (len + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
+    splits = splits < threads ? std::min<int64_t>(threads, (len + 15) / 16) : (splits + threads - 1) / threads * threads;
+    const int64_t split_len = (len + splits - 1) / splits;
+    splits = (len + split_len - 1) / split_len;  // none empty
+    const int64_t part_floats = NH * (D + 2);
+    if ((int64_t)parts.size() < splits * part_floats) parts.resize(splits * part_floats);
     const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D);
     if ((int)mine.size() < threads) mine.resize(threads);
     for (auto& m : mine) m.resize(H + 2 * NH * D + scratch);
 
+    const int64_t matrices = 4 * L + 1;
+    if ((int64_t)counters.size() < matrices * threads) counters = std::vector<Counter>(matrices * threads);
+    for (int64_t i = 0; i < matrices * threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
     at::Tensor hidden = at::empty({1, H}, ids.options().dtype(at::kFloat));
     at::Tensor logits = at::empty({1, V}, ids.options().dtype(at::kFloat));
     memcpy(h.data(), embed + token * H, H * sizeof(float));
@@ -203,18 +240,18 @@ struct LlamaDecoder : torch::CustomClassHolder {
       int64_t last = (int64_t)__rdtsc();
 #endif
       float *x = mine[t].data(), *q = x + H, *merged = q + QS, *work = merged + QS;
-      const auto [q0, q1] = share(QKV, t, n);
-      const auto [h0, h1] = share(H, t, n);
-      const auto [i0, i1] = share(I, t, n);
       const int owner = (int)((splits - 1) % n);  // attends the newest split, so writes the new K/V
       for (const Layer& w : layers) {
         const int64_t l = &w - layers.data();
         float* cache = plan.caches[l].data_ptr<float>();
         // input norm (every thread, its own copy), then this thread's rows of q, k, v
         rms_norm(h.data(), w.in_norm, x, H, eps);
-        portside_rows::rows(x, w.qkv, qkv.data(), H, q0, q1);
-        if (w.qkv_b)
-          for (int64_t r = q0; r < q1; ++r) qkv[r] += w.qkv_b[r];
+        Counter* c = counters.data() + 4 * l * n;
+        rows_shared(c, QKV, t, n, [&](int64_t r0, int64_t r1) {
+          portside_rows::rows(x, w.qkv, qkv.data(), H, r0, r1);
+          if (w.qkv_b)
+            for (int64_t r = r0; r < r1; ++r) qkv[r] += w.qkv_b[r];
+        });
         MARK(0);
 #pragma omp barrier
         MARK(1);
@@ -226,7 +263,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
           memcpy(cache + num_blocks * block_size * KS + slot * KS, qkv.data() + QS + KS, KS * sizeof(float));
         }
         for (int64_t s = t; s < splits; s += n) {
-          const int64_t t0 = s * SPLIT_TOKENS, t1 = std::min(len, t0 + SPLIT_TOKENS);
+          const int64_t t0 = s * split_len, t1 = std::min(len, t0 + split_len);
           paged::decode_range_any(&sh, splits > 1 ? nullptr : attn.data(), splits > 1 ? parts.data() + s * part_floats : nullptr,
                                   q, cache, table, t0, t1, work);
         }
@@ -239,33 +276,40 @@ struct LlamaDecoder : torch::CustomClassHolder {
           o_in = merged;
         }
         // this thread's rows of o, added to the residual
-        portside_rows::rows(o_in, w.o, y.data(), QS, h0, h1);
-        for (int64_t r = h0; r < h1; ++r) h[r] += y[r] + (w.o_b ? w.o_b[r] : 0.f);
+        rows_shared(c + n, H, t, n, [&](int64_t r0, int64_t r1) {
+          portside_rows::rows(o_in, w.o, y.data(), QS, r0, r1);
+          for (int64_t r = r0; r < r1; ++r) h[r] += y[r] + (w.o_b ? w.o_b[r] : 0.f);
+        });
         MARK(4);
 #pragma omp barrier
         MARK(5);
         // post-attention norm, then this thread's channels of gate and up (side by side) and SiLU
         rms_norm(h.data(), w.post_norm, x, H, eps);
-        for (int64_t c = i0; c < i1; ++c) {
-          float g, u;
-          portside_rows::dot2(x, w.gate_up + c * H, w.gate_up + (I + c) * H, H, &g, &u);
-          if (w.gate_up_b) g += w.gate_up_b[c], u += w.gate_up_b[I + c];
-          act[c] = silu(g) * u;
-        }
+        rows_shared(c + 2 * n, I, t, n, [&](int64_t c0, int64_t c1) {
+          for (int64_t ch = c0; ch < c1; ++ch) {
+            float g, u;
+            portside_rows::dot2(x, w.gate_up + ch * H, w.gate_up + (I + ch) * H, H, &g, &u);
+            if (w.gate_up_b) g += w.gate_up_b[ch], u += w.gate_up_b[I + ch];
+            act[ch] = silu(g) * u;
+          }
+        });
         MARK(6);
 #pragma omp barrier
         MARK(7);
         // this thread's rows of down, added to the residual
-        portside_rows::rows(act.data(), w.down, y.data(), I, h0, h1);
-        for (int64_t r = h0; r < h1; ++r) h[r] += y[r] + (w.down_b ? w.down_b[r] : 0.f);
+        rows_shared(c + 3 * n, H, t, n, [&](int64_t r0, int64_t r1) {
+          portside_rows::rows(act.data(), w.down, y.data(), I, r0, r1);
+          for (int64_t r = r0; r < r1; ++r) h[r] += y[r] + (w.down_b ? w.down_b[r] : 0.f);
+        });
         MARK(8);
 #pragma omp barrier
         MARK(9);
       }
       rms_norm(h.data(), final_norm, x, H, eps);
       if (t == 0) memcpy(hidden.data_ptr<float>(), x, H * sizeof(float));
-      const auto [v0, v1] = share(V, t, n);
-      portside_rows::rows(x, lm_head, logits.data_ptr<float>(), H, v0, v1);
+      float* out = logits.data_ptr<float>();
+      rows_shared(counters.data() + 4 * L * n, V, t, n,
+                  [&](int64_t r0, int64_t r1) { portside_rows::rows(x, lm_head, out, H, r0, r1); });
       MARK(10);
     }
     return {hidden, logits};
