@@ -6,7 +6,7 @@
 // or an Inductor graph), the matrices are separated by dispatcher calls, small kernels (norms,
 // rotary, SiLU, residual adds), one OpenMP fork/join each and the compiled call's entry and exit:
 // ~2 ms of a ~12 ms step on the CI machine's Zen 4 in its high-bandwidth state. Here the step is
-// one OpenMP parallel region: each thread streams its share of every matrix (row_dot.h), the
+// one OpenMP parallel region: each thread streams its rows of every matrix (row_dot.h), the
 // small operations run inside the region on data the threads already hold, and the threads meet
 // at a barrier only where the next matrix needs the whole of the previous result (5 a layer).
 //
@@ -74,13 +74,22 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
   return {n * t / threads, n * (t + 1) / threads};
 }
 
+// y[r] = x . w[r] for r in [r0, r1), one row after another: one stream per thread. Measured in
+// this step against row_dot.h's two streams (rows r and r + half side by side, which is faster
+// for the standalone linear_row operator), paired rounds in one process: 1.25 vs 1.345x of a
+// plain sum over the weights in the high-bandwidth state, 1.068 vs 1.09x in the low one.
+inline void rows1(const float* x, const float* w, float* y, int64_t K, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) y[r] = portside_rows::dot1(x, w + r * K, K);
+}
+
 // Rows [0, n_rows) of one matrix-vector product over the threads. Each thread streams its even
 // share in chunks of kGrain rows taken from its own counter, then takes the chunks left in the
 // others' shares: a thread slowed down (the VM's other work, an interrupt) is not waited for at the
 // next barrier. Measured on the CI machine (default model, 2 threads): with even static shares the
-// faster thread waited 0.5-2.5 ms a step at the barriers, ~0.1 ms with this; chunks of 16 rows
-// streamed slower than 64 in the high-bandwidth state.
+// faster thread waited 0.5-2.5 ms a step at the barriers, ~0.1 ms with this. Chunks of 64 rows:
+// 16 streamed slower in the high-bandwidth state, 256 and halving chunks were no better.
 constexpr int64_t kGrain = 64;
+
 struct alignas(64) Counter {
   std::atomic<int64_t> next;
 };
@@ -248,7 +257,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
         rms_norm(h.data(), w.in_norm, x, H, eps);
         Counter* c = counters.data() + 4 * l * n;
         rows_shared(c, QKV, t, n, [&](int64_t r0, int64_t r1) {
-          portside_rows::rows(x, w.qkv, qkv.data(), H, r0, r1);
+          rows1(x, w.qkv, qkv.data(), H, r0, r1);
           if (w.qkv_b)
             for (int64_t r = r0; r < r1; ++r) qkv[r] += w.qkv_b[r];
         });
@@ -277,7 +286,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
         }
         // this thread's rows of o, added to the residual
         rows_shared(c + n, H, t, n, [&](int64_t r0, int64_t r1) {
-          portside_rows::rows(o_in, w.o, y.data(), QS, r0, r1);
+          rows1(o_in, w.o, y.data(), QS, r0, r1);
           for (int64_t r = r0; r < r1; ++r) h[r] += y[r] + (w.o_b ? w.o_b[r] : 0.f);
         });
         MARK(4);
@@ -298,7 +307,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
         MARK(7);
         // this thread's rows of down, added to the residual
         rows_shared(c + 3 * n, H, t, n, [&](int64_t r0, int64_t r1) {
-          portside_rows::rows(act.data(), w.down, y.data(), I, r0, r1);
+          rows1(act.data(), w.down, y.data(), I, r0, r1);
           for (int64_t r = r0; r < r1; ++r) h[r] += y[r] + (w.down_b ? w.down_b[r] : 0.f);
         });
         MARK(8);
@@ -309,7 +318,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
       if (t == 0) memcpy(hidden.data_ptr<float>(), x, H * sizeof(float));
       float* out = logits.data_ptr<float>();
       rows_shared(counters.data() + 4 * L * n, V, t, n,
-                  [&](int64_t r0, int64_t r1) { portside_rows::rows(x, lm_head, out, H, r0, r1); });
+                  [&](int64_t r0, int64_t r1) { rows1(x, lm_head, out, H, r0, r1); });
       MARK(10);
     }
     return {hidden, logits};
