@@ -53,7 +53,7 @@ int64_t prof[64][kStages];
 #define MARK(k)                                   \
   do {                                            \
     const int64_t now = (int64_t)__rdtsc();       \
-    prof[t][k] += now - last;                     \
+    prof[t & 63][k] += now - last;                \
     last = now;                                   \
   } while (0)
 #else
@@ -152,7 +152,8 @@ struct LlamaDecoder : torch::CustomClassHolder {
   const float *embed, *final_norm, *lm_head, *cos_sin;
   int64_t L, H, NH, KVH, D, I, V, P;
   float eps, scale;
-  // Step buffers: shared by the threads (each writes its own share), and per thread.
+  // Step buffers: shared by the threads (each writes its own share), and per thread. So one step
+  // at a time per decoder (the engine's model runner steps on one thread).
   std::vector<float> h, qkv, attn, act, y, parts;
   std::vector<Counter> counters;         // per matrix of a step, per thread: `rows_shared`
   std::vector<std::vector<float>> mine;  // per thread: normed input | roped q | merged attention | scratch
@@ -188,7 +189,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
                         bias(t[7], 2 * I, "a gate_up bias"), checked(t[8], {H, I}, "a down projection").data_ptr<float>(),
                         bias(t[9], H, "a down bias")});
     }
-    h.resize(H), qkv.resize(QKV), attn.resize(NH * D), act.resize(I), y.resize(std::max(H, V));
+    h.resize(H), qkv.resize(QKV), attn.resize(NH * D), act.resize(I), y.resize(H);
   }
 
   std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions) {
