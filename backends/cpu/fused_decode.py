@@ -67,10 +67,10 @@ class FusedDecoder:
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """None when `model` can run in the native decode step, else why not."""
-    from portside.model.llama import LlamaForCausalLM
-
-    if not isinstance(model, LlamaForCausalLM):
+    """None when `model` can run in the native decode step, else why not. The model is
+    recognised by its class name, not imported: a backend depends on core's contract only
+    (`portside.model.llama.LlamaForCausalLM` serves Llama, Mistral and Qwen2)."""
+    if type(model).__name__ != "LlamaForCausalLM" or not hasattr(model, "model"):
         return f"{type(model).__name__} is not a Llama-family model"
     if model.dtype != torch.float32:
         return f"dtype {model.dtype} (the native step is fp32)"
