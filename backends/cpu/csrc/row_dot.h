@@ -1,11 +1,12 @@
 // Dot products of one fp32 row with the rows of a matrix, shared by the one-row linear
 // (linear_row.cpp) and the fused decode step (fused_decode.cpp). Header-only, inline.
 //
-// Each caller gives a thread one contiguous range of output rows; `rows` walks two halves of it
-// side by side (two streams in flight, each with its own accumulators): measured on the CI
+// `rows` (linear_row's) gives a thread one contiguous range of output rows and walks its two
+// halves side by side (two streams in flight, each with its own accumulators): measured on the CI
 // machine's Zen 4 over the default model's 121 weights in huge pages, 2 threads, 49.3 GB/s where
 // one row at a time gets 42.1, Inductor's fused reduction ~33, and a plain sum of the same
-// matrices 53.4.
+// matrices 53.4. The fused step calls `dot1` / `dot2` itself: there one stream per thread was
+// faster (fused_decode.cpp, `rows1`).
 
 #pragma once
 
