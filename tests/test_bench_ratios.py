@@ -17,9 +17,11 @@ def _bench():
 
 def _result(decode_bw: float) -> dict:
     return {
-        "machine": {"read_bandwidth_gbs": 35.0},
-        "model": {"weight_bytes_per_token": 538e6},
-        "bounds": {"throughput_tok_s": 380.0},
+        "machine": {"read_bandwidth_gbs": 35.0, "fp32_matmul_gflops": 200.0},
+        "model": {"weight_bytes_per_token": 538e6, "flops_per_prompt_token": 2 * 106e6,
+                  "flops_per_generated_token": 2 * 134.5e6},
+        "workload": {"num_prompts": 64, "prompt_len": 128, "gen_len": 128},
+        "bounds": {},
         "runs": {
             "transformers-static": {"output_tok_s": 150.0, "decode_ms_per_token": 60.0, "read_bandwidth_after_gbs": 34.0},
             "portside-inductor": {"output_tok_s": 270.0, "decode_ms_per_token": 12.0,
@@ -75,3 +77,16 @@ def test_weight_streams_measures_a_packed_model():
     pack_weights(model)
     out = bench.weight_streams(model, repeats=3)
     assert out["flat_sum_ms"] > 0 and out["read_bandwidth_before_gbs"] > 0
+
+
+def test_throughput_bound_uses_the_best_matmul_rate_of_the_run():
+    bench = _bench()
+    result = _result(decode_bw=35.0)  # 200 GFLOP/s at the start
+    bench._ratios(result)
+    at_start = result["bounds"]["throughput_tok_s"]
+    assert abs(at_start - 64 * 128 * 200e9 / (64 * 128 * 2 * (106e6 + 134.5e6))) < 1e-6
+    result["runs"]["portside-inductor"]["fp32_matmul_gflops_after"] = 250.0  # a faster minute later on
+    bench._ratios(result)
+    assert result["bounds"]["fp32_matmul_gflops_best"] == 250.0
+    assert abs(result["bounds"]["throughput_tok_s"] - at_start * 250 / 200) < 1e-6
+    assert result["summary"]["portside-inductor"]["fraction_of_compute_bound"] == round(270.0 / (at_start * 1.25), 3)
