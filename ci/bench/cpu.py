@@ -56,7 +56,7 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 def measure_machine(mib: int = 1024) -> dict[str, float]:
     """Read and copy bandwidth (GB/s) over a tensor much larger than the caches, on ordinary
     4 KiB pages and on transparent huge pages (`host_zeros`, what portside's cpu weights and KV
-    cache use); the bound takes the faster. fp32 matmul GFLOP/s."""
+    cache use); the bound takes the faster. fp32 matmul GFLOP/s (`matmul_gflops`)."""
     n = mib * 2**20 // 4
     x = torch.ones(n)
     y = torch.empty_like(x)
@@ -65,18 +65,28 @@ def measure_machine(mib: int = 1024) -> dict[str, float]:
     copy = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), 5) / 1e9
     x = y = None  # free the buffers before the next measurement
     read_huge = read_bandwidth_huge_pages(mib)
-    flops = matmul_gflops()
     return {"read_bandwidth_gbs": max(read, read_huge), "read_bandwidth_4k_pages_gbs": read,
-            "read_bandwidth_huge_pages_gbs": read_huge, "copy_bandwidth_gbs": copy, "fp32_matmul_gflops": flops}
+            "read_bandwidth_huge_pages_gbs": read_huge, "copy_bandwidth_gbs": copy, **matmul_gflops()}
 
 
-def matmul_gflops() -> float:
-    """fp32 GFLOP/s of a 2048^3 matmul, best of 5. Re-measured after every peer, like the read
-    bandwidth: the VM's compute rate moves too (run 17: 216 at the start, while the inductor
-    run's own FLOPs came to ~248 GFLOP/s later)."""
+def matmul_gflops() -> dict[str, float]:
+    """fp32 GFLOP/s of a 2048^3 product, best of 5, through torch's matmul (MKL's sgemm) and
+    through oneDNN's prepacked linear (what Inductor's frozen linears call); `fp32_matmul_gflops`
+    is the faster. Re-measured after every peer, like the read bandwidth: the VM's rates move.
+    (Session 11's Zen 5 VM: 215 through MKL, ~480-520 through oneDNN; Inductor's run reached
+    ~250 over the whole workload, above MKL's rate.)"""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
-    return 2 * 2048**3 / _best(lambda: a @ b, 5) / 1e9
+    out = {"fp32_matmul_gflops_mkl": 2 * 2048**3 / _best(lambda: a @ b, 5) / 1e9}
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), 2048)
+        fn = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")  # noqa: E731
+        fn()
+        out["fp32_matmul_gflops_onednn"] = 2 * 2048**3 / _best(fn, 5) / 1e9
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        pass
+    out["fp32_matmul_gflops"] = max(out.values())
+    return out
 
 
 def read_bandwidth_huge_pages(mib: int = 1024) -> float:
@@ -393,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             info = {"error": f"{type(e).__name__}: {e}"}
         info["load_after"] = load_info()
         info["read_bandwidth_after_gbs"] = read_bandwidth_huge_pages()
-        info["fp32_matmul_gflops_after"] = matmul_gflops()
+        info["fp32_matmul_gflops_after"] = matmul_gflops()["fp32_matmul_gflops"]
         result["runs"][name] = info
         print(name, json.dumps(info), flush=True)
         gc.collect()
