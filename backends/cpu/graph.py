@@ -1,7 +1,7 @@
 """cpu graph runners, chosen by the ``cpu_graph`` platform option (``--cpu-graph``):
 
-- ``eager``: the model runs op by op, one-row fp32 linears through the native operator
-  (`EagerGraphRunner`);
+- ``eager``: the model runs op by op, its linears in faster kernels than torch's default
+  (`EagerGraphRunner`, `eager_linears`);
 - ``inductor``: ``torch.compile`` (Inductor) over the whole model, paged attention an opaque
   custom op in the graph (`InductorGraphRunner`);
 - ``openvino``: the dense segments between attention calls as compiled OpenVINO models,
@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from portside.backend_api import EagerGraphRunner as _CoreEagerGraphRunner
 from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
+from portside.backends.cpu.eager_linears import EagerLinears, make_packed_weights
 from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
 
 logger = logging.getLogger(__name__)
@@ -236,27 +236,13 @@ def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:
     return EagerGraphRunner(model_fn, config)
 
 
-class _OneRowLinears(torch.overrides.TorchFunctionMode):
-    """Sends `F.linear` of one fp32 row to `portside_cpu_native::linear_row`, everything else on."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs["input"]
-            if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32:
-                weight = args[1] if len(args) > 1 else kwargs["weight"]
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return torch.ops.portside_cpu_native.linear_row(x, weight, bias)
-        return func(*args, **kwargs)
-
-
 class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
-    """Op by op, as core's eager runner, but a one-row fp32 linear (batch-1 decode, a single
-    sequence's LM head) runs in the native operator (`native_ops`) rather than MKL's GEMV, which
-    streams the weight at ~10 GB/s on a Zen 4 where the operator gets 35-49 (batch-1 decode of the
-    default model, 2 threads: see docs/cpu.md). One-sequence decode steps of a Llama-family fp32
-    model run in the fused native step (`fused_decode`). Without a C++ compiler: core's runner,
-    unchanged."""
+    """Op by op, as core's eager runner, but its linears in faster kernels (`eager_linears`): one
+    fp32 row (batch-1 decode, a single sequence's LM head) in the native operator (`native_ops`)
+    rather than MKL's GEMV, several rows in oneDNN's linear over prepacked weights rather than
+    MKL's sgemm (option ``cpu_prepack``). One-sequence decode steps of a Llama-family fp32 model
+    run in the fused native step (`fused_decode`). Without a C++ compiler or oneDNN, the linears
+    concerned stay with torch's kernels."""
 
     def __init__(self, model_fn: ModelFn, config) -> None:
         super().__init__(model_fn, config)
@@ -267,11 +253,14 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
             logger.warning("cpu eager: one-row linears use torch's GEMV (native operator unavailable: %s)", reason)
         self._native = reason is None
         self._fused = make_fused_decoder(model_fn, config) if self._native else None
+        self.packed_weights = make_packed_weights(config)
 
     def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
-        # Only one-row steps: the mode's Python hook on every torch call costs ~6% of a
-        # 64-sequence step (default model) where there is no one-row linear to gain on.
-        return _OneRowLinears() if self._native and rows == 1 else contextlib.nullcontext()
+        # Only around steps it can speed up: the mode's Python hook on every torch call costs
+        # a few percent of a step.
+        if (rows == 1 and self._native) or (rows > 1 and self.packed_weights is not None):
+            return EagerLinears(self._native, self.packed_weights)
+        return contextlib.nullcontext()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self._fused_step(input_ids, positions, ctx)

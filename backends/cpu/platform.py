@@ -21,13 +21,16 @@ from portside.backend_api import (
     host_memory,
 )
 from portside.backends.cpu.communicator import select_dist_backend
+from portside.backends.cpu.eager_linears import PREPACK_MODES
 from portside.backends.cpu.fused_decode import FUSED_DECODE_MODES
 from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "native", "torch", "ipex")  # platform option "cpu_attention"
-OPTIONS = ("cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb", "cpu_fused_decode")  # docs/cpu.md
+OPTIONS = (  # docs/cpu.md
+    "cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb", "cpu_fused_decode", "cpu_prepack",
+)
 
 
 @lru_cache(maxsize=1)
@@ -156,6 +159,9 @@ class CpuPlatform(Platform):
         fused = config.option("cpu_fused_decode", "on")
         if fused not in FUSED_DECODE_MODES:
             raise ValueError(f"cpu_fused_decode={fused!r}: use one of {list(FUSED_DECODE_MODES)}")
+        prepack = config.option("cpu_prepack", "on")
+        if prepack not in PREPACK_MODES:
+            raise ValueError(f"cpu_prepack={prepack!r}: use one of {list(PREPACK_MODES)}")
         impl = config.option("cpu_attention", "auto")
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown cpu attention {impl!r}; use one of {list(ATTENTION_IMPLS)}")

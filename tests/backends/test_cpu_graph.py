@@ -231,14 +231,15 @@ def test_gemv_pass_rewrites_single_row_linears_only(native):
     assert sum(map(plain, many)) == 2
 
 
-def test_eager_runner_sends_one_row_fp32_linears_to_the_native_operator():
-    """cpu eager: F.linear of one fp32 row runs `portside_cpu_native::linear_row`; more rows, or
-    bf16, stay with torch's kernels; results equal F.linear either way."""
+def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_onednn():
+    """cpu eager: F.linear of one fp32 row runs `portside_cpu_native::linear_row`; of several
+    rows (fp32 or bf16), oneDNN's linear over a prepacked copy of the weight, packed once; bf16
+    single rows stay with torch's kernels. Results equal F.linear (to each dtype's tolerance)."""
     import torch
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from portside.backends.cpu.graph import _OneRowLinears
+    from portside.backends.cpu.eager_linears import EagerLinears, PackedWeights, prepack_unavailable_reason
 
     class Record(TorchDispatchMode):
         def __init__(self) -> None:
@@ -249,10 +250,43 @@ def test_eager_runner_sends_one_row_fp32_linears_to_the_native_operator():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    w, b = torch.randn(6, 32), torch.randn(6)
-    for x, native in ((torch.randn(1, 32), True), (torch.randn(3, 32), False), (torch.randn(1, 32).bfloat16(), False)):
+    packed = PackedWeights(batch_hint=8) if prepack_unavailable_reason() is None else None
+    w, b = torch.randn(48, 64), torch.randn(48)
+    cases = [(torch.randn(1, 64), "linear_row"), (torch.randn(1, 64).bfloat16(), None)]
+    if packed is not None:
+        cases += [(torch.randn(5, 64), "mkldnn"), (torch.randn(300, 64), "mkldnn"), (torch.randn(7, 64).bfloat16(), "mkldnn")]
+    for x, kernel in cases:
         ww, bb = w.to(x.dtype), b.to(x.dtype)
-        with Record() as rec, _OneRowLinears():
-            out = F.linear(x, ww, bias=bb)
-        assert any("linear_row" in op for op in rec.ops) == native, rec.ops
-        torch.testing.assert_close(out, F.linear(x, ww, bb))
+        for bias in (bb, None):
+            with Record() as rec, EagerLinears(native=True, packed=packed):
+                out = F.linear(x, ww, bias=bias)
+            used = {k for k in ("linear_row", "mkldnn") if any(k in op for op in rec.ops)}
+            assert used == ({kernel} if kernel else set()), rec.ops
+            tol = {"atol": 2e-2, "rtol": 2e-2} if x.dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+            torch.testing.assert_close(out, F.linear(x, ww, bias), **tol)
+    if packed is not None:
+        assert len(packed) == 2  # the fp32 and the bf16 weight, each packed once for all its calls
+
+
+def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path):
+    """The eager engine packs the weights its multi-row linears use (each once) and its batched
+    greedy tokens match transformers; cpu_prepack=off keeps the dense weights only; a bad value is
+    rejected with the values it takes."""
+    from portside.backends.cpu.eager_linears import prepack_unavailable_reason
+
+    if prepack_unavailable_reason() is not None:
+        pytest.skip(prepack_unavailable_reason())
+    llm = _engine(model_path, "eager", attention="auto")
+    packed = _runner(llm).packed_weights
+    prompts = _prompts(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_path, prompt, MAX_TOKENS)
+    model = llm.engine.executor.runner.model
+    linears = [m for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2]
+    assert 0 < len(packed) <= len(linears)  # every linear weight once (the embedding unless tied: none)
+    off = LLM(model=str(model_path), device="cpu", dtype="float32", max_model_len=256, enable_prefix_caching=False,
+              platform_options={"cpu_graph": "eager", "cpu_prepack": "off"})
+    assert _runner(off).packed_weights is None
+    with pytest.raises(ValueError, match="cpu_prepack='sometimes': use one of"):
+        LLM(model=str(model_path), device="cpu", platform_options={"cpu_prepack": "sometimes"})
