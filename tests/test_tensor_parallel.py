@@ -214,7 +214,12 @@ def test_launcher_env_parsing():
 GLOO_THREADS = """
 import os
 def gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            pass
     return sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
 """
 
