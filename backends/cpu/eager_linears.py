@@ -5,7 +5,7 @@
   gets ~10 on the CI machine;
 - several rows (prefill, batched decode): oneDNN's linear over a copy of the weight prepacked
   for it (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's frozen linears use), made
-  on first use. On AMD CPUs `F.linear` runs MKL's sgemm, which takes its AVX2 path there: on
+  on first use (the runner's `capture` makes them all at start-up with a dummy step). On AMD CPUs `F.linear` runs MKL's sgemm, which takes its AVX2 path there: on
   session 11's Zen 5 VM 2048^3 ran at ~210 GFLOP/s through it and ~480-520 through oneDNN, and
   the eager engine's offline throughput (64 x 128 -> 128 tokens, default model) went from ~280
   to ~540 tok/s. The copy doubles the memory the weights take (option ``cpu_prepack=off``

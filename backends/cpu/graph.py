@@ -255,6 +255,18 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         self._fused = make_fused_decoder(model_fn, config) if self._native else None
         self.packed_weights = make_packed_weights(config)
 
+    def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
+        """Packs the weights of the multi-row linears now, with one dummy two-row step through
+        the model and the LM head: their memory is taken at start-up, not in the first request."""
+        if self.packed_weights is None:
+            return
+        t0 = time.perf_counter()
+        ctx = make_dummy_context(2)
+        hidden = self(*_step_inputs(2, ctx.metadata.slot_mapping.device), ctx)
+        self.compute_logits(hidden)
+        logger.info("cpu eager: %d weights prepacked for oneDNN in %.2f s", len(self.packed_weights),
+                    time.perf_counter() - t0)
+
     def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
         # Only around steps it can speed up: the mode's Python hook on every torch call costs
         # a few percent of a step.

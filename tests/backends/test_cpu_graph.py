@@ -269,8 +269,8 @@ def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_oned
 
 
 def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path):
-    """The eager engine packs the weights its multi-row linears use (each once) and its batched
-    greedy tokens match transformers; cpu_prepack=off keeps the dense weights only; a bad value is
+    """The eager engine packs the weights its multi-row linears use at start-up, each once, and
+    its batched greedy tokens match transformers; cpu_prepack=off keeps the dense weights only; a bad value is
     rejected with the values it takes."""
     from portside.backends.cpu.eager_linears import prepack_unavailable_reason
 
@@ -278,13 +278,14 @@ def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path
         pytest.skip(prepack_unavailable_reason())
     llm = _engine(model_path, "eager", attention="auto")
     packed = _runner(llm).packed_weights
+    # packed at start-up (`capture`): qkv, o, gate_up and down of every layer, and the LM head
+    expected = 4 * len(llm.engine.executor.runner.model.model.layers) + 1
+    assert len(packed) == expected
     prompts = _prompts(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model_path, prompt, MAX_TOKENS)
-    model = llm.engine.executor.runner.model
-    linears = [m for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2]
-    assert 0 < len(packed) <= len(linears)  # every linear weight once (the embedding unless tied: none)
+    assert len(packed) == expected  # nothing packed again
     off = LLM(model=str(model_path), device="cpu", dtype="float32", max_model_len=256, enable_prefix_caching=False,
               platform_options={"cpu_graph": "eager", "cpu_prepack": "off"})
     assert _runner(off).packed_weights is None
