@@ -5,11 +5,12 @@
   gets ~10 on the CI machine;
 - several rows (prefill, batched decode): oneDNN's linear over a copy of the weight prepacked
   for it (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's frozen linears use), made
-  on first use (the runner's `capture` makes them all at start-up with a dummy step). On AMD CPUs `F.linear` runs MKL's sgemm, which takes its AVX2 path there: on
-  session 11's Zen 5 VM 2048^3 ran at ~210 GFLOP/s through it and ~480-520 through oneDNN, and
-  the eager engine's offline throughput (64 x 128 -> 128 tokens, default model) went from ~280
-  to ~540 tok/s. The copy doubles the memory the weights take (option ``cpu_prepack=off``
-  keeps only the dense weights).
+  on first use, which the runner's `capture` makes a dummy step at start-up. On AMD CPUs
+  `F.linear` runs MKL's sgemm, which takes its AVX2 path there: on session 11's Zen 5 VM a
+  2048^3 product ran at ~210 GFLOP/s through it and ~480-520 through oneDNN, and the eager
+  engine's offline throughput (64 x 128 -> 128 tokens, default model) went from ~275 to ~500
+  tok/s. The copies double the memory the weights take (option ``cpu_prepack=off`` keeps only
+  the dense weights).
 
 Both are hooks of one `TorchFunctionMode`, entered only around the steps that can use them: a
 mode's Python hook on every torch call costs a few percent of a step.
