@@ -93,7 +93,8 @@ constexpr int64_t kGrain = 64;
 // Before a barrier, each thread prefetches the first kPrefetchBytes of its share of the next
 // matrix: the weights do not depend on the activations, so their stream need not stop while the
 // threads wait for each other. Measured in the step alone against no prefetch (paired rounds, one
-// process, session 11): -1.7% a step in the ~84 GB/s state (193 rounds), no change at ~50 GB/s;
+// process, session 11): -1.7% and -1.8% a step in the ~84 GB/s state in two runs (193 and 149
+// rounds), -0.4% in a third (86), no change at ~50 GB/s;
 // prefetching the first K/V rows of the thread's attention split as well changed nothing.
 constexpr int64_t kPrefetchBytes = 4096;
 
