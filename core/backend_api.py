@@ -40,7 +40,9 @@ __all__ = [
     "AttentionMetadata",
     "ForwardContext",
     "GraphCaptureSupport",
+    "ATTENTION_FEATURES",
     "AttentionBackend",
+    "ModelOps",
     "GraphRunner",
     "EagerGraphRunner",
     "ModelFn",
@@ -184,15 +186,31 @@ class GraphCaptureSupport(enum.Enum):
     ALWAYS = "always"  # any batch shape (static metadata buffers)
 
 
+# Per-layer attention features a model may ask for, passed to `AttentionBackend.forward` as
+# keyword arguments of these names (never when a layer does not use them; semantics in
+# `portside.attention.reference`):
+#   sliding_window: int   a query at position p sees keys at positions p - window < k <= p
+#   logit_softcap: float  scores -> cap * tanh(scores / cap) before the mask and the softmax
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap")
+
+
 class AttentionBackend(ABC):
     """Paged attention for one platform. Stateless apart from configuration.
 
     The cache of one layer is a single tensor whose shape the backend chooses (see
     `kv_cache_shape`); core only allocates it and hands it back.
+
+    Per-layer features (`ATTENTION_FEATURES`): a backend lists in `features` those its `forward`
+    takes as keyword arguments. For a layer that needs one it does not list, core runs its own
+    reference over the backend's `write_kv`/`read_kv` instead (correct whatever the layout, slow,
+    eager only); a backend whose graphs cannot run that lists the feature in
+    `unsupported_features`, and the platform then refuses the model, naming the feature.
     """
 
     name: ClassVar[str] = "abstract"
     graph_support: ClassVar[GraphCaptureSupport] = GraphCaptureSupport.NEVER
+    features: ClassVar[frozenset[str]] = frozenset()
+    unsupported_features: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def kv_cache_shape(
@@ -248,8 +266,20 @@ class ForwardContext:
     kv_caches: Sequence[torch.Tensor]  # one per layer (may be empty for a cache-less forward)
     metadata: AttentionMetadata
 
-    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, scale)
+    def attention(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **features: Any
+    ) -> torch.Tensor:
+        """Layer `layer_idx`'s paged attention. `features`: the layer's `ATTENTION_FEATURES`
+        (`PiecewiseModel.attention_features`), None values meaning not used."""
+        used = {name: value for name, value in features.items() if value is not None}
+        cache = self.kv_caches[layer_idx]
+        if not used:
+            return self.backend.forward(q, k, v, cache, self.metadata, scale)
+        if used.keys() <= self.backend.features:
+            return self.backend.forward(q, k, v, cache, self.metadata, scale, **used)
+        from portside.attention.reference import attention_through_read_kv
+
+        return attention_through_read_kv(self.backend, q, k, v, cache, self.metadata, scale, **used)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,11 +299,13 @@ class PiecewiseModel(Protocol):
         h, aux = embed(input_ids, positions)          # aux: per-token tensors every layer uses (rotary)
         for i in range(num_layers):
             q, k, v = pre_attention(i, h, aux)        # q [T, H, D]; k, v [T, KVH, D]
-            o = ctx.attention(i, q, k, v, attention_scale(i))
+            o = ctx.attention(i, q, k, v, attention_scale(i), **attention_features(i))
             h = post_attention(i, h, o)               # o [T, H, D] -> h [T, hidden]
         hidden = final_norm(h)
 
-    equals ``model_fn(input_ids, positions, ctx)``.
+    equals ``model_fn(input_ids, positions, ctx)``. `attention_features(i)` is layer i's
+    `ATTENTION_FEATURES` as keyword arguments (empty for a Llama); a runner written before it
+    existed may read it with ``getattr(model, "attention_features", None)``.
     """
 
     @property
@@ -288,6 +320,8 @@ class PiecewiseModel(Protocol):
     def final_norm(self, h: torch.Tensor) -> torch.Tensor: ...
 
     def attention_scale(self, i: int) -> float: ...
+
+    def attention_features(self, i: int) -> dict[str, Any]: ...
 
 
 class GraphRunner(ABC):
@@ -437,6 +471,60 @@ class TorchDistributedCommunicator(Communicator):
 
 
 # --------------------------------------------------------------------------------------------
+# Model-layer kernels
+# --------------------------------------------------------------------------------------------
+
+
+class ModelOps:
+    """Kernels of model layers other than attention (`Platform.model_ops`). Every method's
+    default is core's pure-torch reference (`portside.ops`), so a platform that overrides none
+    runs every model correctly; a backend overrides what it has a faster kernel for, and the
+    conformance kit tests each override against the reference.
+
+    Mixture-of-experts (shapes in `portside.ops.moe`): `fused_moe` routes (`select_experts`)
+    then computes the experts (`moe_experts`); a backend usually overrides `moe_experts` only.
+    """
+
+    name: ClassVar[str] = "reference"
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
+        from portside.ops.moe import select_experts
+
+        return select_experts(router_logits, top_k, renormalize, scoring)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] -> [T, hidden] in x's dtype."""
+        from portside.ops.moe import moe_experts
+
+        return moe_experts(x, w13, w2, topk_weights, topk_ids, activation)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        scoring: str = "softmax",
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        weights, ids = self.select_experts(router_logits, top_k, renormalize, scoring)
+        return self.moe_experts(x, w13, w2, weights, ids, activation)
+
+
+# --------------------------------------------------------------------------------------------
 # The platform
 # --------------------------------------------------------------------------------------------
 
@@ -539,6 +627,12 @@ class Platform(ABC):
         """The sampler the model runner uses. Default: core's, all torch ops; a platform may pass
         faster kernels for its steps (`Sampler`'s `argmax`)."""
         return Sampler()
+
+    @classmethod
+    def model_ops(cls, config: EngineConfig) -> ModelOps:
+        """The kernels model layers call beyond attention (mixture-of-experts, ...). Default:
+        core's references (`ModelOps`)."""
+        return ModelOps()
 
     @classmethod
     def communicator(cls, group: Any = None) -> Communicator:

@@ -2,6 +2,12 @@
 
 Canonical cache layout (one layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
 index 0 = keys, 1 = values. Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+
+Per-layer attention features (`portside.backend_api.ATTENTION_FEATURES`), as Hugging Face
+computes them:
+
+- ``sliding_window=W``: a query at position p sees keys at positions ``p - W < k <= p``;
+- ``logit_softcap=c``: scores become ``c * tanh(scores / c)`` before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -27,6 +33,31 @@ def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, 
     return flat[0, slots.long()], flat[1, slots.long()]
 
 
+def attend(
+    q: torch.Tensor,  # [Q, H, D]: the last Q positions of the sequence
+    k: torch.Tensor,  # [S, KVH, D]: every position of the sequence
+    v: torch.Tensor,  # [S, KVH, D]
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of one request's queries over its keys, in fp32; returns [Q, H, D] fp32."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]  # query heads per KV head (GQA)
+    k = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # (H, Q, S)
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # (Q, 1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)  # (1, S)
+    hidden = k_pos > q_pos
+    if sliding_window is not None:
+        hidden |= k_pos <= q_pos - sliding_window
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
@@ -34,35 +65,57 @@ def paged_attention(
     seq_lens: list[int],  # [num_reqs]
     block_tables: torch.Tensor,  # [num_reqs, max_num_blocks]
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its whole cached sequence.
 
     The query tokens of request i are the last ``q_len`` positions of its ``seq_len`` tokens, so
-    query token j sits at absolute position ``seq_len - q_len + j`` and sees positions up to it.
+    query token j sits at absolute position ``seq_len - q_len + j`` and sees positions up to it
+    (and, with a sliding window, no further back than ``window - 1`` positions).
     Computed in fp32, returned in the query's dtype.
     """
-    num_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads  # query heads per KV head (GQA)
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        q_len = end - start
-        if q_len == 0:
+        if end == start:
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len]  # (S, kvh, D)
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len]
-        k = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
-        v = v.float().repeat_interleave(group, dim=1)
-        q = query[start:end].float()  # (Q, H, D)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (H, Q, S)
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # (Q, 1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)  # (1, S)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        o = attend(query[start:end], k, v, scale, sliding_window, logit_softcap)
+        out[start:end] = o.to(query.dtype)
+    return out
+
+
+def attention_through_read_kv(
+    backend: AttentionBackend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    **features: object,
+) -> torch.Tensor:
+    """Paged attention for any backend, whatever its cache layout: K/V written with the backend's
+    own `write_kv`, read back with its `read_kv`, attended by `attend`. What a backend that does
+    not handle a layer's features itself runs for that layer (slow, and never inside a graph)."""
+    backend.write_kv(kv_cache, key, value, metadata.slot_mapping)
+    bs = metadata.block_size
+    qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    tables = metadata.block_tables.cpu()
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        pos = torch.arange(seq_len)
+        slots = (tables[i, pos // bs].long() * bs + pos % bs).to(kv_cache.device)
+        k, v = backend.read_kv(kv_cache, slots)
+        out[start:end] = attend(query[start:end], k, v, scale, **features).to(query.dtype)  # type: ignore[arg-type]
     return out
 
 
@@ -71,6 +124,7 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     name = "reference"
     graph_support = GraphCaptureSupport.NEVER
+    features = frozenset({"sliding_window", "logit_softcap"})
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -81,8 +135,12 @@ class ReferenceAttentionBackend(AttentionBackend):
     def read_kv(self, kv_cache, slots):
         return read_kv(kv_cache, slots)
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_attention(
-            query, kv_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale
+            query, kv_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale,
+            sliding_window, logit_softcap,
         )

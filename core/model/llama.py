@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portside.backend_api import Communicator, ForwardContext, KVCacheSpec, SingleRankCommunicator
+from portside.backend_api import Communicator, ForwardContext, KVCacheSpec, ModelOps, SingleRankCommunicator
 from portside.model.args import ModelArgs
 from portside.model.layers import (
     MergedColumnParallelLinear,
@@ -133,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
+        ops: ModelOps | None = None,
     ) -> None:
         super().__init__()
         self.config = args
@@ -147,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         h, rope = self.embed(input_ids, positions)
         for i in range(self.num_layers):
             q, k, v = self.pre_attention(i, h, rope)
-            o = ctx.attention(i, q, k, v, self.attention_scale(i))  # [T, H, D]
+            o = ctx.attention(i, q, k, v, self.attention_scale(i), **self.attention_features(i))  # [T, H, D]
             h = self.post_attention(i, h, o)
         return self.final_norm(h)
 
@@ -175,6 +176,9 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_scale(self, i: int) -> float:
         return self._layer(i).self_attn.scale
+
+    def attention_features(self, i: int) -> dict[str, object]:
+        return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()

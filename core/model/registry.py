@@ -9,7 +9,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from portside.backend_api import Communicator, SingleRankCommunicator
+from portside.backend_api import Communicator, ModelOps, SingleRankCommunicator
 from portside.config import ModelConfig
 from portside.model.args import ModelArgs
 from portside.model.interface import CausalLM
@@ -52,6 +52,7 @@ def load_model(
     comm: Communicator | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    ops: ModelOps | None = None,
 ) -> CausalLM:
     """Build the model for `model_config.path` (HF folder or .gguf file) on `device` in
     `model_config.dtype`, holding only this rank's tensor-parallel shard, and load its weights.
@@ -64,14 +65,9 @@ def load_model(
 
     folder = resolve_model_path(model_config.path)
     args = read_model_args(folder, model_config.max_model_len)
-    if args.sliding_window is not None and model_config.max_model_len > args.sliding_window:
-        raise ValueError(
-            f"{folder} uses sliding-window attention (window {args.sliding_window}), which portside does not "
-            f"implement; set max_model_len <= {args.sliding_window}"
-        )
     cls = model_class(args.architecture)
     with torch.device(device):
-        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype)
+        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops or ModelOps())
     load_checkpoint(model, folder)
     # every class in SUPPORTED_ARCHITECTURES is a CausalLM (interface.py checks LlamaForCausalLM)
     return cast(CausalLM, model.eval())

@@ -23,6 +23,21 @@ from portside.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOut
 logger = logging.getLogger(__name__)
 
 
+def _check_attention_features(model: object, platform: type[Platform], backend: object) -> None:
+    """Refuse a model whose layers need an attention feature the backend declares unsupported."""
+    refused = getattr(backend, "unsupported_features", frozenset())
+    features = getattr(model, "attention_features", None)
+    if not refused or features is None:
+        return
+    for i in range(model.config.num_layers):  # type: ignore[attr-defined]
+        for name, value in features(i).items():
+            if value is not None and name in refused:
+                raise ValueError(
+                    f"{model.config.architecture} needs attention feature {name!r} (layer {i}), which the "  # type: ignore[attr-defined]
+                    f"{platform.name} platform's attention backend {getattr(backend, 'name', '?')!r} does not support"
+                )
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -74,10 +89,11 @@ class ModelRunner:
         platform.set_device(local_rank)
         self.device = platform.device(local_rank)
         tp = config.parallel.tensor_parallel_size
-        self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp)
+        self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp, ops=platform.model_ops(config))
         platform.prepare_model(cast(torch.nn.Module, self.model), config)
         self.vocab_size = self.model.config.vocab_size
         self.attn_backend = platform.attention_backend(config)
+        _check_attention_features(self.model, platform, self.attn_backend)
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
         self.graph_runner = platform.graph_runner(self.model, config)
         self.sampler = platform.sampler(config)

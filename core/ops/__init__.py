@@ -1,0 +1,1 @@
+"""Pure-torch references of the model-layer kernels a platform may replace (`ModelOps`)."""
