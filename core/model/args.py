@@ -19,18 +19,30 @@ _QKV_BIAS_ARCHS = frozenset({"Qwen2ForCausalLM"})
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """How rotary frequencies are stretched for longer contexts."""
+    """How rotary frequencies are stretched for longer contexts: transformers' rope parameters,
+    computed by `portside.model.rotary`."""
 
-    rope_type: str  # "linear", "dynamic" or "llama3"
-    factor: float = 1.0
+    TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")  # not a field (no annotation)
+
+    rope_type: str  # one of TYPES
+    factor: float = 1.0  # yarn, longrope: max_position_embeddings / original where the config has none
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope (None: max_position_embeddings)
+    attention_factor: float | None = None  # yarn, longrope: cos/sin multiplier (None: derived from factor, mscale)
+    beta_fast: float = 32.0  # yarn: the ramp between kept and interpolated dims, in rotations
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn: with mscale_all_dim, attention factor mscale(mscale) / mscale(mscale_all_dim)
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: ramp bounds rounded to whole dims
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors, context within the original
+    long_factor: tuple[float, ...] = ()  # longrope: context beyond the original
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Hyper-parameters of a decoder-only model (every architecture of `registry`). What only
+    some architectures use has a neutral default (no window, no soft-cap, no experts)."""
 
     architecture: str
     vocab_size: int
@@ -52,6 +64,33 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_model_len: int | None = None  # the engine's context length (sizes dynamic rope scaling)
+    hidden_act: str = "silu"
+    # per layer: "sliding_attention" (window `sliding_window`) or "full_attention"; () = all full
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcap: float | None = None  # Gemma 2
+    final_logit_softcap: float | None = None  # Gemma 2
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power, not head_dim's
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope base (no scaling)
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip]
+    # mixture of experts (num_experts 0: a dense MLP in every layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights
+    moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP; () = every layer
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[i])
 
     @property
     def num_hidden_layers(self) -> int:  # HF spelling
@@ -63,8 +102,9 @@ class ModelArgs:
         arch = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        theta, scaling = _read_rope(hf)
+        theta, scaling, local_theta = _read_rope(hf)
         attention_bias = bool(getattr(hf, "attention_bias", False))
+        num_experts = int(getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0)
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -78,7 +118,7 @@ class ModelArgs:
             rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=attention_bias or arch in _QKV_BIAS_ARCHS,
+            qkv_bias=bool(getattr(hf, "qkv_bias", False)) or attention_bias or arch in _QKV_BIAS_ARCHS,
             o_bias=attention_bias and arch not in _QKV_BIAS_ARCHS,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -86,29 +126,113 @@ class ModelArgs:
             eos_token_ids=_eos_ids(hf, folder),
             bos_token_id=getattr(hf, "bos_token_id", None),
             max_model_len=max_model_len,
+            hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "silu",
+            layer_types=_layer_types(hf),
+            attn_logit_softcap=_positive(getattr(hf, "attn_logit_softcapping", None)),
+            final_logit_softcap=_positive(getattr(hf, "final_logit_softcapping", None)),
+            query_pre_attn_scalar=_positive(getattr(hf, "query_pre_attn_scalar", None)),
+            rope_local_theta=local_theta,
+            partial_rotary_factor=_partial_rotary_factor(hf),
+            clip_qkv=_positive(getattr(hf, "clip_qkv", None)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+            if num_experts
+            else 0,
+            shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=_norm_topk_prob(hf, arch),
+            moe_layers=_moe_layers(hf, num_experts),
         )
 
 
-def _read_rope(hf: Any) -> tuple[float, RopeScaling | None]:
+def _positive(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def _layer_types(hf: Any) -> tuple[str, ...]:
+    types = getattr(hf, "layer_types", None)
+    if types:
+        return tuple(types)
+    pattern = getattr(hf, "sliding_window_pattern", None) or getattr(hf, "_sliding_window_pattern", None)
+    if pattern and getattr(hf, "sliding_window", None):  # Gemma 3 on transformers 4.x: every pattern-th is global
+        return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(hf.num_hidden_layers))
+    return ()
+
+
+def _partial_rotary_factor(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    return float(getattr(hf, "partial_rotary_factor", None) or 1.0)
+
+
+# Architectures whose router always renormalises its top-k weights (no norm_topk_prob field).
+_RENORMALISING_ROUTERS = frozenset({"MixtralForCausalLM"})
+
+
+def _norm_topk_prob(hf: Any, arch: str) -> bool:
+    return arch in _RENORMALISING_ROUTERS or bool(getattr(hf, "norm_topk_prob", False))
+
+
+def _moe_layers(hf: Any, num_experts: int) -> tuple[bool, ...]:
+    """Which layers have experts: Qwen-MoE's `mlp_only_layers` and `decoder_sparse_step`."""
+    if not num_experts:
+        return ()
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = int(getattr(hf, "decoder_sparse_step", None) or 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
+
+
+def _read_rope(hf: Any) -> tuple[float, RopeScaling | None, float | None]:
+    """(rope theta, its scaling, the sliding layers' own theta where they have one: Gemma 3)."""
     params: dict[str, Any] = {}
     old = getattr(hf, "rope_scaling", None)  # transformers 4.x (5.x may alias it)
     if isinstance(old, dict):
         params.update(old)
     new = getattr(hf, "rope_parameters", None)  # transformers 5.x
+    local_theta = getattr(hf, "rope_local_base_freq", None)  # Gemma 3 on transformers 4.x
+    if isinstance(new, dict) and isinstance(new.get("full_attention"), dict):  # per layer type (Gemma 3)
+        local = new.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta", local_theta)
+        new = new["full_attention"]
     if isinstance(new, dict):
         params.update(new)
+    theta, scaling = _rope_scaling(hf, params)
+    return theta, scaling, float(local_theta) if local_theta else None
+
+
+def _rope_scaling(hf: Any, params: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "dynamic", "llama3"):
-        raise ValueError(f"rope scaling {rope_type!r} is not supported; portside supports linear, dynamic and llama3")
+    rope_type = "longrope" if rope_type == "su" else rope_type  # older Phi-3 configs
+    if rope_type not in RopeScaling.TYPES:
+        supported = ", ".join(RopeScaling.TYPES)
+        raise ValueError(f"rope type {rope_type!r} is not supported (portside: default, {supported}; su = longrope)")
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3) to the rope dict's
+    original = getattr(hf, "original_max_position_embeddings", None) or params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and original and rope_type in ("yarn", "longrope"):  # the extended / the original context
+        factor = getattr(hf, "max_position_embeddings", 2048) / original
+
+    def optional(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        original_max_position_embeddings=int(original) if original else None,
+        attention_factor=optional("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
     )
 
 

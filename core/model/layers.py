@@ -24,6 +24,8 @@ from portside.backend_api import Communicator, SingleRankCommunicator
 
 __all__ = [
     "RMSNorm",
+    "GemmaRMSNorm",
+    "ReplicatedLinear",
     "ColumnParallelLinear",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
@@ -58,15 +60,38 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: o
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last axis, in fp32, scaled in x's dtype (Llama's order)."""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param(dim, dtype=dtype, loader=default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim] -> [T, dim]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T (+ b), the whole weight on every rank (a MoE router, a shared expert's gate)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype, loader=default_weight_loader)
+        self.bias = _param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):

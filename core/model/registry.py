@@ -21,6 +21,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("portside.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("portside.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("portside.model.mixtral", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("portside.model.olmoe", "OlmoeForCausalLM"),
+    "Gemma2ForCausalLM": ("portside.model.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("portside.model.gemma", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("portside.model.phi3", "Phi3ForCausalLM"),
 }
 
 

@@ -71,6 +71,37 @@ TINY_ARCHS: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+# Per tiny arch: the transformers config class and what its tiny shape sets beyond the common
+# ones (experts: 4 of them, top-2, each half the dense MLP's width).
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+_TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", dict(sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, norm_topk_prob=True, **_MOE)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(shared_expert_intermediate_size=96, use_sliding_window=False, **_MOE)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=8.0)),
+    "gemma2": ("Gemma2Config", dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=8,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=4.0,
+                                    hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        num_hidden_layers=3,
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "default", "rope_theta": 100000.0}})),
+    "phi3": ("Phi3Config", dict(sliding_window=None)),
 }
 
 
@@ -108,7 +139,7 @@ def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 400) -> Any:
 
 
 def _hf_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    import transformers
 
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -124,20 +155,14 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, overrides: 
         pad_token_id=pad_id,
         bos_token_id=None,
     )
-    cls: type[LlamaConfig | MistralConfig | Qwen2Config]
-    if arch == "llama":
-        cls = LlamaConfig
-    elif arch == "mistral":
-        cls = MistralConfig
-        kwargs["sliding_window"] = None
-        kwargs["head_dim"] = 16
-    elif arch == "qwen2":
-        cls = Qwen2Config
-        kwargs["use_sliding_window"] = False
-    else:
+    if arch not in _TINY_CONFIGS:
         raise ValueError(f"unknown tiny arch {arch!r}; use one of {sorted(TINY_ARCHS)}")
+    cls_name, arch_kwargs = _TINY_CONFIGS[arch]
+    kwargs.update(arch_kwargs)
     kwargs.update(overrides)
-    return cls(**kwargs)
+    config = getattr(transformers, cls_name)(**kwargs)
+    config.architectures = [TINY_ARCHS[arch]]
+    return config
 
 
 @torch.no_grad()
