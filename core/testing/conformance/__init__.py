@@ -11,7 +11,11 @@ It checks, for the platform registered as NAME:
   `read_kv` round-trip, skipping slot -1 and touching nothing else;
 - attention (`test_attention.py`): paged attention against core's reference
   (`portside.attention.reference`) over the standard shape set, for the block sizes and dtypes
-  the platform declares;
+  the platform declares; and each attention feature (`ATTENTION_FEATURES`) through
+  `ForwardContext.attention`: natively where the backend lists it in `features`, else by core's
+  fallback over the backend's own `write_kv`/`read_kv`;
+- model ops (`test_model_ops.py`): `Platform.model_ops()`'s mixture-of-experts kernels against
+  core's references (`portside.ops.moe`) in every declared dtype;
 - graph (`test_graph.py`): the platform's graph runner, after `capture`, gives what
   `EagerGraphRunner` gives on a tiny model, step after step;
 - communicator (`test_communicator.py`): collectives at world size 1, and 2 in subprocesses

@@ -24,6 +24,9 @@ HEAD_SIZES = (64, 128)
 POOL_BYTES = 16 * 2**20  # per case: the block pool is as large as this allows (<= MAX_POOL)
 MAX_POOL = 4096
 FULL_ENV = "PORTSIDE_CONFORMANCE_FULL"  # "1": every dtype x block size x GQA x head size
+# What the feature check tries: each of `ATTENTION_FEATURES`, and both together (as Gemma 2 has them).
+FEATURE_SETS = ("sliding_window", "logit_softcap", "sliding_window+logit_softcap")
+SOFTCAP = 1.5  # small enough that capping changes most scores (random q, k give scores ~N(0, 1))
 
 
 def batches(block_size: int) -> dict[str, tuple[Request, ...]]:
@@ -36,6 +39,25 @@ def batches(block_size: int) -> dict[str, tuple[Request, ...]]:
         "prefills": ((0, bs), (0, bs + 1), (0, 3)),
         "mixed": ((bs, 1), (0, 1), (bs + 1, 3), (2 * bs, bs + 2), (0, 5)),
     }
+
+
+def feature_batches(block_size: int) -> dict[str, tuple[Request, ...]]:
+    """The standard batches long enough for a sliding window to matter: decodes, and prefill
+    chunks over cached prefixes plus decodes."""
+    return {name: reqs for name, reqs in batches(block_size).items() if name in ("decodes", "mixed")}
+
+
+def feature_settings(feature: str, block_size: int) -> list[dict[str, object]]:
+    """The values the kit tries for one of `FEATURE_SETS`, as `ForwardContext.attention` keyword
+    arguments. Windows: the token itself only, ending inside a block, crossing a block boundary,
+    longer than every sequence."""
+    windows = sorted({1, block_size // 2 + 2, block_size + 3, 8 * block_size})
+    settings: dict[str, list[dict[str, object]]] = {
+        "sliding_window": [{"sliding_window": w} for w in windows],
+        "logit_softcap": [{"logit_softcap": SOFTCAP}],
+        "sliding_window+logit_softcap": [{"sliding_window": block_size // 2 + 2, "logit_softcap": SOFTCAP}],
+    }
+    return settings[feature]
 
 
 @dataclass(frozen=True)
@@ -65,6 +87,18 @@ def standard_cases(block_sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
                 # PORTSIDE_CONFORMANCE_FULL=1).
                 for d in HEAD_SIZES if bs == default_block_size or full else HEAD_SIZES[:1]:
                     cases.append(AttentionCase(bs, heads, kv_heads, d, dtype))
+    return cases
+
+
+def feature_cases(block_sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...], default_block_size: int) -> list[AttentionCase]:
+    """Fewer shapes for the attention features: every dtype at the default block size (GQA 4,
+    head size 64), and fp32 at the smallest block size (GQA 1, head size 128);
+    PORTSIDE_CONFORMANCE_FULL=1 runs the standard set."""
+    if os.environ.get(FULL_ENV) == "1":
+        return standard_cases(block_sizes, dtypes, default_block_size)
+    cases = [AttentionCase(default_block_size, 8, 2, 64, dtype) for dtype in dtypes]
+    if torch.float32 in dtypes and min(block_sizes) != default_block_size:
+        cases.append(AttentionCase(min(block_sizes), 4, 4, 128, torch.float32))
     return cases
 
 

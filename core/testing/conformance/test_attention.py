@@ -1,6 +1,12 @@
 """Attention contract: the platform's paged attention equals core's reference
 (`portside.attention.reference`) over the standard shape set, for the declared block sizes and
-dtypes, and its forward pass stores the new tokens' K/V at their slots."""
+dtypes, and its forward pass stores the new tokens' K/V at their slots.
+
+The per-layer features (`ATTENTION_FEATURES`) are checked the way a model meets them, through
+`ForwardContext.attention`: a feature the backend lists in `features` reaches its `forward` as a
+keyword argument; any other runs core's fallback over the backend's `write_kv`/`read_kv`, which
+must give the reference's result too (so a backend that implements no feature passes).
+"""
 
 from __future__ import annotations
 
@@ -11,14 +17,18 @@ import torch
 
 from portside.attention.reference import paged_attention
 from portside.attention.reference import write_kv as reference_write_kv
-from portside.backend_api import Platform
+from portside.backend_api import ATTENTION_FEATURES, AttentionBackend, ForwardContext, Platform
 from portside.platform import discover_platforms
 from portside.testing.conformance.cases import (
+    FEATURE_SETS,
     AttentionCase,
     batches,
     build_metadata,
     contract_failure,
     engine_config,
+    feature_batches,
+    feature_cases,
+    feature_settings,
     ordered,
     pool_size,
     random_block_tables,
@@ -29,23 +39,42 @@ from portside.testing.tolerances import TOLERANCES
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One test per (block size, GQA, head size, dtype) the platform declares."""
-    if "attention_case" not in metafunc.fixturenames:
+    """One test per (block size, GQA, head size, dtype) the platform declares, and per (feature
+    set, case) for the features."""
+    param = next((p for p in ("attention_case", "feature_case") if p in metafunc.fixturenames), None)
+    if param is None:
         return
     name = metafunc.config.getoption("--device", default=None) or os.environ.get(DEVICE_ENV)
     platform = next((e.platform for e in discover_platforms() if e.name == name and e.platform is not None), None)
     if platform is None:  # the fixtures skip or fail with the reason
-        metafunc.parametrize("attention_case", [None], ids=["unavailable"])
+        metafunc.parametrize(param, [None], ids=["unavailable"])
         return
-    cases = standard_cases(platform.block_sizes, platform.supported_dtypes, platform.default_block_size)
-    metafunc.parametrize("attention_case", cases, ids=[c.id for c in cases])
+    declared = (platform.block_sizes, platform.supported_dtypes, platform.default_block_size)
+    if param == "attention_case":
+        cases = standard_cases(*declared)
+        metafunc.parametrize(param, cases, ids=[c.id for c in cases])
+    else:
+        pairs = [(f, c) for f in FEATURE_SETS for c in feature_cases(*declared)]
+        metafunc.parametrize(param, pairs, ids=[f"{f}-{c.id}" for f, c in pairs])
 
 
-def _run_batch(platform: type[Platform], case: AttentionCase, batch: str, requests, gen: torch.Generator) -> None:
-    where = f"{case.id}, batch {batch!r} (num_cached, num_new per request: {list(requests)})"
+def _path(backend: AttentionBackend, features: dict[str, object]) -> str:
+    """Which code `ForwardContext.attention` runs for these features (for failure messages)."""
+    if not features:
+        return "forward()"
+    if features.keys() <= backend.features:
+        return f"forward(**{features}) (the backend lists {sorted(features)} in `features`)"
+    return (f"core's fallback for {features} over the backend's write_kv/read_kv (`features` lists only "
+            f"{sorted(backend.features)})")  # fmt: skip
+
+
+def _run_batch(platform: type[Platform], case: AttentionCase, batch: str, requests, gen: torch.Generator,
+               features: dict[str, object] | None = None) -> None:  # fmt: skip
+    features = features or {}
     device = platform.device(0)
     bs, h, kvh, d, dtype = case.block_size, case.num_heads, case.num_kv_heads, case.head_size, case.dtype
     backend = platform.attention_backend(engine_config(platform, dtype, bs))
+    where = f"{case.id}, batch {batch!r} (num_cached, num_new per request: {list(requests)}), {_path(backend, features)}"
     why = backend.supports(d, dtype, bs)
     if why is not None:
         pytest.skip(f"{backend.name} does not support {case.id}: {why}")
@@ -72,12 +101,14 @@ def _run_batch(platform: type[Platform], case: AttentionCase, batch: str, reques
     k = torch.randn(t, kvh, d, generator=gen).to(dtype)
     v = torch.randn(t, kvh, d, generator=gen).to(dtype)
     scale = d**-0.5
+    ctx = ForwardContext(backend, [cache], backend.prepare(md))  # what a model's layer 0 gets
     with platform.inference_mode():
-        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, backend.prepare(md), scale)
+        out = ctx.attention(0, q.to(device), k.to(device), v.to(device), scale, **features)
     platform.synchronize()
 
     reference_write_kv(ref_cache, k, v, md.slot_mapping.cpu())
-    expected = paged_attention(q, ref_cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables.cpu(), scale)
+    expected = paged_attention(q, ref_cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables.cpu(), scale,
+                               **features)  # type: ignore[arg-type]  # fmt: skip
     if out.shape != expected.shape or out.dtype != dtype:
         contract_failure("attention", f"forward() returned {tuple(out.shape)} {out.dtype}; expected "
                          f"{tuple(expected.shape)} {dtype} ({where})")  # fmt: skip
@@ -102,3 +133,25 @@ def test_paged_attention_matches_reference(conformance_platform: type[Platform],
     gen = torch.Generator().manual_seed(1234)
     for batch, requests in batches(attention_case.block_size).items():
         _run_batch(conformance_platform, attention_case, batch, requests, gen)
+
+
+def test_attention_features_match_reference(conformance_platform: type[Platform], feature_case) -> None:
+    feature, case = feature_case
+    gen = torch.Generator().manual_seed(4321)
+    for features in feature_settings(feature, case.block_size):
+        for batch, requests in feature_batches(case.block_size).items():
+            _run_batch(conformance_platform, case, batch, requests, gen, features)
+
+
+def test_attention_feature_declarations(conformance_platform: type[Platform]) -> None:
+    platform = conformance_platform
+    for dtype in platform.supported_dtypes:
+        backend = platform.attention_backend(engine_config(platform, dtype, platform.default_block_size))
+        listed, refused = backend.features, backend.unsupported_features
+        unknown = (listed | refused) - set(ATTENTION_FEATURES)
+        if unknown:
+            contract_failure("attention", f"{backend.name} declares features {sorted(unknown)}, which are not "
+                             f"ATTENTION_FEATURES {ATTENTION_FEATURES} ({dtype})")  # fmt: skip
+        if listed & refused:
+            contract_failure("attention", f"{backend.name} lists {sorted(listed & refused)} both in `features` "
+                             f"and in `unsupported_features` ({dtype})")  # fmt: skip
