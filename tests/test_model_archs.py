@@ -1,0 +1,119 @@
+"""Every architecture beyond the Llama family against transformers, on tiny random-weight models
+of several shapes (GQA ratios, head_dim != hidden / heads, prompts longer than the sliding
+window, 2/4/8 experts with top-1 and top-2):
+
+- prompt logits through core's reference attention, fp32 and bf16 (bf16 against transformers in
+  bf16, with the model-level tolerance below);
+- greedy token ids through the cpu engine, batched and alone, with chunked prefill and
+  preemption (prompts up to 41 tokens, windows of 5-8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from portside import LLM, SamplingParams
+from portside.attention.reference import ReferenceAttentionBackend
+from portside.config import ModelConfig
+from portside.model.registry import load_model
+from portside.testing.paged import PagedSequence
+from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("qwen3", {}),  # head_dim 32, hidden 64 / 4 heads = 16
+    "qwen3-mqa": ("qwen3", {"seed": 1, "num_key_value_heads": 1}),
+    "qwen3_moe": ("qwen3_moe", {}),  # 4 experts, top-2, renormalised
+    "qwen3_moe-8x1": ("qwen3_moe", {"seed": 2, "num_experts": 8, "num_experts_per_tok": 1}),
+    "qwen2_moe-dense-layer": ("qwen2_moe", {"seed": 3, "mlp_only_layers": [1]}),  # shared expert, qkv bias
+    "mixtral": ("mixtral", {}),
+    "mixtral-2x1": ("mixtral", {"seed": 4, "num_local_experts": 2, "num_experts_per_tok": 1}),
+    "mixtral-8x2-window": ("mixtral", {"seed": 12, "num_local_experts": 8, "sliding_window": 8}),
+    "olmoe": ("olmoe", {}),  # full-width q/k norm, clip_qkv
+    "gemma2": ("gemma2", {}),  # window 8, attention and final soft-caps, head_dim 24
+    "gemma2-mha-window5": ("gemma2", {"seed": 6, "num_key_value_heads": 4, "sliding_window": 5}),
+    "gemma3": ("gemma3", {}),  # q/k norm, local rope base
+    "gemma3-mqa": ("gemma3", {"seed": 7, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 24}),
+    "phi3": ("phi3", {}),
+    "phi3-window": ("phi3", {"seed": 8, "sliding_window": 7, "num_key_value_heads": 4}),
+    "mistral-window": ("mistral", {"seed": 9, "sliding_window": 8}),
+    "qwen2-window-upper-layers": ("qwen2", {"seed": 10, "use_sliding_window": True, "sliding_window": 6,
+                                            "max_window_layers": 1}),
+}
+
+# Model-level logit tolerance (every layer's rounding adds up; the kernel table is per op).
+LOGIT_TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 0.15, "rtol": 0.05}}
+
+PROMPT = [5, 17, 250, 31, 99, 8, 120, 64, 300, 2, 45, 77, 1, 390, 12, 13, 14, 200, 201, 6, 7, 333, 42]  # 23 tokens
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = CASES[request.param]
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
+
+
+def _hf_bf16_logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_logits_match_transformers(case: Path, dtype: torch.dtype) -> None:
+    model = load_model(ModelConfig(path=str(case), max_model_len=512, dtype=dtype), torch.device("cpu"))
+    logits = PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT)
+    expected = hf_logits(case, PROMPT) if dtype == torch.float32 else _hf_bf16_logits(case, PROMPT)
+    rows = list(range(len(PROMPT)))
+    if dtype == torch.bfloat16 and model.config.num_experts:
+        # Two experts whose router scores tie within bf16's rounding may swap between the two
+        # implementations (different matmul orders): allow one such token of the 23.
+        tol = LOGIT_TOLERANCE[dtype]
+        err = ((logits - expected).abs() - tol["rtol"] * expected.abs()).amax(dim=-1)
+        rows = [r for r in rows if r != int(err.argmax())]
+    torch.testing.assert_close(logits[rows], expected[rows], **LOGIT_TOLERANCE[dtype])
+
+
+def _prompts(n: int, lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(n)
+    return [torch.randint(3, 400, (length,), generator=gen).tolist() for length in lengths]
+
+
+def _assert_parity(path: Path, prompts: list[list[int]], outs) -> None:
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(path, prompt, MAX_TOKENS)
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+
+
+def _assert_all_blocks_free(llm: LLM) -> None:
+    assert llm.engine.stats().num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_greedy_parity_batched_and_alone(case: Path) -> None:
+    llm = LLM(model=str(case), device="cpu", max_model_len=128, block_size=4)
+    prompts = _prompts(0, [1, 4, 9, 17, 30, 41])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    _assert_parity(case, prompts, outs)
+    alone = llm.generate([{"prompt_token_ids": prompts[-1]}], GREEDY, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    _assert_all_blocks_free(llm)
+
+
+def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
+    """A 10-token budget splits prompts across steps, mixed with decodes; 20 blocks of 4 tokens
+    cannot hold 5 sequences of ~40 tokens, so some are preempted and recomputed."""
+    llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=20,
+              max_num_batched_tokens=10)
+    prompts = _prompts(1, [23, 11, 19, 25, 14])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    _assert_parity(case, prompts, outs)
+    _assert_all_blocks_free(llm)
