@@ -49,8 +49,8 @@ def attend(
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # (H, Q, S)
     if logit_softcap is not None:
         scores = logit_softcap * torch.tanh(scores / logit_softcap)
-    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # (Q, 1)
-    k_pos = torch.arange(seq_len).unsqueeze(0)  # (1, S)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # (Q, 1)
+    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)  # (1, S)
     hidden = k_pos > q_pos
     if sliding_window is not None:
         hidden |= k_pos <= q_pos - sliding_window

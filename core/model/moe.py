@@ -11,6 +11,8 @@ Checkpoint parts (`shard_id`s of `experts.w13` / `experts.w2`): ``(e, "gate")``,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -44,14 +46,14 @@ class MoEExperts(nn.Module):
             _copy(param.data[:, :n], self._rows(gate, 1), "experts.gate_up_proj")
             _copy(param.data[:, n:], self._rows(up, 1), "experts.gate_up_proj")
             return
-        e, part = shard_id  # type: ignore[misc]
+        e, part = cast(tuple[int, str], shard_id)
         _copy(param.data[e, :n] if part == "gate" else param.data[e, n:], self._rows(loaded, 0), f"expert {e} {part}_proj")
 
     def w2_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is None:  # fused [E, hidden, I]
             _copy(param.data, self._rows(loaded, 2), "experts.down_proj")
             return
-        e, _ = shard_id  # type: ignore[misc]
+        e, _ = cast(tuple[int, str], shard_id)
         _copy(param.data[e], self._rows(loaded, 1), f"expert {e} down_proj")
 
 

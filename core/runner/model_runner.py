@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def _check_attention_features(model: object, platform: type[Platform], backend: object) -> None:
     """Refuse a model whose layers need an attention feature the backend declares unsupported."""
-    refused = getattr(backend, "unsupported_features", frozenset())
+    refused: frozenset[str] = getattr(backend, "unsupported_features", frozenset())
     features = getattr(model, "attention_features", None)
     if not refused or features is None:
         return
