@@ -1,4 +1,4 @@
-"""The `portside` command: generate, serve, devices.
+"""The `portside` command: generate, serve, devices, models.
 
 Usage errors (a bad flag, an unknown or unavailable device, a missing model) print one message
 naming the fix and exit with code 2.
@@ -18,6 +18,15 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     from portside.platform import discover_platforms, format_devices
 
     print(format_devices(discover_platforms()))
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from portside.model.registry import format_architectures
+
+    print(format_architectures())
+    print("\nneeds: attention features each platform's attention backend runs natively or through core's "
+          "reference (see `portside devices`); moe: the platform's ModelOps.fused_moe")
     return 0
 
 
@@ -70,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("devices", help="list every discovered platform and why unavailable ones are")
     p.set_defaults(func=_cmd_devices)
+
+    p = sub.add_parser("models", help="list the supported model architectures and what each needs")
+    p.set_defaults(func=_cmd_models)
 
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     p.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")

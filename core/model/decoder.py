@@ -349,9 +349,23 @@ class DecoderForCausalLM(nn.Module):
             expected |= {f"{name}#{s}" for s in shards} if shards else {name}
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
-        missing = sorted(expected - loaded)
+        missing = sorted(_checkpoint_name(n) for n in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _checkpoint_name(loaded: str) -> str:
+    """The Hugging Face name of a part `load_weights` reports (``name#shard``)."""
+    name, _, shard = loaded.partition("#")
+    if not shard:
+        return name
+    for frag, fused, sid in _STACKED:
+        if fused in name and str(sid) == shard:
+            return name.replace(fused, frag)
+    if name.endswith((".experts.w13", ".experts.w2")):  # shard "(e, 'part')"
+        e, part = shard.strip("()").replace("'", "").split(", ")
+        return f"{name.rsplit('.', 1)[0]}.{e}.{part}_proj.weight"
+    return loaded
 
 
 def _shard_ids(name: str, param: nn.Parameter) -> list[object]:

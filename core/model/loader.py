@@ -52,6 +52,10 @@ def iterate_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def load_checkpoint(model: torch.nn.Module, folder: str | Path) -> None:
-    """Fill `model` (which has `load_weights` and `check_loaded`) from the folder's safetensors."""
-    loaded = model.load_weights(iterate_safetensors(folder))  # type: ignore[operator]
-    model.check_loaded(loaded)  # type: ignore[operator]
+    """Fill `model` (which has `load_weights` and `check_loaded`) from the folder's safetensors.
+    A tensor with no place, a wrong shape or a missing tensor raises ValueError naming the folder."""
+    try:
+        loaded = model.load_weights(iterate_safetensors(folder))  # type: ignore[operator]
+        model.check_loaded(loaded)  # type: ignore[operator]
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None

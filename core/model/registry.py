@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -14,22 +15,44 @@ from portside.config import ModelConfig
 from portside.model.args import ModelArgs
 from portside.model.interface import CausalLM
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "model_class", "read_model_args", "load_model"]
+__all__ = ["Architecture", "SUPPORTED_ARCHITECTURES", "format_architectures", "CausalLM", "model_class", "read_model_args", "load_model"]
 
-# config.json "architectures" entry -> (module, class); imported only when used.
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("portside.model.qwen3", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("portside.model.qwen3", "Qwen3ForCausalLM"),
-    "Qwen2MoeForCausalLM": ("portside.model.llama", "LlamaForCausalLM"),
-    "MixtralForCausalLM": ("portside.model.mixtral", "MixtralForCausalLM"),
-    "OlmoeForCausalLM": ("portside.model.olmoe", "OlmoeForCausalLM"),
-    "Gemma2ForCausalLM": ("portside.model.gemma", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("portside.model.gemma", "Gemma3ForCausalLM"),
-    "Phi3ForCausalLM": ("portside.model.phi3", "Phi3ForCausalLM"),
+@dataclass(frozen=True)
+class Architecture:
+    """One row of the registry: where the model class lives and what it needs of a platform."""
+
+    module: str
+    cls: str
+    needs: tuple[str, ...] = ()  # attention features (backend_api.ATTENTION_FEATURES) and "moe"
+    may_need: tuple[str, ...] = ("sliding_window",)  # only where a checkpoint's config asks for it
+
+
+_LLAMA = ("portside.model.llama", "LlamaForCausalLM")
+_WINDOW = ("sliding_window",)
+
+# config.json "architectures" entry -> its model; imported only when used.
+SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(*_LLAMA, may_need=()),
+    "MistralForCausalLM": Architecture(*_LLAMA),
+    "Qwen2ForCausalLM": Architecture(*_LLAMA),
+    "Qwen3ForCausalLM": Architecture("portside.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": Architecture("portside.model.qwen3", "Qwen3ForCausalLM", ("moe",)),
+    "Qwen2MoeForCausalLM": Architecture(*_LLAMA, ("moe",)),
+    "MixtralForCausalLM": Architecture("portside.model.mixtral", "MixtralForCausalLM", ("moe",)),
+    "OlmoeForCausalLM": Architecture("portside.model.olmoe", "OlmoeForCausalLM", ("moe",), may_need=()),
+    "Gemma2ForCausalLM": Architecture("portside.model.gemma", "Gemma2ForCausalLM", (*_WINDOW, "logit_softcap"), ()),
+    "Gemma3ForCausalLM": Architecture("portside.model.gemma", "Gemma3ForCausalLM", _WINDOW, ("logit_softcap",)),
+    "Phi3ForCausalLM": Architecture("portside.model.phi3", "Phi3ForCausalLM"),
 }
+
+
+def format_architectures() -> str:
+    """The `portside models` table: every architecture, its model module and what it needs."""
+    rows = [("architecture", "model", "needs", "when the checkpoint sets it")]
+    for name, a in sorted(SUPPORTED_ARCHITECTURES.items()):
+        rows.append((name, a.module.removeprefix("portside.model."), ", ".join(a.needs) or "-", ", ".join(a.may_need) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] for r in rows)
 
 
 def model_class(architecture: str) -> type[nn.Module]:
@@ -38,8 +61,8 @@ def model_class(architecture: str) -> type[nn.Module]:
             f"model architecture {architecture!r} is not supported; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
-    module, cls = SUPPORTED_ARCHITECTURES[architecture]
-    return getattr(importlib.import_module(module), cls)
+    a = SUPPORTED_ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(a.module), a.cls)
 
 
 def read_model_args(folder: str | Path, max_model_len: int | None = None) -> ModelArgs:

@@ -1,0 +1,90 @@
+"""A broken checkpoint fails at load with exit code 2 and a message naming the folder and the
+tensor or config field at fault: an unknown architecture, a missing tensor, a tensor of the
+wrong shape, an expert tensor with no place, an unsupported rope type."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from portside.testing.tiny import make_tiny_model
+
+
+def _generate(model: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "portside.cli", "generate", "hi", "--raw", "--model", str(model), "--device", "cpu",
+         "--max-tokens", "2"],
+        capture_output=True, text=True, timeout=240,
+    )
+
+
+def _edit_tensors(path: Path, edit) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _edit_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), "qwen3_moe")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _assert_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, f"{needle!r} not in {proc.stderr!r}"
+
+
+def test_unknown_architecture(moe: Path, tmp_path: Path) -> None:
+    path = _copy(moe, tmp_path / "m")
+    _edit_config(path, architectures=["FalconH1ForCausalLM"])
+    _assert_exit_2(_generate(path), "FalconH1ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def test_missing_expert_tensor_is_named(moe: Path, tmp_path: Path) -> None:
+    path = _copy(moe, tmp_path / "m")
+    _edit_tensors(path, lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    _assert_exit_2(_generate(path), str(path), "missing 1 tensors", "model.layers.1.mlp.experts.2.up_proj.weight")
+
+
+def test_wrong_shape_is_named(moe: Path, tmp_path: Path) -> None:
+    path = _copy(moe, tmp_path / "m")
+    name = "model.layers.0.self_attn.q_norm.weight"
+    _edit_tensors(path, lambda t: t.__setitem__(name, t[name][:-1].clone()))
+    _assert_exit_2(_generate(path), str(path), name, "(15,)")
+
+
+def test_expert_beyond_the_configured_count_is_named(moe: Path, tmp_path: Path) -> None:
+    path = _copy(moe, tmp_path / "m")
+    extra = "model.layers.0.mlp.experts.4.gate_proj.weight"  # the config says 4 experts (0-3)
+    _edit_tensors(path, lambda t: t.__setitem__(extra, t["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()))
+    _assert_exit_2(_generate(path), extra)
+
+
+def test_unsupported_rope_type_is_named(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "m", "qwen3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "mrope-interleaved", "rope_theta": 10000.0}
+    cfg.pop("rope_scaling", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    _assert_exit_2(_generate(path), "mrope-interleaved")
