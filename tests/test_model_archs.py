@@ -38,6 +38,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3", {}),  # q/k norm, local rope base
     "gemma3-mqa": ("gemma3", {"seed": 7, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 24}),
     "phi3": ("phi3", {}),
+    # Phi-4-mini style: longrope (short factors: the tests' contexts stay within the original 512) on 3/4 of head_dim
+    "phi3-longrope-partial": ("phi3", {"seed": 11, "max_position_embeddings": 2048, "original_max_position_embeddings": 512,
+                                       "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 512, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [2.0 + 0.5 * i for i in range(6)]}}),
+    "qwen3-yarn": ("qwen3", {"seed": 12, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                            "factor": 4.0, "original_max_position_embeddings": 128}}),
+    "gemma3-linear-global": ("gemma3", {"seed": 13, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 100000.0}}}),
     "phi3-window": ("phi3", {"seed": 8, "sliding_window": 7, "num_key_value_heads": 4}),
     "mistral-window": ("mistral", {"seed": 9, "sliding_window": 8}),
     "qwen2-window-upper-layers": ("qwen2", {"seed": 10, "use_sliding_window": True, "sliding_window": 6,
@@ -117,3 +128,16 @@ def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
     assert llm.engine.stats().num_preemptions > 0
     _assert_parity(case, prompts, outs)
     _assert_all_blocks_free(llm)
+
+
+def test_longrope_long_factors_beyond_the_original_context(tmp_path: Path) -> None:
+    """A context longer than the original one: portside picks the long factors once, for its
+    max_model_len (here 128 > 32); transformers picks them per forward for a 40-token prompt."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0] * 8, "long_factor": [1.0 + 0.7 * i for i in range(8)]}
+    path = make_tiny_model(tmp_path / "m", "phi3", max_position_embeddings=128, original_max_position_embeddings=32,
+                           rope_parameters=rope)
+    model = load_model(ModelConfig(path=str(path), max_model_len=128), torch.device("cpu"))
+    prompt = _prompts(2, [40])[0]
+    logits = PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(prompt)
+    torch.testing.assert_close(logits, hf_logits(path, prompt), **LOGIT_TOLERANCE[torch.float32])
