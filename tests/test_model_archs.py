@@ -141,3 +141,40 @@ def test_longrope_long_factors_beyond_the_original_context(tmp_path: Path) -> No
     prompt = _prompts(2, [40])[0]
     logits = PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(prompt)
     torch.testing.assert_close(logits, hf_logits(path, prompt), **LOGIT_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gemma2", "phi3"])
+def test_tensor_parallel_logits_equal_transformers(arch: str, tmp_path: Path) -> None:
+    """Two ranks (threads with real collectives): experts split along their intermediate
+    dimension, OLMoE's full-width q/k norm over the gathered heads, Phi-3's fused checkpoint
+    tensors split per rank."""
+    import threading
+
+    from test_models import ThreadCommunicator
+
+    path = make_tiny_model(tmp_path / arch, arch)
+    expected = hf_logits(path, PROMPT)
+    shared = {"slots": [None] * 2, "barrier": threading.Barrier(2)}
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            model = load_model(ModelConfig(path=str(path), max_model_len=512), torch.device("cpu"),
+                               ThreadCommunicator(r, 2, shared), r, 2)
+            results[r] = (model, PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            shared["barrier"].abort()
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for r in range(2):
+        assert not isinstance(results[r], BaseException), results[r]
+        model, logits = results[r]
+        torch.testing.assert_close(logits, expected, **LOGIT_TOLERANCE[torch.float32])
+        if model.config.num_experts:  # each rank holds half of every expert
+            experts = model.model.layers[0].mlp.experts
+            assert experts.w13.shape[1] == model.config.moe_intermediate_size == 2 * experts.w2.shape[2]
