@@ -1,6 +1,6 @@
 """The xla backend (Google TPUs through torch-xla): static-shape paged attention (Pallas ragged
-paged attention on TPU, a gather fallback elsewhere), bucketed XLA precompilation, XLA
-collectives.
+paged attention on TPU, a gather fallback elsewhere; sliding windows and logit softcaps),
+dense static-shape mixture-of-experts, bucketed XLA precompilation, XLA collectives.
 
 Registered through the `portside.platforms` entry point like any plugin. `register()` imports
 nothing (in particular not torch_xla, whose import starts a runtime); `XlaPlatform.is_available()`

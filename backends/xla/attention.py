@@ -16,6 +16,10 @@ Two attention paths:
   ``key_pos <= token_pos``. Memory is O(tokens x S): fine for decode and tests, the Pallas kernel
   is the production path for long prefills.
 
+Both paths take the per-layer features (`ATTENTION_FEATURES`): a sliding window narrows the mask
+to ``token_pos - window < key_pos`` and a logit softcap is a ``tanh`` on the scores; the window
+and the cap are Python constants of the layer, so each layer traces to one fixed graph.
+
 Nothing reads a device tensor on the host (`.item()`, `.tolist()`, Python `if` on values): the
 per-token request index and position are computed on the device in `prepare`.
 """
@@ -49,6 +53,7 @@ class XlaAttentionData:
     """Per-step tensors shared by every layer (built once in `prepare`, traced into the graph)."""
 
     token_req: torch.Tensor  # [T] int64: request of each query token (padding: clamped, masked)
+    token_pos: torch.Tensor  # [T] int64: absolute position of each query token
     key_mask: torch.Tensor  # [T, S] bool: key position s is visible to token t
     num_seqs: torch.Tensor  # [1] int32: requests with at least one query token (Pallas)
 
@@ -56,6 +61,7 @@ class XlaAttentionData:
 class XlaAttentionBackend(AttentionBackend):
     name = "xla-gather"
     graph_support = GraphCaptureSupport.ALWAYS
+    features = frozenset({"sliding_window", "logit_softcap"})
 
     def __init__(self, use_pallas: bool = False) -> None:
         self.use_pallas = use_pallas
@@ -105,22 +111,28 @@ class XlaAttentionBackend(AttentionBackend):
         k_pos = torch.arange(s_max, device=device, dtype=torch.int64)  # [S]
         key_mask = (k_pos.unsqueeze(0) <= token_pos.unsqueeze(1)) | (k_pos.unsqueeze(0) == 0)  # [T, S]
         num_seqs = (qsl[1:] > qsl[:-1]).sum().to(torch.int32).reshape(1)
-        data = XlaAttentionData(token_req=token_req, key_mask=key_mask, num_seqs=num_seqs)
+        data = XlaAttentionData(token_req=token_req, token_pos=token_pos, key_mask=key_mask, num_seqs=num_seqs)
         return dataclasses.replace(md, backend_data=data)
 
     # ---- attention --------------------------------------------------------------------------
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:
         data = metadata.backend_data
         if not isinstance(data, XlaAttentionData):
             metadata = self.with_data(metadata)
             data = metadata.backend_data
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         if self.use_pallas:
-            return self._pallas(query, kv_cache, metadata, data, scale)
-        return _gather_attention(query, kv_cache, metadata.block_tables, data, scale)
+            return self._pallas(query, kv_cache, metadata, data, scale, sliding_window, logit_softcap)
+        return _gather_attention(query, kv_cache, metadata.block_tables, data, scale, sliding_window, logit_softcap)
 
-    def _pallas(self, query, kv_cache, md: AttentionMetadata, data: XlaAttentionData, scale: float) -> torch.Tensor:
+    def _pallas(
+        self, query, kv_cache, md: AttentionMetadata, data: XlaAttentionData, scale: float,
+        sliding_window: int | None, logit_softcap: float | None,
+    ) -> torch.Tensor:
         from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
         # Pallas: q [T, H, D]; kv_pages [pages, page_size, 2*kvh, D]; per-request kv lengths,
@@ -133,6 +145,8 @@ class XlaAttentionBackend(AttentionBackend):
             md.query_start_loc.to(torch.int32),
             data.num_seqs,
             sm_scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=logit_softcap,
         )
 
 
@@ -142,6 +156,8 @@ def _gather_attention(
     block_tables: torch.Tensor,  # [R, W]
     data: XlaAttentionData,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, d = query.shape
     _, bs, kvh2, _ = kv_cache.shape
@@ -154,7 +170,15 @@ def _gather_attention(
     v = kv[:, :, 1::2].float()
     q = query.float().reshape(num_tokens, kvh, group, d)  # [T, kvh, G, D]
     scores = torch.einsum("tkgd,tskd->tkgs", q, k) * scale  # [T, kvh, G, S]
-    scores = scores.masked_fill(~data.key_mask[:, None, None, :], float("-inf"))
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    mask = data.key_mask
+    if sliding_window is not None:
+        k_pos = torch.arange(width * bs, device=query.device, dtype=torch.int64)  # [S]
+        mask = mask & (k_pos.unsqueeze(0) > (data.token_pos - sliding_window).unsqueeze(1))
+        # a padding token past its block table may now see no key: give it key 0 (no NaN rows)
+        mask = mask | (~mask.any(dim=1, keepdim=True) & (k_pos.unsqueeze(0) == 0))
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("tkgs,tskd->tkgd", probs, v)  # [T, kvh, G, D]
     return out.reshape(num_tokens, num_heads, d).to(query.dtype)

@@ -14,7 +14,9 @@ input shape. `XlaGraphRunner` makes the shapes few and known:
 
 The padded inputs are built on the host (numpy) from the step's tensors and copied to the
 device, so the step's graph holds only device data and the model: the same program for every
-step of a bucket, whatever its values.
+step of a bucket, whatever its values. The model passes each layer's attention features (sliding
+window, logit softcap) to the backend as Python constants of the layer, so they are part of the
+bucket's program, traced at warm-up like everything else.
 """
 
 from __future__ import annotations

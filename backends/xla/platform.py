@@ -27,6 +27,7 @@ from portside.backend_api import (
     DeviceInfo,
     GraphRunner,
     ModelFn,
+    ModelOps,
     Platform,
     host_memory,
 )
@@ -223,6 +224,12 @@ class XlaPlatform(Platform):
 
         return XlaGraphRunner(model_fn, config, strict=cls.strict(config),
                               precompile=_flag(config, "xla_precompile", "1"))
+
+    @classmethod
+    def model_ops(cls, config) -> ModelOps:
+        from portside.backends.xla.ops import XlaModelOps
+
+        return XlaModelOps()
 
     @classmethod
     def communicator(cls, group: Any = None) -> Communicator:

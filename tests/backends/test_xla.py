@@ -179,15 +179,12 @@ def _to(md: AttentionMetadata, device) -> AttentionMetadata:
     )
 
 
-@needs_xla
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_size,block_size",
-    [(4, 4, 16, 4), (8, 2, 16, 4), (8, 1, 32, 8)],
-)
-def test_attention_matches_reference(xla_device, num_heads, num_kv_heads, head_size, block_size):
+def _check_attention(xla_device, num_heads, num_kv_heads, head_size, block_size, **features):
     """Ragged mixed batch: decodes (kv_len 1, block_size, block_size + 1), a prefill chunk over
-    a cached prefix and a whole prefill; history written first, then the step's tokens by forward."""
+    a cached prefix and a whole prefill; history written first, then the step's tokens by
+    `ForwardContext.attention` (with the layer's `features`), against core's reference."""
     from portside.attention import reference
+    from portside.backend_api import ForwardContext
 
     g = torch.Generator().manual_seed(num_heads * 100 + head_size)
     query_lens = [1, 1, 1, 5, 9]
@@ -213,9 +210,9 @@ def test_attention_matches_reference(xla_device, num_heads, num_kv_heads, head_s
     k = torch.randn(t, num_kv_heads, head_size, generator=g)
     v = torch.randn(t, num_kv_heads, head_size, generator=g)
     scale = head_size**-0.5
-    expected = ref_backend.forward(q, k, v, ref_cache, md, scale)
-    xmd = backend.prepare(_to(md, xla_device))
-    got = backend.forward(q.to(xla_device), k.to(xla_device), v.to(xla_device), cache, xmd, scale)
+    expected = ref_backend.forward(q, k, v, ref_cache, md, scale, **features)
+    ctx = ForwardContext(backend, [cache], backend.prepare(_to(md, xla_device)))
+    got = ctx.attention(0, q.to(xla_device), k.to(xla_device), v.to(xla_device), scale, **features)
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
     # the step's K/V landed in the cache too
     kb, vb = backend.read_kv(cache, md.slot_mapping.to(xla_device))
@@ -224,9 +221,59 @@ def test_attention_matches_reference(xla_device, num_heads, num_kv_heads, head_s
 
 
 @needs_xla
-def test_attention_padded_batch_matches_unpadded(xla_device):
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(4, 4, 16, 4), (8, 2, 16, 4), (8, 1, 32, 8)],
+)
+def test_attention_matches_reference(xla_device, num_heads, num_kv_heads, head_size, block_size):
+    _check_attention(xla_device, num_heads, num_kv_heads, head_size, block_size)
+
+
+@needs_xla
+@pytest.mark.parametrize(
+    "block_size,features",
+    [
+        (4, {"sliding_window": 1}),  # only the token itself
+        (4, {"sliding_window": 3}),  # smaller than a block and than most sequences
+        (4, {"sliding_window": 6}),  # across a block boundary, into the cached prefix
+        (4, {"sliding_window": 100}),  # longer than every sequence: plain causal attention
+        (4, {"logit_softcap": 2.0}),
+        (4, {"sliding_window": 5, "logit_softcap": 2.0}),
+        (8, {"sliding_window": 10, "logit_softcap": 1.5}),
+    ],
+    ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else f"bs{x}",
+)
+def test_attention_features_match_reference(xla_device, monkeypatch, block_size, features):
+    """Sliding windows and logit softcaps computed by the xla backend itself (core's read_kv
+    fallback, which no XLA graph should run, would fail the test)."""
+    from portside.attention import reference
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("core's read_kv fallback ran: the xla backend did not take the features")
+
+    monkeypatch.setattr(reference, "attention_through_read_kv", fallback)
+    assert set(features) <= _backend().features
+    _check_attention(xla_device, 8, 2, 16, block_size, **features)
+
+
+PADDED_FEATURES = {"sliding_window": 3, "logit_softcap": 2.0}
+
+
+@needs_xla
+@pytest.mark.parametrize(
+    "shape,features",
+    [
+        (BucketShape(16, 4, 8), {}),
+        (BucketShape(16, 4, 8), PADDED_FEATURES),
+        # no padding request: padding tokens belong to the last request, past its block table,
+        # where the window leaves them no key (the backend then gives them key 0, not NaN)
+        (BucketShape(64, 3, 3), PADDED_FEATURES),
+    ],
+    ids=["plain", "features", "features-past-the-table"],
+)
+def test_attention_padded_batch_matches_unpadded(xla_device, shape, features):
     """The graph runner's padding (extra tokens at slot -1, extra empty requests, wider block
-    tables) leaves the real rows' output unchanged."""
+    tables) leaves the real rows' output unchanged, and every padding row finite."""
     from portside.backend_api import ForwardContext
     from portside.backends.xla.graph import _pad_inputs
 
@@ -238,19 +285,62 @@ def test_attention_padded_batch_matches_unpadded(xla_device):
     t = md.num_tokens
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, kvh, kvh))
     base = backend.forward(q.to(xla_device), k.to(xla_device), v.to(xla_device), cache.clone(),
-                           _to(md, xla_device), 0.25).cpu()
-    shape = BucketShape(16, 4, 8)
+                           _to(md, xla_device), 0.25, **features).cpu()
     ids = torch.zeros(t, dtype=torch.int64, device=xla_device)
     _, _, padded = _pad_inputs(shape, ForwardContext(backend, [cache], _to(md, xla_device)), block_size, xla_device,
                                input_ids=ids, positions=ids)
-    assert padded.num_tokens == 16 and padded.num_reqs == 4 and padded.block_tables.shape[1] == 8
+    assert padded.num_tokens == shape.num_tokens and padded.num_reqs == shape.num_reqs
+    assert padded.block_tables.shape[1] == shape.width
 
     def pad(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, torch.randn(16 - t, *x.shape[1:], generator=g)]).to(xla_device)
+        return torch.cat([x, torch.randn(shape.num_tokens - t, *x.shape[1:], generator=g)]).to(xla_device)
 
-    out = backend.forward(pad(q), pad(k), pad(v), cache.clone(), backend.with_data(padded), 0.25).cpu()
+    out = backend.forward(pad(q), pad(k), pad(v), cache.clone(), backend.with_data(padded), 0.25, **features).cpu()
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:t], base, atol=1e-5, rtol=1e-5)
+
+
+def _routing(num_tokens, num_experts, top_k, g):
+    """Each token's top_k distinct experts, drawn so that the last expert receives no token
+    (whenever top_k < num_experts), and fp32 weights."""
+    pool = num_experts - 1 if top_k < num_experts else num_experts
+    ids = torch.stack([torch.randperm(pool, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    return weights, ids.to(torch.int64)
+
+
+@needs_xla
+@pytest.mark.parametrize("num_experts,top_k", [(2, 1), (2, 2), (8, 1), (8, 2)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_moe_experts_match_reference(xla_device, num_experts, top_k, activation):
+    """The platform's dense moe_experts against core's reference; a second routing of the same
+    shapes compiles no new program."""
+    from portside.backends.xla.graph import compile_count
+    from portside.backends.xla.platform import XlaPlatform
+    from portside.ops.moe import moe_experts
+
+    ops = XlaPlatform.model_ops(None)
+    assert ops.name == "xla-dense"
+    g = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    tokens, hidden, inter = 7, 16, 8
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    dev = [t.to(xla_device) for t in (x, w13, w2)]
+    compiled = []
+    for _ in range(2):
+        weights, ids = _routing(tokens, num_experts, top_k, g)
+        before = compile_count()
+        got = ops.moe_experts(*dev, weights.to(xla_device), ids.to(xla_device), activation).cpu()
+        compiled.append(compile_count() - before)
+        assert got.dtype == x.dtype and got.shape == x.shape
+        torch.testing.assert_close(got, moe_experts(x, w13, w2, weights, ids, activation), atol=1e-5, rtol=1e-5)
+    assert compiled[1] == 0, compiled
+    # fused_moe (routing on the device, then these experts) agrees too
+    logits = torch.randn(tokens, num_experts, generator=g)
+    got = ops.fused_moe(dev[0], logits.to(xla_device), *dev[1:], top_k, renormalize=True, activation=activation)
+    weights, ids = ops.select_experts(logits, top_k, renormalize=True)
+    torch.testing.assert_close(got.cpu(), moe_experts(x, w13, w2, weights, ids, activation), atol=1e-5, rtol=1e-5)
 
 
 @needs_xla
@@ -344,6 +434,35 @@ def test_no_compilation_after_warmup(xla_llm):
     before = compile_count()
     xla_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert compile_count() == before
+
+
+# layer 0: a window shorter than the prompts and a softcap that bites; layer 1: a window across blocks
+LAYER_FEATURES = ({"sliding_window": 5, "logit_softcap": 1.0}, {"sliding_window": 20})
+
+
+@needs_xla
+def test_attention_features_through_the_engine(xla_device, tiny_llama, monkeypatch):
+    """A model whose layers ask for sliding windows and softcaps runs through the bucketed
+    graphs: greedy tokens equal core's reference attention (fp32, eager, on the CPU), and after
+    warm-up nothing compiles (strict mode)."""
+    from portside import SamplingParams
+    from portside.attention.reference import ReferenceAttentionBackend
+    from portside.config import ModelConfig
+    from portside.model.llama import LlamaForCausalLM
+    from portside.model.registry import load_model
+    from portside.testing.paged import PagedSequence
+
+    monkeypatch.setattr(LlamaForCausalLM, "attention_features", lambda self, i: LAYER_FEATURES[i % 2])
+    llm = _llm(tiny_llama, 53, xla_strict="1")
+    gr = _runner(llm).graph_runner
+    prompts = _prompts(llm.get_tokenizer(), [3, 17, 40, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert gr.stats.warmup_compiles == len(gr.buckets.shapes()) and gr.stats.recompiles == 0
+    model = load_model(ModelConfig(path=str(tiny_llama), max_model_len=128), torch.device("cpu"))
+    for prompt, out in zip(prompts, outs):
+        expected = PagedSequence(model, ReferenceAttentionBackend(), block_size=16).greedy(prompt, GREEDY_TOKENS)
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
 
 
 @needs_xla

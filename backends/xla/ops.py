@@ -1,0 +1,31 @@
+"""Model-layer kernels that trace to static shapes under XLA (`XlaPlatform.model_ops`).
+
+Core's mixture-of-experts reference gathers each expert's tokens with ``nonzero``: a
+data-dependent shape, so a new XLA program for every routing. Here every expert runs densely on
+every token and a ``[T, E]`` combine-weight matrix (each token's routing weight of an expert, 0
+where not routed) sums their outputs: one fixed graph per token bucket, at E / top_k times the
+expert FLOPs and ``[T, E, 2I]`` activations. Fine for the small expert counts of tests; a TPU
+serving a large MoE wants a grouped-matmul (Pallas gmm) kernel instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portside.backend_api import ModelOps
+from portside.ops.moe import activate
+
+__all__ = ["XlaModelOps"]
+
+
+class XlaModelOps(ModelOps):
+    name = "xla-dense"
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, activation="silu"):
+        num_experts = w13.shape[0]
+        experts = torch.arange(num_experts, device=x.device)
+        routed = topk_ids.unsqueeze(-1) == experts  # [T, k, E]
+        combine = (topk_weights.float().unsqueeze(-1) * routed).sum(dim=1)  # [T, E] fp32
+        gate, up = torch.einsum("th,eoh->teo", x, w13).chunk(2, dim=-1)  # [T, E, I] each
+        y = torch.einsum("tei,ehi->teh", activate(gate, activation) * up, w2)  # [T, E, hidden]
+        return torch.einsum("teh,te->th", y.float(), combine).to(x.dtype)
