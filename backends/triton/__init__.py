@@ -4,7 +4,9 @@ A kernel library, not a platform. Modules:
 
 - `launch`: per-architecture launch heuristics (pure functions);
 - `kv_cache`: the KV-cache write at `slot_mapping`;
-- `paged_attention`: mixed prefill/decode paged attention with a split-KV (flash-decoding) path;
+- `paged_attention`: mixed prefill/decode paged attention with a split-KV (flash-decoding) path,
+  sliding windows and logit softcaps;
+- `moe`: fused mixture-of-experts (grouped GEMMs over expert-sorted tokens), `TritonModelOps`;
 - `attention`: `TritonAttentionBackend`, the kernels behind the `AttentionBackend` contract;
 - `graphs`: the device-graph runner (CUDA and HIP graphs) shared by cuda and rocm; no triton;
 - `gpu_platform`: `TorchGpuPlatform`, the base of the cuda and rocm platforms; no triton.

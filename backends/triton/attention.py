@@ -33,10 +33,14 @@ class TritonAttentionBackend(AttentionBackend):
     runner captures with ``max_seq_len`` set to the model's maximum length, an upper bound valid
     for every replay. Mixed prefill/decode batches change ``num_tokens`` and the row tiling each
     step, so they run eagerly.
+
+    Features: ``sliding_window`` and ``logit_softcap`` are kernel arguments (constexpr flags), so
+    a layer's values are baked into a captured graph like its scale.
     """
 
     name = "triton"
     graph_support = GraphCaptureSupport.DECODE_ONLY
+    features = frozenset({"sliding_window", "logit_softcap"})
 
     def __init__(self, arch: ArchInfo | None = None, num_splits: int | None = None) -> None:
         """`arch`: override device detection (tests, heuristics studies). `num_splits`: force the
@@ -77,6 +81,8 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         _kv.write_kv(kv_cache, key, value, metadata.slot_mapping)
         query = query.contiguous() if query.stride(-1) != 1 else query
@@ -85,8 +91,9 @@ class TritonAttentionBackend(AttentionBackend):
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         launch = choose_attention_launch(arch, head_size, num_heads // num_kv_heads, metadata.max_query_len, query.dtype)
+        span = min(metadata.max_seq_len, sliding_window or metadata.max_seq_len)  # keys a decode reads at most
         splits = self._num_splits or choose_num_splits(
-            arch, metadata.num_reqs, num_kv_heads, metadata.max_query_len, metadata.max_seq_len, metadata.block_size
+            arch, metadata.num_reqs, num_kv_heads, metadata.max_query_len, span, metadata.block_size
         )
         return paged_attention(
             query,
@@ -98,4 +105,6 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             launch,
             num_splits=splits,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )

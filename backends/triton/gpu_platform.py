@@ -1,10 +1,10 @@
 """What the cuda and rocm platforms share: torch exposes both as the ``cuda`` device type.
 
 `TorchGpuPlatform` implements the device methods, the configuration hook, the parts (Triton
-attention, device graphs, torch.distributed collectives) and the probe's common steps; the
-cuda and rocm packages subclass it with their identity and their build check. It lives in the
-shared Triton package because a backend never imports another backend's module. Importing it
-imports neither triton nor the CUDA runtime.
+attention and fused MoE, device graphs, torch.distributed collectives) and the probe's common
+steps; the cuda and rocm packages subclass it with their identity and their build check. It
+lives in the shared Triton package because a backend never imports another backend's module.
+Importing it imports neither triton nor the CUDA runtime.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from portside.backend_api import (
     DeviceInfo,
     GraphRunner,
     ModelFn,
+    ModelOps,
     Platform,
     SingleRankCommunicator,
     TorchDistributedCommunicator,
@@ -132,6 +133,12 @@ class TorchGpuPlatform(Platform):
         from portside.backends.triton.attention import TritonAttentionBackend  # imports triton
 
         return TritonAttentionBackend()
+
+    @classmethod
+    def model_ops(cls, config: EngineConfig) -> ModelOps:
+        from portside.backends.triton.moe import TritonModelOps  # imports triton
+
+        return TritonModelOps()
 
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config: EngineConfig) -> GraphRunner:

@@ -10,11 +10,17 @@ first, one shared memory pool) over *static* input buffers. Each step, a decode-
 ``n <= max(bucket)`` requests is copied into the buffers of the smallest bucket ``>= n``; rows
 ``n..bucket`` are padding (slot -1 so nothing is written, seq_len 1 over a scratch block) and
 their outputs are dropped. Other batches (prefill chunks, mixed, or too large) run eagerly.
+
+Per-layer attention features (sliding window, softcap) are Python constants of each layer's
+``ctx.attention`` call, so a graph bakes them in like the scale. A layer whose features the
+backend does not take runs core's eager fallback, which no graph can hold: then nothing is
+captured (`fallback_features`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from portside.backend_api import (
+    AttentionBackend,
     AttentionMetadata,
     ForwardContext,
     GraphCaptureSupport,
@@ -41,8 +48,11 @@ __all__ = [
     "is_decode_only",
     "StaticDecodeBatch",
     "DeviceGraphRunner",
+    "fallback_features",
     "with_graph_sizes",
 ]
+
+logger = logging.getLogger(__name__)
 
 GRAPH_SIZES_OPTION = "graph_sizes"  # EngineConfig.platform_options key: "1,2,4,8" ("" = eager)
 MAX_GRAPH_SIZE = 512  # larger decode batches are compute-bound enough to run eagerly
@@ -169,6 +179,16 @@ class StaticDecodeBatch:
         return ForwardContext(backend=like.backend, kv_caches=like.kv_caches, metadata=metadata)
 
 
+def fallback_features(model: object, backend: AttentionBackend) -> set[str]:
+    """Attention features a layer of `model` needs that `backend` does not take itself (core runs
+    those layers through its eager fallback); empty for a model without `attention_features`."""
+    features = getattr(model, "attention_features", None)
+    if features is None:
+        return set()
+    used = {name for i in range(model.num_layers) for name, value in features(i).items() if value is not None}  # type: ignore[attr-defined]
+    return used - backend.features
+
+
 @dataclass
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
@@ -205,6 +225,11 @@ class DeviceGraphRunner(GraphRunner):
             return
         largest = make_dummy_context(self.sizes[-1])
         if largest.backend.graph_support is GraphCaptureSupport.NEVER or not largest.kv_caches:
+            return
+        missing = fallback_features(self.model_fn, largest.backend)
+        if missing:
+            logger.warning("no device graphs: attention backend %r does not take the model's feature(s) %s, "
+                           "which run in core's eager fallback", largest.backend.name, sorted(missing))  # fmt: skip
             return
         device = largest.kv_caches[0].device
         md = largest.metadata

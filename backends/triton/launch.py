@@ -19,6 +19,8 @@ __all__ = [
     "next_power_of_2",
     "choose_attention_launch",
     "choose_num_splits",
+    "MoeLaunch",
+    "choose_moe_launch",
 ]
 
 MIN_TILE = 16  # smallest tl.dot tile side a GPU accepts
@@ -124,3 +126,35 @@ def choose_num_splits(
     wanted = -(-target // programs)
     by_length = max(1, max_seq_len // (block_size * TILES_PER_SPLIT_MIN))
     return max(1, min(MAX_SPLITS, wanted, by_length))
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """Tiles and compiler hints for the fused-MoE grouped GEMMs."""
+
+    block_m: int  # sorted (token, slot) rows per program; each expert's rows are padded to it
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    input_precision: str  # tl.dot precision: "ieee" for fp32 operands (and on AMD), else the default "tf32"
+    upcast: bool  # load half-precision operands as fp32 (the interpreter's bf16 dot is wrong)
+
+    def kernel_options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def choose_moe_launch(arch: ArchInfo, num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeLaunch:
+    """Pick tiles for the fused-MoE kernels from the routed pairs (tokens x top_k) per expert.
+
+    Few pairs per expert (decode) get 16-row tiles, so padding wastes little; prefill gets 64
+    rows so each weight tile is reused over more tokens. The choice depends on shapes only.
+    """
+    per_expert = num_pairs / max(num_experts, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    precision = "ieee" if dtype == torch.float32 or arch.is_amd else "tf32"  # half operands: the MMA either way
+    if arch.vendor == "interpreter":
+        return MoeLaunch(block_m, 32, 32, 4, 1, precision, upcast=True)
+    num_stages = 2 if arch.is_amd else 3 if arch.capability >= (8, 0) else 2
+    block_k, num_warps = (64, 4) if block_m <= 32 else (32, 8)
+    return MoeLaunch(block_m, 64, block_k, num_warps, num_stages, precision, upcast=False)

@@ -14,6 +14,11 @@ Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one conti
 its KV tiles and writes an unnormalised partial output with its running max and sum; a reduce
 kernel merges the slices. Maxima are kept in base-2 units (scores are scaled by log2(e)).
 
+Per-layer features (constexpr flags: a layer without them compiles exactly the plain kernel):
+``SLIDING_WINDOW`` hides keys at or before ``q_pos - window``, and the KV loop starts at the
+first block the tile's earliest query can see (its blocks before are never read);
+``SOFTCAP`` maps scores to ``cap * tanh(scores / cap)`` before the mask.
+
 Numerics: every load is upcast to fp32 at once (the interpreter computes bf16 wrongly, and
 fp32 accumulation is wanted anyway); outputs are cast on store. Head sizes that are not powers
 of two (80, 96) are padded to the next power of two with masks.
@@ -48,6 +53,11 @@ def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0  # the interpreter has no libdevice tanh
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_size]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -61,6 +71,9 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_reqs,
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window (SLIDING_WINDOW): a query at p sees keys p - window < k <= p
+    cap_log2,  # logit softcap * log2(e) (SOFTCAP)
+    scale_over_cap,  # softmax scale / logit softcap (SOFTCAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -78,6 +91,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # KV-cache block size = keys per tile
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,12 +119,17 @@ def _paged_attention_kernel(
     q_offs = (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (M, D)
 
-    # Keys this tile of queries can see: [0, kv_end), causal for its last token.
+    # Keys this tile of queries can see: [kv_start, kv_end), causal for its last token and, with
+    # a window, no further back than its first token's window.
     last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_tok + 1
+    kv_start = 0
+    if SLIDING_WINDOW:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+    first_tile = kv_start // BLOCK_SIZE
     num_tiles = tl.cdiv(kv_end, BLOCK_SIZE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -120,14 +140,22 @@ def _paged_attention_kernel(
         blk = tl.load(block_tables_ptr + req * stride_bt + t).to(tl.int64)
         k_pos = t * BLOCK_SIZE + offs_n  # (N,)
         kv_ok = k_pos < kv_end  # never read stale slots: they may hold NaN
+        if SLIDING_WINDOW:
+            kv_ok &= k_pos >= kv_start
         base = blk * stride_cb + kv_head * stride_ch
         k = tl.load(
             k_cache_ptr + base + offs_n[None, :] * stride_co + offs_d[:, None],
             mask=d_ok[:, None] & kv_ok[None, :],
             other=0.0,
         ).to(tl.float32)  # (D, N)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # (M, N)
+        s = tl.dot(q, k, input_precision=PRECISION)  # (M, N)
+        if SOFTCAP:
+            s = cap_log2 * _tanh(s * scale_over_cap)
+        else:
+            s = s * scale_log2
         visible = (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        if SLIDING_WINDOW:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
@@ -177,7 +205,7 @@ def _reduce_splits_kernel(
     m = tl.load(part_max_ptr + row + offs_s, mask=s_ok, other=float("-inf"))  # (S,)
     l = tl.load(part_sum_ptr + row + offs_s, mask=s_ok, other=0.0)
     acc = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_P2 + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    m_all = tl.max(m, axis=0)  # finite: split 0 always sees key 0
+    m_all = tl.max(m, axis=0)  # finite: some split sees the row's own key
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
     total = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / total  # (D,)
@@ -194,8 +222,11 @@ def paged_attention(
     scale: float,
     launch: AttentionLaunch,
     num_splits: int = 1,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention of each request's query tokens over its cached sequence."""
+    """Causal paged attention of each request's query tokens over its cached sequence (with a
+    sliding window and a logit softcap when given: semantics in `portside.attention.reference`)."""
     num_tokens, num_heads, head_size = query.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kvh, D)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -204,6 +235,9 @@ def paged_attention(
         return out
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window} must be >= 1"
+    assert logit_softcap is None or logit_softcap > 0, f"logit softcap {logit_softcap} must be > 0"
+    cap = logit_softcap or 1.0
     group = num_heads // num_kv_heads
     group_p2 = next_power_of_2(group)
     block_m = max(launch.block_m, group_p2)
@@ -229,6 +263,9 @@ def paged_attention(
         query_start_loc,
         num_reqs,
         scale * _LOG2E,
+        sliding_window or 0,
+        cap * _LOG2E,
+        scale / cap,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -246,6 +283,8 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         PRECISION=launch.input_precision,
+        SLIDING_WINDOW=sliding_window is not None,
+        SOFTCAP=logit_softcap is not None,
         **launch.kernel_options(),
     )
     if num_splits > 1:

@@ -5,6 +5,8 @@ about 5 ms per program-iteration, so shapes are small but chosen to catch bugs: 
 block_size and block_size + 1, ragged batches, GQA 1/4/8, head sizes 64/128 and 80/96 (the
 padded path), random non-contiguous block tables from a large pool, mixed prefill + decode
 batches, and the split-KV path. Cache slots that hold no token are NaN, so reading one shows.
+The per-layer features (sliding window, logit softcap) are tested at the end, against the same
+reference.
 """
 
 from __future__ import annotations
@@ -94,18 +96,18 @@ def make_batch(
     return Batch(to(query), to(key), to(value), to(kv_cache), metadata)
 
 
-def expected_output(batch: Batch, scale: float) -> torch.Tensor:
+def expected_output(batch: Batch, scale: float, **features: object) -> torch.Tensor:
     """The reference on CPU: write the new K/V into a copy of the cache, then attend."""
     cache = batch.kv_cache.cpu().clone()
     md = batch.metadata
     reference.write_kv(cache, batch.key.cpu(), batch.value.cpu(), md.slot_mapping.cpu())
     return reference.paged_attention(
-        batch.query.cpu(), cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables.cpu(), scale
+        batch.query.cpu(), cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables.cpu(), scale, **features
     )
 
 
-def run_backend(batch: Batch, backend: TritonAttentionBackend, scale: float) -> torch.Tensor:
-    return backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, scale).cpu()
+def run_backend(batch: Batch, backend: TritonAttentionBackend, scale: float, **features: object) -> torch.Tensor:
+    return backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, scale, **features).cpu()
 
 
 # ---- KV-cache write ----------------------------------------------------------------------------
@@ -266,3 +268,135 @@ def test_mixed_batch_full_matrix(head_size: int, block_size: int, gqa: int, kern
     batch = make_batch(q_lens, seq_lens, gqa * 2, 2, head_size, block_size, torch.float32, kernel_device, seed=head_size)
     scale = head_size**-0.5
     assert_close(run_backend(batch, TritonAttentionBackend(), scale), expected_output(batch, scale))
+
+
+# ---- per-layer features: sliding window and logit softcap ----------------------------------------
+
+
+def hide_outside_window(batch: Batch, window: int) -> None:
+    """NaN every cached key/value no query of its request can see (positions before the first
+    query's window): the kernel must skip those blocks, and mask the rest of its first block."""
+    md = batch.metadata
+    bs = md.block_size
+    for i, seq_len in enumerate(md.seq_lens_cpu):
+        first_query = seq_len - (md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i])
+        for p in range(max(0, first_query - window + 1)):
+            batch.kv_cache[:, int(md.block_tables[i, p // bs]), p % bs] = float("nan")
+
+
+def test_backend_declares_every_feature() -> None:
+    from portside.backend_api import ATTENTION_FEATURES
+
+    assert TritonAttentionBackend.features == frozenset(ATTENTION_FEATURES)  # no slow fallback, graphs work
+
+
+@pytest.mark.parametrize("window", [1, 8, 16, 17, 40])
+def test_sliding_window_decodes(window: int, kernel_device) -> None:
+    # seq_lens 1, 16, 17, 33 against windows below, at and above them, and block boundaries.
+    batch = make_batch(*DECODES_RAGGED, 8, 2, 64, 16, torch.float32, kernel_device, seed=20)
+    expected = expected_output(batch, 0.125, sliding_window=window)
+    hide_outside_window(batch, window)
+    assert_close(run_backend(batch, TritonAttentionBackend(), 0.125, sliding_window=window), expected)
+
+
+@pytest.mark.parametrize("window", [4, 16, 20])
+def test_sliding_window_mixed_batch_with_cached_prefix(window: int, kernel_device) -> None:
+    # a chunk of 19 after 17 cached tokens, and one of 20 after 40: two row tiles, each starting
+    # its KV loop at its own first block (GQA 4: 16 tokens per tile).
+    batch = make_batch([1, 1, 5, 19, 20], [1, 17, 5, 36, 60], 8, 2, 64, 16, torch.float32, kernel_device, seed=21)
+    expected = expected_output(batch, 0.125, sliding_window=window)
+    hide_outside_window(batch, window)
+    assert_close(run_backend(batch, TritonAttentionBackend(), 0.125, sliding_window=window), expected)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_sliding_window_split_kv(num_splits: int, kernel_device) -> None:
+    batch = make_batch([1, 1, 1], [5, 47, 90], 4, 1, 64, 16, torch.float32, kernel_device, seed=22)
+    expected = expected_output(batch, 0.125, sliding_window=37)
+    hide_outside_window(batch, 37)
+    backend = TritonAttentionBackend(num_splits=num_splits)
+    assert_close(run_backend(batch, backend, 0.125, sliding_window=37), expected)
+
+
+def test_logit_softcap_mixed_batch(kernel_device) -> None:
+    # scale 0.5 makes scores of a few units: a cap of 2 changes them a lot
+    batch = make_batch(*MIXED, 8, 2, 64, 16, torch.float32, kernel_device, seed=23)
+    expected = expected_output(batch, 0.5, logit_softcap=2.0)
+    assert (expected - expected_output(batch, 0.5)).abs().max() > 0.1  # the cap matters here
+    assert_close(run_backend(batch, TritonAttentionBackend(), 0.5, logit_softcap=2.0), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_and_softcap_together(dtype: torch.dtype, kernel_device) -> None:
+    batch = make_batch([1, 1, 3, 21], [9, 40, 3, 50], 4, 2, 96, 32, dtype, kernel_device, seed=24)
+    features = {"sliding_window": 24, "logit_softcap": 5.0}
+    expected = expected_output(batch, 0.3, **features)
+    hide_outside_window(batch, 24)
+    out = run_backend(batch, TritonAttentionBackend(), 0.3, **features)
+    assert out.dtype == dtype
+    assert_close(out, expected)
+
+
+def test_padded_static_decode_batch_with_features(kernel_device) -> None:
+    """What a captured graph runs: the layer's features through the padded static buffers, via
+    `ForwardContext.attention` (the backend's own kernel, not core's fallback)."""
+    batch = make_batch([1, 1], [20, 35], 4, 2, 64, 16, torch.float32, kernel_device, seed=25)
+    features = {"sliding_window": 10, "logit_softcap": 3.0}
+    expected = expected_output(batch, 0.25, **features)
+    static = StaticDecodeBatch.allocate(
+        max_size=4, max_blocks_per_seq=4, block_size=16, max_seq_len=64, device=kernel_device, scratch_block=0
+    )
+    static.fill(torch.arange(2, device=kernel_device), batch.metadata.seq_lens.long() - 1, batch.metadata, size=4)
+    ctx = static.context(4, ForwardContext(TritonAttentionBackend(), [batch.kv_cache], batch.metadata))
+    pad = lambda t: torch.cat([t, torch.randn(2, *t.shape[1:], device=kernel_device)])  # noqa: E731
+    out = ctx.attention(0, pad(batch.query), pad(batch.key), pad(batch.value), 0.25, **features)
+    assert_close(out[:2].cpu(), expected)
+
+
+def test_graph_runner_captures_nothing_when_a_feature_needs_the_fallback(kernel_device) -> None:
+    from portside.backends.triton.graphs import DeviceGraphRunner, fallback_features
+    from portside.config import EngineConfig, ModelConfig
+
+    class WindowedModel:  # a PiecewiseModel as far as the check reads it
+        num_layers = 2
+
+        def attention_features(self, i: int) -> dict[str, object]:
+            return {"sliding_window": 8 if i == 1 else None, "logit_softcap": None}
+
+    class WithoutFeatures(TritonAttentionBackend):
+        features = frozenset()
+
+    model = WindowedModel()
+    assert fallback_features(model, TritonAttentionBackend()) == set()
+    assert fallback_features(model, WithoutFeatures()) == {"sliding_window"}
+    batch = make_batch([1], [5], 4, 2, 64, 16, torch.float32, kernel_device)
+    runner = DeviceGraphRunner(model, EngineConfig(model=ModelConfig(path="unused")), sizes=(1, 2))  # type: ignore[arg-type]
+    runner.capture(lambda n: ForwardContext(WithoutFeatures(), [batch.kv_cache], batch.metadata))
+    assert runner.captured_sizes == ()  # returned before any torch.cuda call: eager every step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_features_replay_in_a_cuda_graph(kernel_device) -> None:
+    """A decode layer with a window and a softcap captured over the static buffers, replayed for
+    a batch the capture never saw."""
+    static = StaticDecodeBatch.allocate(
+        max_size=4, max_blocks_per_seq=8, block_size=16, max_seq_len=128, device=kernel_device, scratch_block=0
+    )
+    first = make_batch([1, 1, 1], [3, 40, 90], 4, 2, 64, 16, torch.bfloat16, kernel_device, seed=26)
+    second = make_batch([1, 1, 1, 1], [100, 17, 1, 64], 4, 2, 64, 16, torch.bfloat16, kernel_device, seed=27)
+    features = {"sliding_window": 20, "logit_softcap": 4.0}
+    expected = expected_output(second, 0.125, **features)
+    cache, pristine = second.kv_cache, second.kv_cache.clone()  # the captured cache; `first` only shapes the capture
+    q, k, v = (torch.zeros(4, *t.shape[1:], dtype=t.dtype, device=kernel_device) for t in (first.query, first.key, first.value))
+    static.fill(torch.zeros(3, dtype=torch.int64, device=kernel_device), first.metadata.seq_lens.long() - 1, first.metadata, 4)
+    ctx = static.context(4, ForwardContext(TritonAttentionBackend(), [cache], first.metadata))
+    ctx.attention(0, q, k, v, 0.125, **features)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ctx.attention(0, q, k, v, 0.125, **features)
+    cache.copy_(pristine)  # undo the warm-up's writes at first's slots
+    static.fill(torch.zeros(4, dtype=torch.int64, device=kernel_device), second.metadata.seq_lens.long() - 1, second.metadata, 4)
+    q.copy_(second.query), k.copy_(second.key), v.copy_(second.value)
+    graph.replay()
+    assert_close(out.cpu(), expected)
