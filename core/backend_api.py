@@ -487,6 +487,13 @@ class ModelOps:
 
     name: ClassVar[str] = "reference"
 
+    @staticmethod
+    def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+        """An expert's activation by name ("silu", "gelu_tanh"), for kernels that need it in torch."""
+        from portside.ops.moe import activate
+
+        return activate(gate, activation)
+
     def select_experts(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from portside.backend_api import ModelOps
-from portside.ops.moe import activate
 
 __all__ = ["XlaModelOps"]
 
@@ -27,5 +26,5 @@ class XlaModelOps(ModelOps):
         routed = topk_ids.unsqueeze(-1) == experts  # [T, k, E]
         combine = (topk_weights.float().unsqueeze(-1) * routed).sum(dim=1)  # [T, E] fp32
         gate, up = torch.einsum("th,eoh->teo", x, w13).chunk(2, dim=-1)  # [T, E, I] each
-        y = torch.einsum("tei,ehi->teh", activate(gate, activation) * up, w2)  # [T, E, hidden]
+        y = torch.einsum("tei,ehi->teh", self.activate(gate, activation) * up, w2)  # [T, E, hidden]
         return torch.einsum("teh,te->th", y.float(), combine).to(x.dtype)
