@@ -64,3 +64,23 @@ def test_greedy_parity_through_triton_backend(triton_plugin, tiny_gqa_model: Pat
     for prompt, out in zip(prompts, outputs):
         expected = hf_greedy(tiny_gqa_model, prompt, MAX_TOKENS)
         assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3_moe"])
+def test_window_softcap_and_experts_through_triton_kernels(triton_plugin, arch: str, tmp_path: Path) -> None:
+    """Gemma 2 (window 8 on alternate layers, attention and final soft-caps) and Qwen3-MoE (the
+    Triton fused-MoE kernel): greedy parity with transformers on prompts longer than the window."""
+    from portside import LLM, SamplingParams
+
+    path = make_tiny_model(tmp_path / arch, arch)
+    llm = LLM(model=str(path), device="triton-interp", max_model_len=64, block_size=16)
+    runner = llm.engine.executor.runner
+    assert runner.attn_backend.name == "triton"
+    if arch == "qwen3_moe":
+        assert type(runner.model.model.layers[0].mlp.ops).__name__ == "TritonModelOps"
+    base = llm.get_tokenizer().encode(" ".join(WORDS * 4))
+    prompts = [base[:3], base[2:21]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 6), f"prompt of {len(prompt)} tokens"

@@ -9,7 +9,8 @@ Parts:
 - graph: `EagerGraphRunner` (the `Platform.graph_runner` default). The shared device-graph runner records ``torch.cuda`` graphs,
   which CPU tensors cannot be captured into; the kernels' graph-safety (no host reads of
   per-request values) is covered by the cuda leg;
-- collectives: torch.distributed over gloo (the `Platform.communicator` default).
+- collectives: torch.distributed over gloo (the `Platform.communicator` default);
+- model ops: `TritonModelOps`, the cuda/rocm fused-MoE kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from portside.backend_api import AttentionBackend, Availability, DeviceInfo, Platform, host_memory
+from portside.backend_api import AttentionBackend, Availability, DeviceInfo, ModelOps, Platform, host_memory
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 
@@ -62,3 +63,9 @@ class TritonInterpPlatform(Platform):
         from portside.backends.triton.attention import TritonAttentionBackend  # imports triton
 
         return TritonAttentionBackend()
+
+    @classmethod
+    def model_ops(cls, config: Any) -> ModelOps:
+        from portside.backends.triton.moe import TritonModelOps  # imports triton
+
+        return TritonModelOps()
