@@ -1,7 +1,8 @@
-"""The Llama family: Llama, Mistral and Qwen2 (and their sliding-window checkpoints).
+"""The Llama family: Llama, Mistral, Qwen2 (and their sliding-window checkpoints) and Qwen2-MoE.
 
 What differs between them is data in `ModelArgs` (qkv bias, tied embeddings, explicit head_dim,
-rope scaling, sliding window); the layers are `decoder`'s.
+rope scaling, sliding window; Qwen2-MoE's experts and gated shared expert); the layers are
+`decoder`'s.
 """
 
 from __future__ import annotations
@@ -12,4 +13,4 @@ __all__ = ["LlamaForCausalLM"]
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM."""
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen2MoeForCausalLM."""
