@@ -54,12 +54,18 @@ class LLMEngine:
         block_size = config.cache.block_size
         assert block_size is not None
         try:
+            # a model whose every layer has the same window frees the blocks that fall out of it
+            self.sliding_window = _uniform_sliding_window(config.model.path, self.max_model_len)
             num_blocks = self.executor.determine_num_blocks()
-            if num_blocks * block_size < self.max_model_len:
+            needed = _blocks_per_request(
+                block_size, self.max_model_len, config.scheduler.max_num_batched_tokens, self.sliding_window
+            )
+            if num_blocks < needed:
                 raise ValueError(
                     f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-                    f"fewer than max_model_len {self.max_model_len}: one long request could never finish. "
-                    "Raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+                    f"fewer than one request may need at once ({needed} blocks for max_model_len {self.max_model_len}"
+                    + (f", sliding window {self.sliding_window}" if self.sliding_window else "")
+                    + "): one long request could never finish. Raise kv_cache_memory / num_kv_blocks or lower max_model_len"
                 )
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
@@ -72,6 +78,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             max_model_len=self.max_model_len,
+            sliding_window=self.sliding_window,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
@@ -228,6 +235,31 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _uniform_sliding_window(model_path: str, max_model_len: int) -> int | None:
+    """The window W when every layer of the model has the same sliding window (Mistral v0.1,
+    Phi-3-mini-4k, Qwen2 with all layers windowed), else None (no window, or mixed layers like
+    Gemma's, whose global layers need every block)."""
+    from portside.model.registry import read_model_args
+
+    args = read_model_args(model_path, max_model_len)
+    windows = {args.layer_window(i) for i in range(args.num_layers)}
+    if len(windows) != 1:
+        return None
+    (window,) = windows
+    return window
+
+
+def _blocks_per_request(block_size: int, max_model_len: int, max_batched: int, window: int | None) -> int:
+    """Most blocks one request holds at once. Without a window: its whole length. With one:
+    a step computing c <= min(budget, max_model_len) tokens holds at most the W - 1 tokens
+    before them and the c tokens, over at most cdiv(W - 1 + c, block_size) + 1 blocks."""
+    whole = -(-max_model_len // block_size)
+    if window is None:
+        return whole
+    chunk = min(max_batched, max_model_len)
+    return min(whole, -(-(window - 1 + chunk) // block_size) + 1)
 
 
 def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:

@@ -8,6 +8,16 @@ A request's blocks cover its tokens in order; block i holds tokens [i*block_size
 Caching happens after compute, never before: the scheduler calls `cache_blocks(request,
 request.num_computed_tokens)` once a step's tokens are in the cache, and every full block up to
 there enters the prefix cache. So a hit never points at a block whose KV is still being written.
+
+Sliding window (`sliding_window=W`, only for a model whose every layer has the same window): a
+query at position p sees keys k with p - W < k <= p, so once a request has `n` computed tokens
+(its next query is at position >= n) the blocks wholly below n - W + 1, i.e. blocks i with
+(i + 1) * block_size <= n - W + 1, are dead. `free_out_of_window_blocks` (called by the scheduler
+after each step) enters them in the prefix cache, returns them to the pool and puts `null_block`
+in their place: the table keeps its length, and the nulls always form a prefix of it. The runner
+keeps the old ids in its own table; they are only ever read under the window mask. A null is
+never shared (forks stop before one; a prefix hit takes cached blocks, never a table's entries)
+nor sent to the runner (the scheduler only sends a table once, at admission, before any null).
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from portside.kv_cache import hashing
-from portside.kv_cache.block_pool import BlockPool, KVCacheBlock
+from portside.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from portside.request import Request
 
 
@@ -40,10 +50,17 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Hands out block ids to requests; the model runner turns them into slots and tables."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # the placeholder for a freed out-of-window block: in no pool list, never handed out
+        self.null_block = KVCacheBlock(-1)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -68,7 +85,16 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids in table order; a freed out-of-window block reads -1."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_null_blocks(self, request_id: str) -> int:
+        """How many leading entries of the request's table are freed out-of-window blocks."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        i = 0
+        while i < len(blocks) and blocks[i] is self.null_block:
+            i += 1
+        return i
 
     # ---- prefix cache and forks ------------------------------------------------------------
 
@@ -101,9 +127,16 @@ class KVCacheManager:
         n = min(parent.num_computed_tokens, child.num_tokens - 1) // bs
         parent_tokens, child_tokens = parent.all_token_ids, child.all_token_ids
         shared = 0
-        while shared < n and parent_tokens[shared * bs : (shared + 1) * bs] == child_tokens[shared * bs : (shared + 1) * bs]:
+        parent_blocks = self.req_to_blocks.get(parent.request_id, [])
+        n = min(n, len(parent_blocks))
+        # a freed out-of-window block (a null, always at the table's start) is never shared
+        while (
+            shared < n
+            and parent_blocks[shared] is not self.null_block
+            and parent_tokens[shared * bs : (shared + 1) * bs] == child_tokens[shared * bs : (shared + 1) * bs]
+        ):
             shared += 1
-        blocks = self.req_to_blocks.get(parent.request_id, [])[:shared]
+        blocks = parent_blocks[:shared]
         return blocks, len(blocks) * bs
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -163,16 +196,44 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(start, num_full):
-            if blocks[i].block_hash is None:
+            if blocks[i].block_hash is None and blocks[i] is not self.null_block:
                 self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]))
         self._num_cached_blocks[req_id] = num_full
 
+    def num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks no query at a position >= `num_computed_tokens` can see (0 without a window):
+        block i is dead when its last token (i + 1) * block_size - 1 < n - W + 1."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def free_out_of_window_blocks(self, request: Request) -> int:
+        """Free the request's blocks that fell wholly out of the sliding window, given its
+        `num_computed_tokens`, leaving `null_block` in their place. They are entered in the
+        prefix cache first (`cache_blocks`), so they stay findable as cached free blocks.
+        Returns how many were freed; a no-op without a window."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        num_dead = min(self.num_dead_blocks(request.num_computed_tokens), len(blocks))
+        if num_dead == 0 or blocks[num_dead - 1] is self.null_block:
+            return 0
+        self.cache_blocks(request, request.num_computed_tokens)
+        dead: list[KVCacheBlock] = []
+        for i in range(num_dead - 1, -1, -1):  # tail first, like `free`; the nulls are a prefix
+            if blocks[i] is self.null_block:
+                break
+            dead.append(blocks[i])
+            blocks[i] = self.null_block
+        self.pool.free_blocks(dead)
+        return len(dead)
+
     def free(self, request: Request) -> None:
         """Release every block the request holds, tail first (so its tail is evicted first).
-        Safe to call for a request holding nothing."""
+        Safe to call for a request holding nothing, or holding nulls."""
         req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
         self._req_to_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
         self._pending_lookups.pop(req_id, None)
@@ -185,13 +246,22 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: every block a request holds has ref_cnt equal to the
-        number of requests holding it, and no request holds a block twice."""
+        number of requests holding it, no request holds a block twice, and a request's nulls
+        (freed out-of-window blocks, only with a window) form a prefix of its table and were
+        offered to the prefix cache before being freed."""
         self.pool.check_integrity()
+        null = self.null_block
+        assert null.ref_cnt == 0 and null.block_hash is None and not FreeBlockQueue.contains(null), null
         holders: dict[int, int] = {}
         for req_id, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
+            num_null = sum(1 for b in blocks if b is null)
+            assert all(b is null for b in blocks[:num_null]), f"{req_id}: nulls are not a prefix of its table"
+            assert num_null == 0 or self.sliding_window is not None, f"{req_id} holds nulls without a window"
+            if self.enable_prefix_caching:
+                assert num_null <= self._num_cached_blocks.get(req_id, 0), f"{req_id} freed an unhashed block"
+            ids = [b.block_id for b in blocks[num_null:]]
             assert len(ids) == len(set(ids)), f"{req_id} holds a block twice: {ids}"
-            for block in blocks:
+            for block in blocks[num_null:]:
                 assert self.pool.blocks[block.block_id] is block
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.pool.blocks:

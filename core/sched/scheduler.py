@@ -8,6 +8,12 @@ and a prefix-cache hit or a fork simply starts a request with `num_computed_toke
 
 Blocks run out -> preemption by recompute: the victim (policy.py) frees its blocks, goes back
 to the waiting queue with `num_computed_tokens = 0`, and the runner is told to forget it.
+
+Sliding window (`sliding_window`: the window of a model whose every layer has the same one):
+after each step a request's blocks wholly out of the window are freed (`KVCacheManager.
+free_out_of_window_blocks`), so a request holds about (W + chunk) / block_size blocks at a time
+however long it grows. Its table keeps null placeholders for them; the runner, which only ever
+receives a table's new entries after admission, keeps the old ids, read only under the mask.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ class Scheduler:
         num_blocks: int,
         enable_prefix_caching: bool,
         max_model_len: int,
+        sliding_window: int | None = None,
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = make_policy(scheduler_config.policy)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []  # in admission order
@@ -132,17 +139,19 @@ class Scheduler:
                 computed_blocks, num_computed = self.kv.get_fork_blocks(parent, request)
             else:
                 computed_blocks, num_computed = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_computed
-            if num_new > budget:
-                # without chunked prefill a prompt waits for a step with room; only a recompute
-                # longer than a whole step (prompt + outputs after preemption) is chunked anyway
-                if not self.config.enable_chunked_prefill and (
-                    budget < self.config.max_num_batched_tokens or request.num_prompt_tokens >= num_new
-                ):
-                    return
-                num_new = budget
-            if self.kv.allocate_slots(request, num_new, new_computed_blocks=computed_blocks) is None:
+            num_new = self._num_new_tokens(request, num_computed, budget)
+            if num_new is None:
                 return
+            if self.kv.allocate_slots(request, num_new, new_computed_blocks=computed_blocks) is None:
+                # with a window the pool may be sized below max_model_len: a long prefix hit plus
+                # a chunk can then need more blocks than there are. With nothing running, nothing
+                # will ever free any: start over without the hit (a chunk alone always fits)
+                if not (computed_blocks and self.kv.sliding_window is not None and not self.running):
+                    return
+                computed_blocks, num_computed = [], 0
+                num_new = self._num_new_tokens(request, num_computed, budget)
+                if num_new is None or self.kv.allocate_slots(request, num_new) is None:
+                    return
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -152,6 +161,20 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             new_reqs.append(request)
             budget -= num_new
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int | None:
+        """Tokens to schedule for a request admitted with `num_computed` tokens already in the
+        cache, or None if it must wait for a later step."""
+        num_new = request.num_tokens - num_computed
+        if num_new > budget:
+            # without chunked prefill a prompt waits for a step with room; only a recompute
+            # longer than a whole step (prompt + outputs after preemption) is chunked anyway
+            if not self.config.enable_chunked_prefill and (
+                budget < self.config.max_num_batched_tokens or request.num_prompt_tokens >= num_new
+            ):
+                return None
+            num_new = budget
+        return num_new
 
     def _live_parent(self, request: Request) -> Request | None:
         if request.parent_id is None:
@@ -171,6 +194,7 @@ class Scheduler:
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         block_ids = self.kv.get_block_ids(request.request_id)
+        assert self.kv.num_null_blocks(request.request_id) == 0, f"{request} is admitted holding a freed block"
         self._num_sent_blocks[request.request_id] = len(block_ids)
         return NewRequestData(
             req_id=request.request_id,
@@ -185,6 +209,7 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(request.request_id)
         num_sent = self._num_sent_blocks[request.request_id]
         self._num_sent_blocks[request.request_id] = len(block_ids)
+        assert self.kv.num_null_blocks(request.request_id) <= num_sent, f"{request}: a freed block was never sent"
         return CachedRequestData(
             req_id=request.request_id,
             new_block_ids=block_ids[num_sent:],
@@ -203,6 +228,7 @@ class Scheduler:
                 continue  # aborted (or preempted) after it was scheduled
             request.num_computed_tokens += num_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
+            self.kv.free_out_of_window_blocks(request)  # hashed just above, so still findable
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
             new_tokens = runner_output.sampled_token_ids.get(req_id, [])
@@ -307,3 +333,7 @@ class Scheduler:
             assert num_blocks == cdiv(request.num_computed_tokens + pending, self.block_size), (
                 f"{request} holds {num_blocks} blocks"
             )
+            # freed out-of-window blocks: all the dead ones, except right after admission with a
+            # prefix hit or fork (freed after its first step)
+            num_null = self.kv.num_null_blocks(request.request_id)
+            assert num_null <= self.kv.num_dead_blocks(request.num_computed_tokens), f"{request}: a live block freed"
