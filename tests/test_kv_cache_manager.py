@@ -206,16 +206,24 @@ class KVCacheMachine(RuleBasedStateMachine):
     block physically holds: a hit or a fork must hand out blocks holding exactly the request's
     tokens, and a request only ever writes into blocks it holds alone."""
 
+    window: int | None = None
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(num_blocks=12, block_size=BS)
+        self.kv = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=self.window)
         self.live: dict[str, Request] = {}
         self.content: dict[int, list[int | None]] = {}  # block id -> token written per slot
         self.next_id = 0
 
     def _check_holds(self, req: Request, block_ids: list[int], num_tokens: int) -> None:
+        """Every held block holds the request's tokens; with a window, only blocks no query
+        at >= num_tokens can see are freed (-1)."""
         tokens = req.all_token_ids
+        first_visible = 0 if self.window is None else max(0, num_tokens - self.window + 1)
         for pos in range(num_tokens):
+            if block_ids[pos // BS] == -1:
+                assert pos < first_visible and (pos // BS + 1) * BS <= first_visible, (req, pos)
+                continue
             assert self.content[block_ids[pos // BS]][pos % BS] == tokens[pos], (req, pos)
 
     def _run(self, req: Request, num_new: int, blocks=(), num_hit: int = 0) -> bool:
@@ -231,6 +239,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.content.setdefault(block.block_id, [None] * BS)[pos % BS] = tokens[pos]
         req.num_computed_tokens = start + num_new
         self.kv.cache_blocks(req, req.num_computed_tokens)
+        self.kv.free_out_of_window_blocks(req)
         return True
 
     @rule(prefix=st.integers(0, 3), tail=st.lists(st.integers(0, 2), max_size=9), chunk=st.integers(1, 12))
@@ -286,6 +295,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.check_integrity()
         for req in self.live.values():
             assert len(self.kv.get_block_ids(req.request_id)) == -(-req.num_computed_tokens // BS)
+            # every dead block is freed as soon as the step that killed it is done
+            assert self.kv.num_null_blocks(req.request_id) == self.kv.num_dead_blocks(req.num_computed_tokens)
+            self._check_holds(req, self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
 
     def teardown(self) -> None:
         for req in self.live.values():
@@ -297,3 +309,14 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class WindowedKVCacheMachine(KVCacheMachine):
+    """The same, with a sliding window of 6 (not a multiple of the block size): dead blocks are
+    freed after every step, and hits and forks still hand out exactly the request's tokens."""
+
+    window = 6
+
+
+TestWindowedKVCacheMachine = WindowedKVCacheMachine.TestCase
+TestWindowedKVCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -47,8 +47,9 @@ class RunnerState:
 
 
 class FakeRunner:
-    def __init__(self, block_size: int = BS) -> None:
+    def __init__(self, block_size: int = BS, window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window  # a query at p reads only keys k > p - window
         self.reqs: dict[str, RunnerState] = {}
         self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token written there
 
@@ -71,7 +72,8 @@ class FakeRunner:
             start, table = state.num_computed, state.block_ids
             assert n > 0 and start + n <= len(state.tokens)
             assert len(table) == -(-(start + n) // bs), "not exactly one partial block"
-            for pos in range(start):  # the context must already be in the cache
+            first = 0 if self.window is None else max(0, start - self.window + 1)
+            for pos in range(first, start):  # the context it reads must already be in the cache
                 assert self.slots[(table[pos // bs], pos % bs)] == state.tokens[pos], (req_id, pos)
             for pos in range(start, start + n):
                 self.slots[(table[pos // bs], pos % bs)] = state.tokens[pos]
@@ -92,11 +94,12 @@ def make_scheduler(
     chunked: bool = True,
     prefix_caching: bool = True,
     max_model_len: int = 64,
+    window: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, policy=policy, enable_chunked_prefill=chunked
     )
-    return Scheduler(config, BS, num_blocks, prefix_caching, max_model_len)
+    return Scheduler(config, BS, num_blocks, prefix_caching, max_model_len, sliding_window=window)
 
 
 def make_request(
@@ -460,25 +463,42 @@ request_specs = st.lists(
 actions = st.lists(st.tuples(st.sampled_from(["step", "step", "step", "add", "abort"]), st.integers(0, 100)), max_size=60)
 
 
+def blocks_per_request(max_model_len: int, budget: int, window: int | None) -> int:
+    """What the engine sizes the pool by (llm_engine._blocks_per_request)."""
+    whole = -(-max_model_len // BS)
+    if window is None:
+        return whole
+    return min(whole, -(-(window - 1 + min(budget, max_model_len)) // BS) + 1)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=request_specs,
     script=actions,
-    num_blocks=st.integers(4, 8),
+    num_blocks=st.integers(2, 8),
     budget=st.integers(1, 12),
     max_num_seqs=st.integers(1, 6),
     policy=st.sampled_from(["fcfs", "priority"]),
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
+    window=st.sampled_from([None, None, 1, 3, 4, 6]),
+    long=st.booleans(),
 )
 def test_random_traffic_keeps_invariants_and_outputs(
-    specs, script, num_blocks, budget, max_num_seqs, policy, chunked, prefix_caching
+    specs, script, num_blocks, budget, max_num_seqs, policy, chunked, prefix_caching, window, long
 ) -> None:
-    max_model_len = 16  # num_blocks * BS >= 16 always: any one request fits the pool alone
+    # with a window, "long" requests (up to 33 tokens) run in a pool sized by the window alone
+    long = long and window is not None
+    max_model_len = 40 if long else 16
     if not chunked:  # every prompt fits a step; a recompute of prompt + outputs may not
         budget = max(budget, max_model_len - 1)
-    sched = make_scheduler(num_blocks, budget, max_num_seqs, policy, chunked, prefix_caching, max_model_len)
-    runner = FakeRunner()
+    # any one request fits the pool alone: its whole length, or with a window what it holds
+    # at once (the pool may then be smaller than one request's length)
+    needed = blocks_per_request(max_model_len, budget, window)
+    num_blocks = needed + num_blocks % 3 if long else max(num_blocks, needed)
+    event(f"window {window}, pool below max_model_len: {num_blocks * BS < max_model_len}")
+    sched = make_scheduler(num_blocks, budget, max_num_seqs, policy, chunked, prefix_caching, max_model_len, window)
+    runner = FakeRunner(window=window)
     pending = list(specs)
     made: list[Request] = []
 

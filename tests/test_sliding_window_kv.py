@@ -150,7 +150,7 @@ def test_null_block_is_never_in_the_pool() -> None:
 
 
 def test_mistral_window_generates_past_what_the_pool_could_hold(tmp_path) -> None:
-    from portside import LLM, SamplingParams as SP
+    from portside import LLM
     from portside.testing.tiny import hf_greedy, make_tiny_model
 
     path = tmp_path / "mistral"
@@ -164,7 +164,7 @@ def test_mistral_window_generates_past_what_the_pool_could_hold(tmp_path) -> Non
     try:
         engine = llm.engine
         assert engine.sliding_window == 8 and engine.scheduler.kv.sliding_window == 8
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], SP(temperature=0, max_tokens=n, ignore_eos=True))
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         assert list(out.outputs[0].token_ids) == hf_greedy(path, prompt, n)
         stats = engine.stats()
         assert stats.num_used_blocks == 0 and stats.num_preemptions == 0
@@ -174,7 +174,7 @@ def test_mistral_window_generates_past_what_the_pool_could_hold(tmp_path) -> Non
 
 
 def test_gemma2_mixed_layers_keep_every_block(tmp_path) -> None:
-    from portside import LLM, SamplingParams as SP
+    from portside import LLM
     from portside.testing.tiny import hf_greedy, make_tiny_model
 
     path = tmp_path / "gemma2"
@@ -188,7 +188,7 @@ def test_gemma2_mixed_layers_keep_every_block(tmp_path) -> None:
         engine = llm.engine
         assert engine.sliding_window is None and engine.scheduler.kv.sliding_window is None
         prompt = [(5 * i + 1) % 50 + 5 for i in range(20)]
-        engine.add_request("g", {"prompt_token_ids": prompt}, SP(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.add_request("g", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         tokens: list[int] = []
         while engine.has_unfinished_requests():
             for out in engine.step():
