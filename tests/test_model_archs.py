@@ -19,7 +19,7 @@ import torch
 from portside import LLM, SamplingParams
 from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
-from portside.model.registry import load_model
+from portside.model.registry import load_model, read_model_args
 from portside.testing.paged import PagedSequence
 from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model
 
@@ -120,9 +120,13 @@ def test_greedy_parity_batched_and_alone(case: Path) -> None:
 
 def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
     """A 10-token budget splits prompts across steps, mixed with decodes; 20 blocks of 4 tokens
-    cannot hold 5 sequences of ~40 tokens, so some are preempted and recomputed."""
-    llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=20,
-              max_num_batched_tokens=10)
+    cannot hold 5 sequences of ~40 tokens, so some are preempted and recomputed (8 blocks where
+    every layer has the same window: the blocks behind it are freed as the sequences grow)."""
+    args = read_model_args(case)
+    uniform_window = args.sliding_window is not None and all(
+        args.layer_window(i) == args.sliding_window for i in range(args.num_layers))
+    llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4,
+              num_kv_blocks=8 if uniform_window else 20, max_num_batched_tokens=10)
     prompts = _prompts(1, [23, 11, 19, 25, 14])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.engine.stats().num_preemptions > 0
