@@ -13,11 +13,16 @@ positions are masked out of the softmax, and 0 * finite = 0.
 The native path reads each decode's K/V rows in place from the paged cache (no gather copy, no
 padding) and writes new K/V rows with one call; it runs when the cache, queries and new K/V are
 fp32 and otherwise falls back to the torch path call by call. Prefill chunks always use SDPA.
+
+Both take the attention features (`portside.backend_api.ATTENTION_FEATURES`). A sliding window
+is a mask, and only the blocks holding keys inside some query's window are gathered (a windowed
+decode reads the last `window` keys only; the native kernel skips the rest too). SDPA cannot
+soft-cap scores, so a soft-capped layer computes its scores explicitly (`_attend`, fp32).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +37,23 @@ class _Prefill:
     end: int
     block_ids: torch.Tensor  # [n] int64: the blocks holding the first seq_len tokens
     seq_len: int
-    mask: torch.Tensor  # [G*Q, S] bool (G: query heads per KV head, filled lazily per G)
+    block_size: int
+    views: dict[int | None, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)  # `view`
+
+    def view(self, window: int | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """What the chunk attends with sliding window `window` (None: all keys), built once per
+        step: (the blocks holding those keys, the position of their first key k0, the mask
+        [Q, seq_len - k0] bool: key visible to query)."""
+        if window not in self.views:
+            q0 = self.seq_len - (self.end - self.start)  # the first query's position
+            first = 0 if window is None else max(0, q0 - window + 1) // self.block_size  # its first visible key's block
+            q_pos = torch.arange(q0, self.seq_len).unsqueeze(1)  # (Q, 1)
+            k_pos = torch.arange(first * self.block_size, self.seq_len).unsqueeze(0)  # (1, S')
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self.views[window] = (self.block_ids[first:], first * self.block_size, mask)
+        return self.views[window]
 
 
 @dataclass
@@ -42,9 +63,10 @@ class TorchAttentionPlan:
     keep: torch.Tensor | None  # [T'] int64 rows with a valid slot, or None when all are valid
     slots: torch.Tensor | None  # [T'] int64 slots to write (None: not computed yet, `NativeAttentionBackend`)
     num_decodes: int
-    decode_tables: torch.Tensor | None  # [B, n] int64 blocks of the decodes (padded with 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, n * block_size] bool: key position < seq_len
     prefills: list[_Prefill]
+    # sliding window (None: none) -> the torch decode path's (block tables [B, n] int64, padded
+    # with 0; key mask [B, 1, 1, n * block_size] bool), built on first use (`_decode_view`)
+    decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     native_tables: torch.Tensor | None = None  # [B, n] int32, contiguous: the native decode kernel's
     native_lens: torch.Tensor | None = None  # [B] int32, contiguous
     native_slots: torch.Tensor | None = None  # [T] int64, contiguous: every row's slot (-1 skips)
@@ -63,6 +85,7 @@ def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.
 class CpuAttentionBackend(AttentionBackend):
     name = "torch-sdpa"
     graph_support = GraphCaptureSupport.NEVER
+    features = frozenset({"sliding_window", "logit_softcap"})
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -71,8 +94,9 @@ class CpuAttentionBackend(AttentionBackend):
         md = metadata
         keep, slots = valid_slots(md.slot_mapping)
         nd = md.num_decode_tokens
-        tables, decode_mask = _torch_decode_inputs(md) if nd else (None, None)
-        md.backend_data = TorchAttentionPlan(keep, slots, nd, tables, decode_mask, _plan_prefills(md))
+        md.backend_data = plan = TorchAttentionPlan(keep, slots, nd, plan_prefills(md))
+        if nd:
+            _decode_view(plan, md, None)
         return md
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
@@ -93,31 +117,60 @@ class CpuAttentionBackend(AttentionBackend):
         flat = kv_cache.view(2, nb * bs, kvh, d)
         return flat[0, slots.long()], flat[1, slots.long()]
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         plan = metadata.backend_data
         if not isinstance(plan, TorchAttentionPlan):
             plan = self.prepare(metadata).backend_data
         self._write(kv_cache, key, value, plan.keep, plan.slots)
-        out = torch.empty_like(query)
-        nd = plan.num_decodes
-        if nd:
-            out[:nd] = _decode(query[:nd], kv_cache, plan.decode_tables, plan.decode_mask, scale)
-        for p in plan.prefills:
-            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale)
-        return out
+        return _attend_batch(query, kv_cache, metadata, plan, scale, sliding_window, logit_softcap)
 
 
-def _torch_decode_inputs(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch decode path's block tables (B, n) int64 and key mask (B, 1, 1, n * bs)."""
+def _attend_batch(
+    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, plan: TorchAttentionPlan, scale: float,
+    window: int | None, softcap: float | None, decodes: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """The torch path over a cache already written: the decodes in one call (unless not
+    `decodes`: the caller attends them), each prefill chunk in one. query [T, H, D] -> [T, H, D]."""
+    out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
+    nd = plan.num_decodes
+    if nd and decodes:
+        tables, mask = _decode_view(plan, md, window)
+        out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale, softcap)
+    for p in plan.prefills:
+        out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale, window, softcap)
+    return out
+
+
+def _decode_view(plan: TorchAttentionPlan, md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' block tables (B, n) int64 and key mask (B, 1, 1, n * bs) under sliding window
+    `window` (None: every key), once per step: a windowed row starts at the block of its first
+    visible key, so only about `window` keys are gathered."""
+    if window in plan.decode_views:
+        return plan.decode_views[window]
     nd, bs = md.num_decode_tokens, md.block_size
-    n = -(-max(md.seq_lens_cpu[:nd]) // bs)
-    tables = md.block_tables[:nd, :n].long()
-    mask = torch.arange(n * bs).unsqueeze(0) < md.seq_lens[:nd].unsqueeze(1)  # (B, S)
-    return tables, mask[:, None, None, :]
+    if window is None:
+        n = -(-max(md.seq_lens_cpu[:nd]) // bs)
+        tables = md.block_tables[:nd, :n].long()
+        mask = torch.arange(n * bs).unsqueeze(0) < md.seq_lens[:nd].unsqueeze(1)  # (B, S)
+    else:
+        lens = md.seq_lens[:nd].long().unsqueeze(1)  # (B, 1)
+        first = (lens - window).clamp(min=0) // bs  # (B, 1): each row's first block
+        num_blocks = (lens + bs - 1) // bs
+        n = int((num_blocks - first).max())
+        cols = first + torch.arange(n)  # (B, n): table columns, past a row's end masked below
+        tables = md.block_tables[:nd].long().gather(1, torch.minimum(cols, num_blocks - 1))
+        k_pos = first * bs + torch.arange(n * bs)  # (B, n * bs)
+        mask = (k_pos < lens) & (k_pos >= lens - window)
+    plan.decode_views[window] = tables, mask[:, None, None, :]
+    return plan.decode_views[window]
 
 
 class NativeAttentionBackend(CpuAttentionBackend):
-    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32 caches).
+    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32 caches),
+    which take the attention features too.
 
     Build the kernels first (`kernels.native_unavailable_reason()`); the platform only picks this
     backend when they load."""
@@ -131,7 +184,7 @@ class NativeAttentionBackend(CpuAttentionBackend):
         # The torch path's slot filter is only needed when a step falls back to it (`forward`):
         # in a decode-only step the native kernels skip slot -1 themselves.
         keep, slots = (None, None) if decode_only else valid_slots(md.slot_mapping)
-        plan = TorchAttentionPlan(keep, slots, nd, None, None, [] if decode_only else _plan_prefills(md))
+        plan = TorchAttentionPlan(keep, slots, nd, [] if decode_only else plan_prefills(md))
         plan.native_slots = md.slot_mapping.long().contiguous()
         if nd:
             n = -(-max(md.seq_lens_cpu[:nd]) // md.block_size)
@@ -148,44 +201,41 @@ class NativeAttentionBackend(CpuAttentionBackend):
         else:
             super().write_kv(kv_cache, key, value, slot_mapping)
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         plan = metadata.backend_data
         if not isinstance(plan, TorchAttentionPlan) or plan.native_slots is None:
             plan = self.prepare(metadata).backend_data
         native = _fp32(kv_cache, query, key, value)
         if native and plan.native_step is not None:
-            return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale)
+            return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale,
+                                    sliding_window, logit_softcap)
         if native:
             kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), plan.native_slots)
         else:
             if plan.slots is None:
                 plan.keep, plan.slots = valid_slots(plan.native_slots)
             self._write(kv_cache, key, value, plan.keep, plan.slots)
-        out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
+        out = _attend_batch(query, kv_cache, metadata, plan, scale, sliding_window, logit_softcap, decodes=not native)
         nd = plan.num_decodes
         if nd and native:
             kernels.paged_decode(out[:nd], _dense_rows(query[:nd]), kv_cache, plan.native_tables, plan.native_lens,
-                                 scale)
-        elif nd:
-            tables, mask = _torch_decode_inputs(metadata)
-            out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale)
-        for p in plan.prefills:
-            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale)
+                                 scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
         return out
 
 
-def _plan_prefills(md: AttentionMetadata) -> list[_Prefill]:
-    """Each prefill chunk's blocks and causal mask (requests after the decodes)."""
+def plan_prefills(md: AttentionMetadata, first: int | None = None) -> list[_Prefill]:
+    """Each prefill chunk's blocks (requests from `first` on; default: those after the decodes)."""
     prefills = []
     qsl, lens, bs = md.query_start_loc_cpu, md.seq_lens_cpu, md.block_size
-    for i in range(md.num_decode_tokens, len(lens)):
+    for i in range(md.num_decode_tokens if first is None else first, len(lens)):
         start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
         if end == start:
             continue
         n = -(-seq_len // bs)
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        mask = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # (Q, S)
-        prefills.append(_Prefill(start, end, md.block_tables[i, :n].long(), seq_len, mask))
+        prefills.append(_Prefill(start, end, md.block_tables[i, :n].long(), seq_len, bs))
     return prefills
 
 
@@ -208,19 +258,58 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
     return kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, block_ids)
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """SDPA of q (..., L, D) over k, v (..., S, D) with a boolean mask (True: visible), in k's
+    dtype; with `softcap` the scores are soft-capped (cap * tanh(scores / cap)) before the mask,
+    which SDPA cannot do, so they are computed explicitly, in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (..., L, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.float()).to(k.dtype)
+
+
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, scale: float, window: int | None = None,
+             softcap: float | None = None) -> torch.Tensor:
     """One request's query chunk (the last Q of its seq_len tokens), causal. q: (Q, H, D)."""
+    kvh, d = kv_cache.shape[3], q.shape[2]
+    blocks, k0, mask = p.view(window)
+    kv = _gather_blocks(kv_cache, blocks).view(2, -1, kvh, d)[:, : p.seq_len - k0]  # (2, S', kvh, D)
+    return _attend_chunk(q, kv[0], kv[1], mask, scale, softcap)
+
+
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  softcap: float | None) -> torch.Tensor:
+    """One request's queries q (Q, H, D) over its keys k, v (S, KVH, D); mask (Q, S) bool."""
     num_q, num_heads, d = q.shape
-    kvh = kv_cache.shape[3]
-    kv = _gather_blocks(kv_cache, p.block_ids).view(2, -1, kvh, d)[:, : p.seq_len].transpose(1, 2)  # (2, kvh, S, D)
+    kvh = k.shape[1]
     group = num_heads // kvh
     qg = q.view(num_q, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * num_q, d)  # (kvh, G*Q, D)
-    mask = p.mask if group == 1 else p.mask.repeat(group, 1)  # row g*Q + j is query token j
-    o = F.scaled_dot_product_attention(qg.to(kv.dtype), kv[0], kv[1], attn_mask=mask, scale=scale)  # (kvh, G*Q, D)
+    mask = mask if group == 1 else mask.repeat(group, 1)  # row g*Q + j is query token j
+    o = _attend(qg, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)  # (kvh, G*Q, D)
     return o.view(kvh, group, num_q, d).permute(2, 0, 1, 3).reshape(num_q, num_heads, d).to(q.dtype)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_read_kv(
+    backend: AttentionBackend, query: torch.Tensor, kv_cache: torch.Tensor, chunks: list[_Prefill], scale: float,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """The requests `chunks` (`plan_prefills(md, 0)`: every request) attended over the keys each
+    sees, read back with `backend.read_kv` (any cache layout, already written), one request at a
+    time: the feature layers of a backend whose own kernels do not take the features."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    for p in chunks:
+        _, k0, mask = p.view(window)
+        pos = torch.arange(k0, p.seq_len)
+        k, v = backend.read_kv(kv_cache, p.block_ids[pos // p.block_size] * p.block_size + pos % p.block_size)
+        out[p.start : p.end] = _attend_chunk(query[p.start : p.end], k, v, mask, scale, softcap)
+    return out
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None = None) -> torch.Tensor:
     """A batch of single-token queries. q: (B, H, D); tables (B, n); mask (B, 1, 1, n*bs)."""
     batch, num_heads, d = q.shape
     kvh = kv_cache.shape[3]
@@ -228,5 +317,5 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask:
     kv = kv.view(2, batch, -1, kvh, d).transpose(2, 3)  # (2, B, kvh, S, D)
     group = num_heads // kvh
     qg = q.view(batch, kvh, group, d)  # (B, kvh, G, D): the group is the query axis
-    o = F.scaled_dot_product_attention(qg.to(kv.dtype), kv[0], kv[1], attn_mask=mask, scale=scale)
+    o = _attend(qg, kv[0], kv[1], mask, scale, softcap)
     return o.reshape(batch, num_heads, d).to(q.dtype)

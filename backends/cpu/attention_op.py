@@ -1,7 +1,8 @@
 """Paged attention as an opaque torch custom op, so a whole forward pass compiles as one graph.
 
-`torch.ops.portside_cpu.attention(q, k, v, layer, scale)` runs the step's attention backend
-(`ForwardContext.attention`: KV write + paged attention) for one layer. To dynamo and Inductor it
+`torch.ops.portside_cpu.attention(q, k, v, layer, scale, sliding_window=0, logit_softcap=0.0)`
+runs the step's attention backend (`ForwardContext.attention`: KV write + paged attention) for one
+layer, with the layer's attention features (`feature_args`; 0: not used). To dynamo and Inductor it
 is a black box with a fixed output shape (its fake implementation), so nothing about the batch's
 block tables, sequence lengths or prefill chunks is traced or guarded on, and the graph compiled
 once serves every step. The step's context comes from `forward_context(ctx)`, which the graph
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from portside.backend_api import ForwardContext
+from portside.backend_api import ATTENTION_FEATURES, ForwardContext
 
 _current: ForwardContext | None = None
 
@@ -41,12 +43,23 @@ def forward_context(ctx: ForwardContext, native: bool = False) -> Iterator[None]
             torch.ops.portside_cpu_native.clear_decode_step()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def feature_args(features: dict[str, Any]) -> tuple[int, float]:
+    """A layer's attention features (`PiecewiseModel.attention_features`) as the op's trailing
+    arguments (sliding_window, logit_softcap), 0 for one not used."""
+    unknown = set(features) - set(ATTENTION_FEATURES)
+    if unknown:
+        raise ValueError(f"attention features {sorted(unknown)} are not among {ATTENTION_FEATURES}")
+    return int(features.get("sliding_window") or 0), float(features.get("logit_softcap") or 0.0)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int = 0,
+              logit_softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]: layer `layer`'s paged attention in the current step
-    (writes k/v into that layer's cache first)."""
+    (writes k/v into that layer's cache first); features as `feature_args` gives them."""
     if _current is None:
         raise RuntimeError("portside_cpu::attention called outside forward_context(ctx)")
-    out = _current.attention(layer, q, k, v, scale)
+    out = _current.attention(layer, q, k, v, scale, sliding_window=sliding_window or None,
+                             logit_softcap=logit_softcap or None)
     if out.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
         return out.clone()  # an operator's output may not alias its inputs
     return out.contiguous()  # the strides the fake implementation promised
@@ -56,11 +69,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
 # per layer, and the dispatcher's plain Python kernel costs ~5 us a call against ~12 for
 # custom_op's wrapper (autograd and aliasing checks this op does not need).
 _lib = torch.library.Library("portside_cpu", "FRAGMENT")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int sliding_window=0, "
+            "float logit_softcap=0.0) -> Tensor")
 _lib.impl("attention", attention, "CPU")
 
 
-def attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int = 0,
+                   logit_softcap: float = 0.0) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

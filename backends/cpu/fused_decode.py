@@ -22,6 +22,13 @@ from portside.backend_api import ForwardContext
 logger = logging.getLogger(__name__)
 
 FUSED_DECODE_MODES = ("on", "off")
+# What the native step computes exactly: core's Llama-family class (exactly it, not a subclass
+# that may change a layer) for the architectures it serves, with no attention feature in any layer.
+FUSED_CLASSES = frozenset({"portside.model.llama.LlamaForCausalLM"})
+FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# `ModelArgs` fields the step does not compute, with the value that means "not used"
+NEUTRAL_ARGS = {"hidden_act": "silu", "num_experts": 0, "partial_rotary_factor": 1.0, "clip_qkv": None,
+                "final_logit_softcap": None, "rope_local_theta": None}
 
 
 class FusedDecoder:
@@ -68,10 +75,22 @@ class FusedDecoder:
 
 def unsupported_reason(model: Any) -> str | None:
     """None when `model` can run in the native decode step, else why not. The model is
-    recognised by its class name, not imported: a backend depends on core's contract only
-    (`portside.model.llama.LlamaForCausalLM` serves Llama, Mistral and Qwen2)."""
-    if type(model).__name__ != "LlamaForCausalLM" or not hasattr(model, "model"):
-        return f"{type(model).__name__} is not a Llama-family model"
+    recognised by its class's qualified name (`FUSED_CLASSES`), not imported: a backend depends
+    on core's contract only (`portside.model.llama.LlamaForCausalLM` serves Llama, Mistral and
+    Qwen2); a subclass, another architecture or a layer with attention features is refused."""
+    cls = type(model)
+    if f"{cls.__module__}.{cls.__qualname__}" not in FUSED_CLASSES or not hasattr(model, "model"):
+        return f"{cls.__module__}.{cls.__qualname__} is not a Llama-family model class the native step computes"
+    args = model.config
+    if args.architecture not in FUSED_ARCHITECTURES:
+        return f"architecture {args.architecture!r} is not one of {sorted(FUSED_ARCHITECTURES)}"
+    for name, neutral in NEUTRAL_ARGS.items():
+        if getattr(args, name, neutral) != neutral:
+            return f"{name}={getattr(args, name)!r}"
+    for i in range(model.num_layers):
+        used = {name: value for name, value in model.attention_features(i).items() if value is not None}
+        if used:
+            return f"layer {i} uses attention features {used}"
     if model.dtype != torch.float32:
         return f"dtype {model.dtype} (the native step is fp32)"
     if model.model.embed_tokens.tp_size != 1:

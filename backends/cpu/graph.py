@@ -107,23 +107,26 @@ class _FusedDecodeSteps:
 class _Body(nn.Module):
     """The embedding (with the rotary angles), every decoder layer and the final norm, attention
     through an opaque custom op (`portside_cpu::attention` of `attention_op`, or its C++ front
-    `portside_cpu_native::attention` of `native_ops`): one graph for the whole model, from the
-    token ids and positions. Under tensor parallelism the collectives trace as opaque operators
-    too (`portside.distributed.collectives`). With `logits` it returns the LM head's logits of
-    every row too."""
+    `portside_cpu_native::attention` of `native_ops`, given the layer's attention features): one
+    graph for the whole model, from the token ids and positions. Under tensor parallelism the
+    collectives trace as opaque operators too (`portside.distributed.collectives`). With `logits`
+    it returns the LM head's logits of every row too."""
 
     def __init__(self, model: PiecewiseModel, attention: Callable[..., torch.Tensor], logits: bool = False) -> None:
         super().__init__()
+        from portside.backends.cpu.attention_op import feature_args
+
         self.model = model
         self.attention = attention
         self.logits = logits
+        self.features = [feature_args(model.attention_features(i)) for i in range(model.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m = self.model
         h, aux = m.embed(input_ids, positions)
         for i in range(m.num_layers):
             q, k, v = m.pre_attention(i, h, aux)
-            o = self.attention(q, k, v, i, m.attention_scale(i))
+            o = self.attention(q, k, v, i, m.attention_scale(i), *self.features[i])
             h = m.post_attention(i, h, o)
         h = m.final_norm(h)
         return (h, m.compute_logits(h)) if self.logits else h  # type: ignore[attr-defined]

@@ -10,18 +10,21 @@ IPEX's key cache, 1 its value cache, each ``[num_blocks, num_kv_heads, block_siz
 
 - writes: `reshape_and_cache`;
 - decodes (the first `num_decode_tokens` requests): `single_query_cached_kv_attention`;
-- prefill chunks (the rest): `flash_attn_varlen_func`, causal, over the paged prefix.
+- prefill chunks (the rest): `flash_attn_varlen_func`, causal, over the paged prefix;
+- layers with attention features (sliding window, logit soft-cap): the torch path's attention
+  over the K/V `read_kv` reads back (`attention.attend_read_kv`), one request at a time (IPEX 2.8's
+  CPU kernels are not tested with them here).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
-from portside.backends.cpu.attention import valid_slots
+from portside.backends.cpu.attention import attend_read_kv, plan_prefills, valid_slots
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,11 +59,13 @@ class IpexAttentionPlan:
     prefill_tables: torch.Tensor | None  # [P, max_blocks] int32
     prefill_max_q: int
     prefill_max_kv: int
+    chunks: list = field(default_factory=list)  # every request (`plan_prefills`), for feature layers; lazily
 
 
 class IpexAttentionBackend(AttentionBackend):
     name = "ipex-paged"
     graph_support = GraphCaptureSupport.NEVER
+    features = frozenset({"sliding_window", "logit_softcap"})
 
     def __init__(self) -> None:
         reason = ipex_unavailable_reason()
@@ -132,12 +137,19 @@ class IpexAttentionBackend(AttentionBackend):
             self._head_mapping[key] = torch.arange(num_kv_heads, dtype=torch.int32).repeat_interleave(group)
         return self._head_mapping[key]
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         plan = metadata.backend_data
         if not isinstance(plan, IpexAttentionPlan):
             plan = self.prepare(metadata).backend_data
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self._write(kv_cache, key, value, plan.keep, plan.slots)
+        if sliding_window is not None or logit_softcap is not None:
+            if not plan.chunks:
+                plan.chunks = plan_prefills(metadata, 0)
+            return attend_read_kv(self, query, kv_cache, plan.chunks, scale, sliding_window, logit_softcap)
         query = query.contiguous()
         out = torch.empty_like(query)
         nt = plan.decode_tokens

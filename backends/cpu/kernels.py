@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-lm")
-ABI_VERSION = 1
+ABI_VERSION = 2
 _ERRORS = {
     1: "a block id outside the cache",
     2: "out of memory for the kernel's scratch buffers",
@@ -133,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ps_abi_version.restype = _i32
     lib.ps_abi_version.argtypes = []
     lib.ps_paged_decode_f32.restype = _i32
-    lib.ps_paged_decode_f32.argtypes = [_ptr] * 5 + [_i64] * 12 + [_f32, _i32]
+    lib.ps_paged_decode_f32.argtypes = [_ptr] * 5 + [_i64] * 12 + [_f32, _i64, _f32, _i32]
     lib.ps_write_kv_f32.restype = _i32
     lib.ps_write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
 
@@ -187,8 +187,11 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [B] int32, contiguous
     scale: float,
     num_threads: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
-    """Decode attention of B single-token queries over their paged K/V (GQA: H % KVH == 0)."""
+    """Decode attention of B single-token queries over their paged K/V (GQA: H % KVH == 0), with
+    the attention features of `portside.backend_api.ATTENTION_FEATURES` (None: not used)."""
     lib = load_library().lib
     for t, name in ((out, "out"), (query, "query")):
         _check(t, name, torch.float32, 3)
@@ -212,7 +215,7 @@ def paged_decode(
         out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         batch, heads, kv_heads, d, num_blocks, block_size, block_tables.shape[1],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale, num_threads or torch.get_num_threads(),
+        scale, sliding_window or 0, logit_softcap or 0.0, num_threads or torch.get_num_threads(),
     )  # fmt: skip
     _raise_on(rc, "paged_decode")
 
@@ -263,9 +266,10 @@ class DecodeStep:
         self._slots = slots.data_ptr()
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
         """fp32 query [B, H, D], key/value [B, KVH, D] with dense heads -> attention output [B, H, D]
-        (contiguous); key/value are first written at the step's slots of `kv_cache`."""
+        (contiguous); key/value are first written at the step's slots of `kv_cache`. The features
+        as in `paged_decode`."""
         if kv_cache.dtype != torch.float32 or kv_cache.dim() != 5 or not kv_cache.is_contiguous():
             raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}: need a contiguous fp32 "
                              "[2, num_blocks, block_size, KVH, D] cache")
@@ -285,7 +289,7 @@ class DecodeStep:
         rc = self._lib.ps_paged_decode_f32(
             out.data_ptr(), query.data_ptr(), cache, *self._tables, batch, heads, kv_heads, d, num_blocks,
             block_size, self._table_shape[0], query.stride(0), d, heads * d, d, self._table_shape[1], scale,
-            torch.get_num_threads(),
+            sliding_window or 0, logit_softcap or 0.0, torch.get_num_threads(),
         )  # fmt: skip
         _raise_on(rc, "paged_decode")
         return out

@@ -9,6 +9,8 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
   Llama-family fp32 model in one call (`csrc/fused_decode.cpp`, `fused_decode.py`);
 - `portside_cpu_native::argmax_rows`: row-wise argmax of fp32 logits for the sampler
   (`csrc/argmax.cpp`, `CpuPlatform.sampler`);
+- `portside_cpu_native::moe_experts`: fp32 mixture-of-experts grouped by expert (`csrc/moe.cpp`,
+  `moe.CpuModelOps`);
 - `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
   (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`).
 
@@ -32,6 +34,7 @@ SOURCES = (
     CSRC / "fused_decode.cpp",
     CSRC / "cpu_allocator.cpp",
     CSRC / "argmax.cpp",
+    CSRC / "moe.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
@@ -65,6 +68,7 @@ def load() -> Path:
             torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
             torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
             torch.library.register_fake("portside_cpu_native::argmax_rows", _argmax_rows_fake),
+            torch.library.register_fake("portside_cpu_native::moe_experts", _moe_experts_fake),
         )
     return target
 
@@ -75,6 +79,11 @@ def _linear_row_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[:-1], dtype=torch.long)
+
+
+def _moe_experts_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def unavailable_reason() -> str | None:

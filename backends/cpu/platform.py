@@ -16,6 +16,7 @@ from portside.backend_api import (
     DeviceInfo,
     GraphRunner,
     ModelFn,
+    ModelOps,
     Platform,
     Sampler,
     host_memory,
@@ -222,6 +223,13 @@ class CpuPlatform(Platform):
         if native_ops.unavailable_reason() is None:
             return Sampler(argmax=torch.ops.portside_cpu_native.argmax_rows)
         return Sampler()
+
+    @classmethod
+    def model_ops(cls, config) -> ModelOps:
+        """Core's references, but mixture-of-experts grouped by expert (`moe.CpuModelOps`)."""
+        from portside.backends.cpu.moe import CpuModelOps
+
+        return CpuModelOps()
 
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config) -> GraphRunner:

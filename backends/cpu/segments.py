@@ -71,7 +71,7 @@ def run_segments(
     h, q, k, v = segments[0](h, *aux)
     last = model.num_layers - 1
     for i in range(model.num_layers):
-        o = ctx.attention(i, q, k, v, model.attention_scale(i))  # [T, H, D], paged, eager
+        o = ctx.attention(i, q, k, v, model.attention_scale(i), **model.attention_features(i))  # [T, H, D], paged, eager
         if i < last:
             h, q, k, v = segments[i + 1](h, o, *aux)
         else:

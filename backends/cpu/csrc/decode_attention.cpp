@@ -1,5 +1,7 @@
 // Decode-only paged attention as a torch operator, for the compiled one-step graphs of the cpu
-// backend: portside_cpu_native::attention(Tensor q, Tensor k, Tensor v, int layer, float scale).
+// backend: portside_cpu_native::attention(Tensor q, Tensor k, Tensor v, int layer, float scale,
+// int sliding_window=0, float logit_softcap=0.0), the schema of portside_cpu::attention (0: the
+// feature is not used).
 //
 // The compiled graph (cpp_wrapper) calls it through the dispatcher once per layer. In a step
 // whose plan was installed on this thread with set_decode_step (every row a decode, fp32 caches:
@@ -24,6 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -77,14 +80,15 @@ bool fits(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k, cons
   return k.size(1) == kvh && v.size(1) == kvh && q.size(1) % kvh == 0;
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,
+                     int64_t sliding_window, double logit_softcap) {
   const DecodePlan& plan = decode_plan();
   if (!fits(plan, q, k, v, layer)) {
     static const auto python_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("portside_cpu::attention", "")
                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        int64_t, double)>();
-    return python_op.call(q, k, v, layer, scale);
+                                                        int64_t, double, int64_t, double)>();
+    return python_op.call(q, k, v, layer, scale, sliding_window, logit_softcap);
   }
   const at::Tensor& cache = plan.caches[layer];
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
@@ -97,7 +101,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   rc = paged::ps_paged_decode_f32(out.data_ptr<float>(), q.data_ptr<float>(), cp, plan.tables.data_ptr<int32_t>(),
                                   plan.lens.data_ptr<int32_t>(), batch, heads, kvh, d, num_blocks, block_size,
                                   plan.tables.size(1), q.stride(0), d, heads * d, d, plan.tables.stride(0),
-                                  (float)scale, at::get_num_threads());
+                                  (float)scale, std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
+                                  at::get_num_threads());
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: paged decode failed (error ", rc,
               ": a block id or seq_len outside the cache or the block table, or out of memory)");
   return out;
@@ -111,7 +116,8 @@ portside_native::DecodePlan& portside_native::decode_plan() {
 }
 
 TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int sliding_window=0, "
+        "float logit_softcap=0.0) -> Tensor");
   m.def("set_decode_step(Tensor[] caches, Tensor block_tables, Tensor seq_lens, Tensor slots) -> ()", &set_decode_step);
   m.def("clear_decode_step() -> ()", &clear_decode_step);
 }

@@ -59,6 +59,8 @@ typedef struct {
     int64_t out_stride_tok, out_stride_head; /* out, same shape */
     int64_t table_stride;                    /* block_tables row stride */
     float scale;
+    float softcap;  /* > 0: scores -> softcap * tanh(scores / softcap) before the softmax (0: none) */
+    int64_t window; /* > 0: a query at position p sees keys p - window < k <= p (0: every key) */
 } decode_shape;
 
 /* GNU C vector types (gcc, clang): the compiler lowers them to whatever SIMD the target has. */
@@ -119,10 +121,23 @@ ALWAYS_INLINE float exp_nonpos(float x) {
     return p * scale;
 }
 
+/* tanh(x), vectorizable (libm's tanhf is not without -ffast-math), relative error ~1e-7: cephes'
+ * odd polynomial below |x| = 0.625, else 1 - 2 / (e^2|x| + 1) (no cancellation there), sign
+ * restored. */
+ALWAYS_INLINE float tanh_f32(const float x) {
+    const float a = fabsf(x), z = x * x;
+    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+                          1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+    const float e = exp_nonpos(-2.0f * a); /* e^-2|x| in (0, 1] */
+    const float large = (1.0f - e) / (1.0f + e);
+    return a < 0.625f ? small : (x < 0.0f ? -large : large);
+}
+
 /* One sequence's tokens [t_begin, t_end), all its KV heads: its R = H query rows attend over
  * those keys. Two passes over the paged rows; each K and V row is read once for all R query rows
  * (the heads of a cache row are adjacent in memory):
- *   1. scores[r][t] = scale * q_r . k_t  (then per-row max m_r, exp, sum l_r: an exact softmax)
+ *   1. scores[r][t] = scale * q_r . k_t, soft-capped when sh->softcap > 0 (then per-row max m_r,
+ *      exp, sum l_r: an exact softmax)
  *   2. acc[r] = sum_t p[r][t] * v_t
  * With `out` the result is final: out_r = acc[r] / l_r. Without (out == NULL) the range is one
  * split of a longer sequence and `part` receives acc ([R][D]), then m ([R]), then l ([R]) for
@@ -159,6 +174,11 @@ ALWAYS_INLINE void decode_range(const decode_shape *sh, float *out, float *part,
         }
         const float *k = k_plane + (table[t / BS] * BS + t % BS) * row;
         for (int64_t r = 0; r < R; ++r) scores[r * len + t - t_begin] = dot(qs + r * D, k + (r / G) * D, D);
+    }
+    if (sh->softcap > 0.0f) {
+        const float cap = sh->softcap, inv_cap = 1.0f / cap;
+#pragma omp simd
+        for (int64_t i = 0; i < R * len; ++i) scores[i] = cap * tanh_f32(scores[i] * inv_cap);
     }
     /* softmax numerators, max-subtracted; acc zeroed */
     float m_r[R], l_r[R];
@@ -242,7 +262,12 @@ static void merge_splits(const decode_shape *sh, float *out, const float *parts,
     }
 }
 
-/* How many tasks a sequence of `len` tokens is attended in: one, or one per SPLIT_TOKENS. */
+/* The first key a decode at position len - 1 sees: len - window with a window shorter than the sequence. */
+ALWAYS_INLINE int64_t window_start(const decode_shape *sh, int64_t len) {
+    return sh->window > 0 && len > sh->window ? len - sh->window : 0;
+}
+
+/* How many tasks a sequence of `len` keys is attended in: one, or one per SPLIT_TOKENS. */
 ALWAYS_INLINE int64_t num_splits(int64_t len) { return len > SPLIT_TOKENS ? (len + SPLIT_TOKENS - 1) / SPLIT_TOKENS : 1; }
 
 /* A buffer of at least `bytes`, kept per calling thread and grown as needed (the split index and
@@ -268,32 +293,37 @@ static char *workspace(size_t bytes) {
  *   block_tables [num_seqs, >= max_blocks] int32 (row stride table_stride)
  *   seq_lens     [num_seqs] int32
  * num_heads must be a multiple of num_kv_heads. A seq_len of 0 gives a zero output row.
+ * `window` > 0: only the last `window` keys of each sequence are attended (and read); `softcap`
+ * > 0: the scores are soft-capped (see decode_shape). 0 turns either off.
  *
  * A task is one split of one sequence, all its heads (whole cache rows: one thread walks each
  * cache page, and every row it reads is contiguous). A sequence longer than SPLIT_TOKENS is cut
- * into ceil(seq_len / SPLIT_TOKENS) splits attended independently and merged (flash-decoding),
- * so a batch of one keeps every thread busy; the cut depends only on seq_len, so the result is
- * the same whatever the thread count and whatever else is in the batch. */
+ * into ceil(seq_len / SPLIT_TOKENS) splits (of its attended keys) attended independently and
+ * merged (flash-decoding), so a batch of one keeps every thread busy; the cut depends only on
+ * seq_len and the window, so the result is the same whatever the thread count and whatever else
+ * is in the batch. */
 int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, const int32_t *block_tables,
                         const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                         int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
-                        int64_t out_stride_head, int64_t table_stride, float scale, int num_threads) {
+                        int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
+                        float softcap, int num_threads) {
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
-                             q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale};
+                             q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale,
+                             softcap, window};
     int64_t max_len = 0, tasks = 0, split_tasks = 0;
     for (int64_t i = 0; i < num_seqs; ++i) { /* validate everything before touching the cache */
-        const int64_t len = seq_lens[i], n = num_splits(len);
+        const int64_t len = seq_lens[i], lo = window_start(&sh, len), n = num_splits(len - lo);
         if (len > max_blocks * block_size) return PS_ERR_LEN;
-        for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+        for (int64_t b = lo / block_size; b < (len + block_size - 1) / block_size; ++b) { /* the blocks read */
             const int64_t blk = block_tables[i * table_stride + b];
             if (blk < 0 || blk >= num_blocks) return PS_ERR_BLOCK;
         }
-        max_len = len > max_len ? len : max_len;
+        max_len = len - lo > max_len ? len - lo : max_len;
         tasks += n;
         split_tasks += n > 1 ? n : 0;
     }
-    /* task_start[i]: sequence i's first task; split s of it covers tokens [s, s + 1) * SPLIT_TOKENS.
+    /* task_start[i]: sequence i's first task; split s of it covers tokens lo + [s, s + 1) * SPLIT_TOKENS.
      * Then the partial results of split tasks, indexed by task (only split tasks' entries are used). */
     const int64_t part_floats = num_heads * (head_size + 2);
     const size_t index_bytes = ((size_t)(num_seqs + 1) * sizeof(int64_t) + 63) / 64 * 64;
@@ -302,7 +332,8 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
     int64_t *task_start = (int64_t *)work;
     float *parts = (float *)(work + index_bytes);
     task_start[0] = 0;
-    for (int64_t i = 0; i < num_seqs; ++i) task_start[i + 1] = task_start[i] + num_splits(seq_lens[i]);
+    for (int64_t i = 0; i < num_seqs; ++i)
+        task_start[i + 1] = task_start[i] + num_splits(seq_lens[i] - window_start(&sh, seq_lens[i]));
     const int64_t scores_len = max_len < SPLIT_TOKENS ? max_len : SPLIT_TOKENS; /* the most tokens a task scores */
     const size_t scratch_floats = (size_t)(num_heads * (scores_len + 2 * head_size));
     const int threads = num_threads > 0 ? num_threads : 1;
@@ -326,7 +357,8 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                 for (int64_t r = 0; r < num_heads; ++r) memset(o + r * out_stride_head, 0, head_size * sizeof(float));
                 continue;
             }
-            const int64_t t_begin = s * SPLIT_TOKENS, t_end = (s + 1) * SPLIT_TOKENS < seq_lens[i] ? (s + 1) * SPLIT_TOKENS : seq_lens[i];
+            const int64_t len = seq_lens[i], t_begin = window_start(&sh, len) + s * SPLIT_TOKENS;
+            const int64_t t_end = t_begin + SPLIT_TOKENS < len ? t_begin + SPLIT_TOKENS : len;
             decode_range_any(&sh, n > 1 ? NULL : o, n > 1 ? parts + task * part_floats : NULL, query + i * q_stride_tok,
                              kv_cache, block_tables + i * table_stride, t_begin, t_end, scratch);
         }
@@ -362,4 +394,4 @@ int ps_write_kv_f32(float *kv_cache, int64_t num_slots, int64_t row, const float
 }
 
 /* ABI version of this file's entry points; kernels.py checks it after loading. */
-int ps_abi_version(void) { return 1; }
+int ps_abi_version(void) { return 2; }

@@ -1,0 +1,92 @@
+"""The cpu backend's `ModelOps`: mixture-of-experts grouped by expert.
+
+`CpuModelOps.moe_experts` calls one opaque torch operator, so a compiled graph holds it as a
+black box (its data-dependent grouping must not be traced):
+
+- fp32, when the native operators build: ``portside_cpu_native::moe_experts`` (`csrc/moe.cpp`):
+  the (token, slot) pairs sorted by expert, each expert's few token rows multiplied in one
+  OpenMP region that reads each weight row once for up to 4 tokens (an expert with many tokens:
+  a GEMM);
+- otherwise ``portside_cpu::moe_experts`` below: the pairs sorted by expert once, then two
+  matmuls per expert that received tokens, over its contiguous rows of the sorted tokens, and a
+  weighted scatter-add; a single token just runs its k experts.
+
+Nothing is done for an expert no token chose. Shapes as `portside.backend_api.ModelOps`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from portside.backend_api import ModelOps
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [E, 2I, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, hidden, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int64
+    activation: str = "silu",
+) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]): [T, hidden] in x's dtype,
+    summed in fp32 (`portside.ops.moe.moe_experts`, grouped by expert)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"MoE activation {activation!r} is not one of {ACTIVATIONS}")
+    act = F.silu if activation == "silu" else functools.partial(F.gelu, approximate="tanh")
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # rows [n, hidden] -> [n, hidden]
+        gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(act(gate) * up, w2[e])
+
+    num_tokens, k = topk_ids.shape
+    if num_tokens == 1:  # a decode: its k experts, nothing to sort
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
+            out.add_(expert(e, x).float(), alpha=weight)
+        return out.to(x.dtype)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # [T*k]: the (token, slot) pairs grouped by expert
+    tokens = order // k  # [T*k]: each pair's token
+    xs = x.index_select(0, tokens)  # [T*k, hidden]
+    ys = torch.empty(xs.shape, dtype=x.dtype)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()):  # pairs per expert
+        if n:
+            ys[start : start + n] = expert(e, xs[start : start + n])
+            start += n
+    ys = ys.float() * topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1)
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, tokens, ys).to(x.dtype)
+
+
+# `torch.library.Library`, as `attention_op`: the dispatcher's plain Python kernel.
+_lib = torch.library.Library("portside_cpu", "FRAGMENT")
+_lib.define("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+            "str activation='silu') -> Tensor")
+_lib.impl("moe_experts", moe_experts, "CPU")
+
+
+@torch.library.register_fake("portside_cpu::moe_experts")
+def _moe_experts_fake(x, w13, w2, topk_weights, topk_ids, activation="silu"):  # noqa: ANN001, ANN202
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+class CpuModelOps(ModelOps):
+    """`ModelOps` with `moe_experts` grouped by expert (above); routing stays core's reference."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from portside.backends.cpu import native_ops
+
+        self.native = native_ops.unavailable_reason() is None  # here, not in a traced call
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, activation: str = "silu") -> torch.Tensor:
+        native = self.native and x.dtype == w13.dtype == w2.dtype == torch.float32
+        op = torch.ops.portside_cpu_native.moe_experts if native else torch.ops.portside_cpu.moe_experts
+        return op(x, w13, w2, topk_weights, topk_ids, activation)
