@@ -49,6 +49,12 @@ class OpenVinoGraphRunner(GraphRunner):
             raise RuntimeError(reason)
         if not isinstance(model_fn, PiecewiseModel):
             raise ValueError("cpu graph mode 'openvino' needs a model that implements portside.backend_api.PiecewiseModel")
+        config_of_model = getattr(model_fn, "config", None)
+        if getattr(config_of_model, "num_experts", 0):
+            raise ValueError(
+                "cpu graph mode 'openvino' does not support mixture-of-experts models (the experts' grouped "
+                "operator does not convert to OpenVINO); use --cpu-graph eager or inductor"
+            )
         self.model: PiecewiseModel = model_fn
         self.num_ov_calls = 0
         self._requests: list[Any] = []
