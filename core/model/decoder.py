@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, cast
 
 import torch
@@ -46,7 +46,7 @@ _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj":
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def activation(name: str):  # noqa: ANN201 - a torch function
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "silu":
         return F.silu
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
