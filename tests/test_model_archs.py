@@ -122,9 +122,7 @@ def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
     """A 10-token budget splits prompts across steps, mixed with decodes; 20 blocks of 4 tokens
     cannot hold 5 sequences of ~40 tokens, so some are preempted and recomputed (8 blocks where
     every layer has the same window: the blocks behind it are freed as the sequences grow)."""
-    args = read_model_args(case)
-    uniform_window = args.sliding_window is not None and all(
-        args.layer_window(i) == args.sliding_window for i in range(args.num_layers))
+    uniform_window = read_model_args(case).uniform_sliding_window is not None
     llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4,
               num_kv_blocks=8 if uniform_window else 20, max_num_batched_tokens=10)
     prompts = _prompts(1, [23, 11, 19, 25, 14])

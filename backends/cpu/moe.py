@@ -16,14 +16,10 @@ Nothing is done for an expert no token chose. Shapes as `portside.backend_api.Mo
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from portside.backend_api import ModelOps
-
-ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def moe_experts(
@@ -36,13 +32,10 @@ def moe_experts(
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]): [T, hidden] in x's dtype,
     summed in fp32 (`portside.ops.moe.moe_experts`, grouped by expert)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"MoE activation {activation!r} is not one of {ACTIVATIONS}")
-    act = F.silu if activation == "silu" else functools.partial(F.gelu, approximate="tanh")
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # rows [n, hidden] -> [n, hidden]
         gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(act(gate) * up, w2[e])
+        return F.linear(ModelOps.activate(gate, activation) * up, w2[e])
 
     num_tokens, k = topk_ids.shape
     if num_tokens == 1:  # a decode: its k experts, nothing to sort

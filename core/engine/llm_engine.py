@@ -55,7 +55,9 @@ class LLMEngine:
         assert block_size is not None
         try:
             # a model whose every layer has the same window frees the blocks that fall out of it
-            self.sliding_window = _uniform_sliding_window(config.model.path, self.max_model_len)
+            from portside.model.registry import read_model_args
+
+            self.sliding_window = read_model_args(config.model.path, self.max_model_len).uniform_sliding_window
             num_blocks = self.executor.determine_num_blocks()
             needed = _blocks_per_request(
                 block_size, self.max_model_len, config.scheduler.max_num_batched_tokens, self.sliding_window
@@ -235,20 +237,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _uniform_sliding_window(model_path: str, max_model_len: int) -> int | None:
-    """The window W when every layer of the model has the same sliding window (Mistral v0.1,
-    Phi-3-mini-4k, Qwen2 with all layers windowed), else None (no window, or mixed layers like
-    Gemma's, whose global layers need every block)."""
-    from portside.model.registry import read_model_args
-
-    args = read_model_args(model_path, max_model_len)
-    windows = {args.layer_window(i) for i in range(args.num_layers)}
-    if len(windows) != 1:
-        return None
-    (window,) = windows
-    return window
 
 
 def _blocks_per_request(block_size: int, max_model_len: int, max_batched: int, window: int | None) -> int:

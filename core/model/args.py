@@ -89,6 +89,13 @@ class ModelArgs:
             return self.sliding_window
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer has the same one (Mistral v0.1, Phi-3-mini-4k, Qwen2 with
+        all layers windowed), else None (no window, or mixed layers like Gemma's)."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[i])
 

@@ -314,12 +314,12 @@ class DecoderForCausalLM(nn.Module):
                 return
         yield name, None, tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into this rank's shards; return the parameter names
-        (``name#shard`` for a part of a fused one) filled. Raises on an unknown name or a wrong
-        shape, naming the tensor; `check_loaded` reports missing ones."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        """Copy HF-named checkpoint tensors into this rank's shards; return the (parameter name,
+        shard id) pairs filled (shard id None: a whole parameter). Raises on an unknown name or
+        a wrong shape, naming the tensor; `check_loaded` reports missing ones."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        loaded: set[tuple[str, object]] = set()
         for name, tensor in weights:
             if any(s in name for s in _SKIPPED):
                 continue
@@ -335,43 +335,31 @@ class DecoderForCausalLM(nn.Module):
                         loader(param, part, shard_id)
                 except (ValueError, RuntimeError, IndexError) as e:
                     raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: {e}") from None
-                if shard_id is not None:
-                    loaded.add(f"{target}#{shard_id}")
-                else:
-                    loaded |= {target} | {f"{target}#{s}" for s in _shard_ids(target, param)}
+                # a fused parameter loaded whole (transformers 5's stacked experts) has every part
+                loaded |= {(target, s) for s in _parts(param)} if shard_id is None else {(target, shard_id)}
         return loaded
 
-    def check_loaded(self, loaded: set[str]) -> None:
+    def check_loaded(self, loaded: set[tuple[str, object]]) -> None:
         """Raise if some parameter (or fused part) was never filled by `load_weights`."""
-        expected: set[str] = set()
-        for name, param in self.named_parameters():
-            shards = _shard_ids(name, param)
-            expected |= {f"{name}#{s}" for s in shards} if shards else {name}
+        expected = {(name, s) for name, param in self.named_parameters() for s in _parts(param)}
         if self.config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(_checkpoint_name(n) for n in expected - loaded)
+            expected.discard(("lm_head.weight", None))
+        missing = sorted(_checkpoint_name(name, shard) for name, shard in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
 
-def _checkpoint_name(loaded: str) -> str:
-    """The Hugging Face name of a part `load_weights` reports (``name#shard``)."""
-    name, _, shard = loaded.partition("#")
-    if not shard:
+def _parts(param: nn.Parameter) -> list[object]:
+    """The shard ids a parameter is loaded from (`shard_ids`, set by fused layers), else [None]."""
+    return list(getattr(param, "shard_ids", None) or [None])
+
+
+def _checkpoint_name(name: str, shard: object) -> str:
+    """The Hugging Face name of part `shard` of parameter `name`."""
+    if shard is None:
         return name
     for frag, fused, sid in _STACKED:
-        if fused in name and str(sid) == shard:
+        if fused in name and sid == shard:
             return name.replace(fused, frag)
-    if name.endswith((".experts.w13", ".experts.w2")):  # shard "(e, 'part')"
-        e, part = shard.strip("()").replace("'", "").split(", ")
-        return f"{name.rsplit('.', 1)[0]}.{e}.{part}_proj.weight"
-    return loaded
-
-
-def _shard_ids(name: str, param: nn.Parameter) -> list[object]:
-    """The parts a fused parameter is loaded from (empty: loaded whole)."""
-    if ".qkv_proj." in name:
-        return ["q", "k", "v"]
-    if ".gate_up_proj." in name:
-        return [0, 1]
-    return list(getattr(param, "shard_ids", []))
+    e, part = cast(tuple[int, str], shard)  # an expert's part of experts.w13 / experts.w2
+    return f"{name.rsplit('.', 1)[0]}.{e}.{part}_proj.weight"

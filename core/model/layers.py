@@ -54,6 +54,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+def _set_shard_ids(layer: nn.Module, shard_ids: list[object]) -> None:
+    """Name the checkpoint parts a fused layer's parameters are loaded from (``shard_ids``: what
+    `weight_loader` takes), so a loader can tell which part never came."""
+    for p in layer.parameters(recurse=False):
+        p.shard_ids = shard_ids  # type: ignore[attr-defined]
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
     """Replicated parameter: copy the whole tensor."""
     _copy(param.data, loaded, "weight")
@@ -123,6 +130,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size, dtype)
         self.local_sizes = [_divide(s, tp_size, "output features") for s in output_sizes]
+        _set_shard_ids(self, list(range(len(output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         assert isinstance(shard_id, int), "merged linear needs the index of the part being loaded"
@@ -159,6 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out_local, bias, 0, 1, dtype)  # sizes already per rank
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        _set_shard_ids(self, ["q", "k", "v"])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         d = self.head_dim
