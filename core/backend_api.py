@@ -29,6 +29,7 @@ from portside.sample.sampler import Sampler  # what `Platform.sampler` returns
 
 if TYPE_CHECKING:  # config imports nothing from here; this only names the type.
     from portside.config import EngineConfig
+    from portside.quant.weight import QuantWeight
 
 __all__ = [
     "HUGE_PAGE",
@@ -483,6 +484,10 @@ class ModelOps:
 
     Mixture-of-experts (shapes in `portside.ops.moe`): `fused_moe` routes (`select_experts`)
     then computes the experts (`moe_experts`); a backend usually overrides `moe_experts` only.
+
+    Quantized weights (`portside.quant.weight.QuantWeight`): `prepare_quantized` re-lays a
+    loaded weight once, `quantized_linear` multiplies by it; a backend overrides the formats it
+    has kernels for and hands the rest to ``super()``.
     """
 
     name: ClassVar[str] = "reference"
@@ -515,6 +520,46 @@ class ModelOps:
         from portside.ops.moe import moe_experts
 
         return moe_experts(x, w13, w2, topk_weights, topk_ids, activation)
+
+    # ---- quantized weights (`portside.quant`: canonical layouts in `portside.quant.weight`) ---
+
+    def prepare_quantized(self, weight: QuantWeight) -> QuantWeight:
+        """Called once per quantized layer after loading: re-lay `weight` the way this
+        platform's kernels read it (register further buffers on it, set ``weight.layout``), or
+        return another `QuantWeight`. The canonical buffers should stay valid: the reference
+        (and a kernel declining an input) reads them. Default: as loaded."""
+        return weight
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype: x @ dequantize(weight)^T + bias, activations first
+        rounded per token where ``weight.act`` says (W8A8). Default: dequantize, then matmul."""
+        from portside.quant.weight import quantized_linear
+
+        return quantized_linear(x, weight, bias)
+
+    def quantized_embedding(self, ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        """Rows `ids` [T] of a quantized embedding table -> fp32 [T, hidden] (GGUF embeddings)."""
+        from portside.quant.weight import quantized_embedding
+
+        return quantized_embedding(ids, weight)
+
+    def quantized_moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: QuantWeight,
+        w2: QuantWeight,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """`moe_experts` with stacked quantized experts (w13 [E, 2I, hidden], w2 [E, hidden, I]
+        as `QuantWeight`s). Default: each expert routed to through `quantized_linear`."""
+        from portside.ops.moe import moe_experts
+
+        return moe_experts(x, w13, w2, topk_weights, topk_ids, activation, linear=self._expert_linear)
+
+    def _expert_linear(self, x: torch.Tensor, w: QuantWeight, e: int) -> torch.Tensor:
+        return self.quantized_linear(x, w.expert(e))
 
     def fused_moe(
         self,

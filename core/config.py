@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from portside.quant.config import QuantConfig
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -15,6 +17,7 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     max_model_len: int = 2048
     seed: int = 0
+    quantization: QuantConfig | None = None  # None: full-precision weights
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class CacheConfig:
     # model; None: the platform's default
     kv_cache_memory: float | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
 
 
 @dataclass(frozen=True)

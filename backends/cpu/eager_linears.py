@@ -51,6 +51,8 @@ class PackedWeights:
         return sum(p is not None for p in self._packed.values())
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(weight, torch.nn.Parameter):
+            return None  # a temporary (a dequantized weight): its address is reused, never cache it
         key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
         if key not in self._packed:
             packed = None

@@ -91,6 +91,8 @@ def unsupported_reason(model: Any) -> str | None:
         used = {name: value for name, value in model.attention_features(i).items() if value is not None}
         if used:
             return f"layer {i} uses attention features {used}"
+    if getattr(model.config, "quantized", False) or any(getattr(m, "quant", None) is not None for m in model.modules()):
+        return "quantized weights"
     if model.dtype != torch.float32:
         return f"dtype {model.dtype} (the native step is fp32)"
     if model.model.embed_tokens.tp_size != 1:

@@ -27,6 +27,7 @@ class WorkerReady:
     kv_cache_spec: KVCacheSpec  # this rank's share (KV heads per rank)
     num_blocks: int  # blocks that fit this rank's device; the engine takes the minimum
     vocab_size: int
+    weight_bytes: int = 0  # this rank's loaded weights
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class Worker:
 
     def ready(self) -> WorkerReady:
         r = self.runner
-        return WorkerReady(self.rank, r.kv_cache_spec(), r.determine_num_blocks(), r.vocab_size)
+        return WorkerReady(self.rank, r.kv_cache_spec(), r.determine_num_blocks(), r.vocab_size, r.weight_bytes)
 
     def handle(self, msg: Any) -> Any:
         """Run one message; returns the reply (None when there is none)."""

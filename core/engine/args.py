@@ -47,6 +47,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # None: what config.json's quantization_config says
+    quantized_activations: str | None = None  # "int8" / "fp8": W8A8 with --quantization int8 / fp8
+    kv_cache_dtype: str = "auto"
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -70,18 +73,23 @@ class EngineArgs:
         path = self.resolve_model_path()
         hf = _read_hf_config(path)
         dtype = self._resolve_dtype(hf, platform)
+        from portside.quant.config import QuantConfig
+
+        quant = QuantConfig.resolve(hf.get("quantization_config"), self.quantization, self.quantized_activations)
         max_pos = int(hf.get("max_position_embeddings") or 2048)
         max_model_len = self.max_model_len or max_pos
         if max_model_len > max_pos:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         config = EngineConfig(
-            model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed),
+            model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed,
+                              quantization=quant),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
@@ -122,7 +130,7 @@ def _read_hf_config(path: str) -> dict[str, Any]:
     with open(config_file) as f:
         hf = json.load(f)
     # multimodal-style configs nest the language model's settings
-    return hf.get("text_config", hf) | {k: v for k, v in hf.items() if k in ("torch_dtype", "dtype")}
+    return hf.get("text_config", hf) | {k: v for k, v in hf.items() if k in ("torch_dtype", "dtype", "quantization_config")}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +149,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs", help="order of waiting requests and choice of preemption victims")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
+    g.add_argument("--quantization", "-q", default=None, help="gptq, awq, compressed-tensors, fp8, gguf: the checkpoint's format (default: what its config.json says); int8 or fp8 on a full-precision checkpoint quantizes it per output channel while loading")
+    g.add_argument("--quantized-activations", choices=["none", "int8", "fp8"], default=None, help="with --quantization int8: also quantize activations per token (W8A8, faster on VNNI/AMX CPUs, not bit-exact); fp8 checkpoints set their own")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, or int8 (cpu): 8-bit values with per-token scales")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
 
 

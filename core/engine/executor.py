@@ -17,6 +17,10 @@ class UniProcExecutor:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.runner.weight_bytes
+
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 

@@ -38,6 +38,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    weight_bytes: int = 0  # the loaded model's weights, every rank together
 
 
 class LLMEngine:
@@ -84,10 +85,13 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
+        self.weight_bytes: int = self.executor.weight_bytes
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("portside engine ready: %s on %s, dtype %s, %d KV blocks of %d",
-                    config.model.path, self.platform.name, config.model.dtype, num_blocks, block_size)
+        quant = config.model.quantization
+        logger.info("portside engine ready: %s on %s, dtype %s%s, weights %.1f MiB, %d KV blocks of %d",
+                    config.model.path, self.platform.name, config.model.dtype, f", {quant.describe()}" if quant else "",
+                    self.weight_bytes / 2**20, num_blocks, block_size)
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> LLMEngine:
@@ -223,6 +227,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            weight_bytes=self.weight_bytes,
         )
 
     def apply_chat_template(

@@ -65,6 +65,7 @@ class MultiprocExecutor:
         logger.info("started %d tensor-parallel workers: pids %s", tp, [p.pid for p in self._procs])
         ready: dict[int, WorkerReady] = self._collect(range(tp), WorkerReady, "loading its model shard")
         self.vocab_size: int = ready[0].vocab_size
+        self.weight_bytes: int = sum(r.weight_bytes for r in ready.values())
         self.kv_cache_spec: KVCacheSpec = ready[0].kv_cache_spec  # per rank
         self._num_blocks = min(r.num_blocks for r in ready.values())
 

@@ -23,6 +23,7 @@ from torch import nn
 from portside.backend_api import Communicator, SingleRankCommunicator
 
 __all__ = [
+    "LinearBase",
     "RMSNorm",
     "GemmaRMSNorm",
     "ReplicatedLinear",
@@ -89,36 +90,81 @@ class GemmaRMSNorm(RMSNorm):
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class ReplicatedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """What every linear layer shares: where this rank's slice of the checkpoint tensor is
+    (`out_partition`, `in_partition`), used by the dense weight loader and by quantized formats
+    alike, and the matmul, dense or through `ModelOps.quantized_linear` once a quantized format
+    has replaced ``weight`` with a `QuantWeight` (``quant``).
+
+    ``parts``: the checkpoint parts a fused layer is loaded from (shard ids), None for one part.
+    """
+
+    parts: list[object] | None = None
+    quantizable = True  # False: a quantized format leaves it in full precision (MoE routers)
+    quant: nn.Module | None
+    weight: nn.Parameter | None  # None once quantized
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, bias_sharded: bool) -> None:
+        super().__init__()
+        self.in_local, self.out_local, self.dtype = in_local, out_local, dtype
+        self.weight = _param(out_local, in_local, dtype=dtype, loader=self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = _param(out_local if bias_sharded else self.out_features, dtype=dtype,
+                               loader=self.weight_loader if bias_sharded else default_weight_loader)
+        self.quant = None
+        self.ops: object = None  # the ModelOps a quantized format computes through
+
+    @property
+    def out_features(self) -> int:  # rows of this rank's weight
+        return self.out_local
+
+    def out_partition(self, shard_id: object = None) -> tuple[int, int, int]:
+        """(first row in this rank's weight, first row in the checkpoint tensor, rows) of part
+        `shard_id`. Default: the whole tensor."""
+        return 0, 0, self.out_local
+
+    def in_partition(self) -> tuple[int, int] | None:
+        """(first column in the checkpoint tensor, columns) this rank keeps; None: all."""
+        return None
+
+    def part_index(self, shard_id: object) -> int:
+        return 0 if self.parts is None else self.parts.index(shard_id)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        dst, src, n = self.out_partition(shard_id)
+        cols = self.in_partition()
+        if cols is not None and loaded.dim() == 2:
+            loaded = loaded.narrow(1, *cols)
+        _copy(param.data.narrow(0, dst, n), loaded.narrow(0, src, n), "weight" if shard_id is None else f"part {shard_id!r}")
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.ops.quantized_linear(x, self.quant, bias)  # type: ignore[attr-defined]
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return self.matmul(x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
     """y = x W^T (+ b), the whole weight on every rank (a MoE router, a shared expert's gate)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, loader=default_weight_loader)
-        self.bias = _param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        super().__init__(in_features, out_features, bias, dtype, bias_sharded=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's output rows split across ranks: y is this rank's slice."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int, dtype: torch.dtype
     ) -> None:
-        super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.out_local = _divide(out_features, tp_size, "output features")
-        self.weight = _param(self.out_local, in_features, dtype=dtype, loader=self.weight_loader)
-        self.bias = _param(self.out_local, dtype=dtype, loader=self.weight_loader) if bias else None
+        super().__init__(in_features, _divide(out_features, tp_size, "output features"), bias, dtype, bias_sharded=True)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        n = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "column-parallel weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp]
-        return F.linear(x, self.weight, self.bias)
+    def out_partition(self, shard_id: object = None) -> tuple[int, int, int]:
+        return 0, self.tp_rank * self.out_local, self.out_local
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -128,15 +174,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(
         self, in_features: int, output_sizes: list[int], bias: bool, tp_rank: int, tp_size: int, dtype: torch.dtype
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size, dtype)
         self.local_sizes = [_divide(s, tp_size, "output features") for s in output_sizes]
-        _set_shard_ids(self, list(range(len(output_sizes))))
+        self.parts = list(range(len(output_sizes)))
+        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size, dtype)
+        _set_shard_ids(self, self.parts)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def out_partition(self, shard_id: object = None) -> tuple[int, int, int]:
         assert isinstance(shard_id, int), "merged linear needs the index of the part being loaded"
         size = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size), "merged weight")
+        return sum(self.local_sizes[:shard_id]), self.tp_rank * size, size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -165,24 +211,22 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_head_start = tp_rank * num_kv_heads // tp_size
         out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.parts = ["q", "k", "v"]
         super().__init__(hidden_size, out_local, bias, 0, 1, dtype)  # sizes already per rank
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        _set_shard_ids(self, ["q", "k", "v"])
+        _set_shard_ids(self, self.parts)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def out_partition(self, shard_id: object = None) -> tuple[int, int, int]:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            dst, src_start, size = 0, self.tp_rank * q_size, q_size
-        elif shard_id in ("k", "v"):
-            dst = q_size if shard_id == "k" else q_size + kv_size
-            src_start, size = self.kv_head_start * d, kv_size
-        else:
-            raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy(param.data.narrow(0, dst, size), loaded.narrow(0, src_start, size), f"{shard_id}_proj")
+            return 0, self.tp_rank * q_size, q_size
+        if shard_id in ("k", "v"):
+            return (q_size if shard_id == "k" else q_size + kv_size), self.kv_head_start * d, kv_size
+        raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T + b with W's input columns split: x is this rank's slice, partial products are
     summed over ranks (all_reduce), then the (replicated) bias is added once."""
 
@@ -196,19 +240,15 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype,
         comm: Communicator | None = None,
     ) -> None:
-        super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias, dtype, bias_sharded=False)
         self.comm = comm or SingleRankCommunicator()
-        self.in_local = _divide(in_features, tp_size, "input features")
-        self.weight = _param(out_features, self.in_local, dtype=dtype, loader=self.weight_loader)
-        self.bias = _param(out_features, dtype=dtype, loader=default_weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        n = self.in_local
-        _copy(param.data, loaded.narrow(1, self.tp_rank * n, n), "row-parallel weight")
+    def in_partition(self) -> tuple[int, int] | None:
+        return (self.tp_rank * self.in_local, self.in_local) if self.tp_size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.tp_size > 1:
             y = self.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -227,12 +267,14 @@ class VocabParallelEmbedding(nn.Module):
         comm: Communicator | None = None,
     ) -> None:
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.dtype = vocab_size, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.comm = comm or SingleRankCommunicator()
         self.rows = -(-vocab_size // tp_size)  # per rank, padded
         self.start = tp_rank * self.rows
         self.weight = _param(self.rows, hidden_size, dtype=dtype, loader=self.weight_loader)
+        self.quant: nn.Module | None = None  # a quantized table (GGUF), looked up through `ops`
+        self.ops: object = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if loaded.shape[0] != self.vocab_size:
@@ -241,12 +283,17 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         _copy(param.data[:n], loaded.narrow(0, self.start, n), "embedding")
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.ops.quantized_embedding(ids, self.quant).to(self.dtype)  # type: ignore[attr-defined]
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = self.lookup(local.masked_fill(outside, 0))
         h = h.masked_fill(outside.unsqueeze(-1), 0)
         return self.comm.all_reduce(h)
 
@@ -256,7 +303,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     every rank returns the full vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        logits = F.linear(hidden, self.weight)  # [N, rows]
+        if self.quant is not None:
+            logits = self.ops.quantized_linear(hidden, self.quant)  # type: ignore[attr-defined]
+        else:
+            logits = F.linear(hidden, self.weight)  # [N, rows]
         if self.tp_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab]
         return logits

@@ -35,6 +35,8 @@ class MoEExperts(nn.Module):
         self.w2 = _param(num_experts, hidden_size, self.local, dtype=dtype, loader=self.w2_loader)
         self.w13.shard_ids = [(e, part) for e in range(num_experts) for part in ("gate", "up")]  # type: ignore[attr-defined]
         self.w2.shard_ids = [(e, "down") for e in range(num_experts)]  # type: ignore[attr-defined]
+        self.quant13: nn.Module | None = None  # quantized w13 / w2 (`QuantWeight`s) instead
+        self.quant2: nn.Module | None = None
 
     def _rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.narrow(dim, self.tp_rank * self.local, self.local)
@@ -79,13 +81,21 @@ class SparseMoEBlock(nn.Module):
         self.top_k, self.renormalize, self.ops = top_k, renormalize, ops
         self.comm, self.tp_size = comm, tp_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
+        self.gate.quantizable = False  # routers stay in full precision (as GPTQ/AWQ tools leave them)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, dtype)
         self.shared_expert = shared_expert
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype) if shared_expert is not None else None
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.quantizable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         router_logits = self.gate(x)  # [T, E]
-        y = self.ops.fused_moe(x, router_logits, self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
+        ex = self.experts
+        if ex.quant13 is not None:
+            weights, ids = self.ops.select_experts(router_logits, self.top_k, self.renormalize)
+            y = self.ops.quantized_moe_experts(x, ex.quant13, ex.quant2, weights, ids)  # type: ignore[arg-type]
+        else:
+            y = self.ops.fused_moe(x, router_logits, ex.w13, ex.w2, self.top_k, self.renormalize)
         if self.tp_size > 1:
             y = self.comm.all_reduce(y)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

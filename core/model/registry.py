@@ -97,8 +97,21 @@ def load_model(
     folder = resolve_model_path(model_config.path)
     args = read_model_args(folder, model_config.max_model_len)
     cls = model_class(args.architecture)
+    ops = ops or ModelOps()
+    qc = model_config.quantization
     with torch.device(device):
-        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops or ModelOps())
+        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops)
+    if qc is not None:
+        from portside.quant.apply import prepare_model_for_format
+
+        prepare_model_for_format(model, qc, ops)
     load_checkpoint(model, folder)
+    if qc is not None:
+        from portside.quant.apply import finalize_quantized
+
+        try:
+            finalize_quantized(model, qc, ops)
+        except ValueError as e:
+            raise ValueError(f"{folder}: {e}") from None
     # every class in SUPPORTED_ARCHITECTURES is a CausalLM (interface.py checks LlamaForCausalLM)
     return cast(CausalLM, model.eval())

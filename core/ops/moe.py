@@ -8,6 +8,9 @@ parallelism I is this rank's slice of every expert, and the caller sums the rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -44,23 +47,33 @@ def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"MoE activation {activation!r} is not one of {ACTIVATIONS}")
 
 
+def _dense_expert(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
+    return F.linear(x, w[e])
+
+
 def moe_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Any,
+    w2: Any,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    linear: Callable[[torch.Tensor, Any, int], torch.Tensor] = _dense_expert,
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), where expert e is
     ``w2[e] @ (act(gate) * up)`` with ``gate, up = w13[e] @ x``; [T, hidden] in x's dtype,
-    accumulated in fp32. One expert at a time, over the tokens routed to it."""
+    accumulated in fp32. One expert at a time, over the tokens routed to it. `linear(x, w, e)`
+    multiplies by expert e's slice of a stacked weight (quantized ones pass their own)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(w13.shape[0]):
+    for e in range(_num_experts(w13)):
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
-        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-        y = F.linear(activate(gate, activation) * up, w2[e])  # [n, hidden]
+        gate, up = linear(x[rows], w13, e).chunk(2, dim=-1)
+        y = linear(activate(gate, activation) * up, w2, e)  # [n, hidden]
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot].unsqueeze(1).float())
     return out.to(x.dtype)
+
+
+def _num_experts(w: Any) -> int:
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) else int(w.qweight.shape[0])  # a stacked QuantWeight

@@ -91,6 +91,12 @@ class ModelRunner:
         tp = config.parallel.tensor_parallel_size
         self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp, ops=platform.model_ops(config))
         platform.prepare_model(cast(torch.nn.Module, self.model), config)
+        from portside.quant.apply import weight_bytes
+
+        self.weight_bytes = weight_bytes(cast(torch.nn.Module, self.model))  # after the platform's re-layout
+        q = config.model.quantization
+        logger.info("model weights: %.1f MiB on %s (%s)", self.weight_bytes / 2**20, self.device,
+                    q.describe() if q else str(config.model.dtype).removeprefix("torch."))
         self.vocab_size = self.model.config.vocab_size
         self.attn_backend = platform.attention_backend(config)
         _check_attention_features(self.model, platform, self.attn_backend)

@@ -52,6 +52,7 @@ class _EngineCollector(Collector):
         yield _counter("portside_num_preemptions", "Requests preempted (recomputed later) since start.", get("num_preemptions"))
         yield _counter("portside_prompt_tokens", "Prompt tokens processed since start.", get("prompt_tokens_total"))
         yield _counter("portside_generation_tokens", "Tokens generated since start.", get("generation_tokens_total"))
+        yield _gauge("portside_model_weight_bytes", "Bytes of the loaded model weights (all ranks; quantized where the model is).", get("weight_bytes"))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

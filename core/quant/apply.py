@@ -1,0 +1,98 @@
+"""Quantizing a built model: `prepare_model_for_format` before the checkpoint loads (each linear
+layer gets its format's checkpoint tensors instead of a dense weight), `finalize_quantized` after
+(each becomes a canonical `QuantWeight`, handed to the platform's `ModelOps.prepare_quantized`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from portside.backend_api import ModelOps
+from portside.model.layers import LinearBase
+from portside.quant.config import QuantConfig
+from portside.quant.formats import add_checkpoint_params, to_quant_weight
+from portside.quant.weight import quantize_per_channel
+
+__all__ = ["prepare_model_for_format", "finalize_quantized", "weight_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _hf_names(name: str) -> list[str]:
+    """The checkpoint module names a portside layer is loaded from (fused layers: every part)."""
+    head, _, last = name.rpartition(".")
+    return [name] + [f"{head}.{p}" for p in _PARTS.get(last, ())]
+
+
+def prepare_model_for_format(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None:
+    """Give every quantized linear layer of `model` its checkpoint tensors (`formats`); layers
+    the format leaves in full precision (ignore lists, lm_head, MoE routers) keep theirs."""
+    from portside.model.moe import MoEExperts
+
+    if qc.method == "gguf":
+        from portside.quant.gguf import prepare_gguf_model
+
+        prepare_gguf_model(model, qc, ops)
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, MoEExperts) and not qc.online:
+            raise ValueError(
+                f"{qc.method} checkpoints of mixture-of-experts models are not supported yet (quantized experts); "
+                "serve the full-precision checkpoint with --quantization int8 or fp8, or a GGUF file"
+            )
+        if not isinstance(module, LinearBase):
+            continue
+        module.ops = ops
+        wanted = [qc.quantizes(n) for n in _hf_names(name)]
+        if not getattr(module, "quantizable", True) or not all(wanted):
+            if any(wanted) and getattr(module, "quantizable", True):
+                raise ValueError(f"{name}: its fused parts are not all quantized ({qc.method} ignore list); portside fuses them")
+            continue
+        add_checkpoint_params(module, qc)
+        module.quant_format = qc  # type: ignore[assignment]
+
+
+def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None:
+    """Convert every loaded quantized layer to a `QuantWeight` the platform has prepared, and
+    (online methods) quantize the experts of MoE layers. Raises ValueError naming the layer."""
+    from portside.model.moe import MoEExperts
+
+    if qc.method == "gguf":
+        from portside.quant.gguf import finalize_gguf_model
+
+        finalize_gguf_model(model, qc, ops)
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LinearBase) and getattr(module, "quant_format", None) is not None:
+            try:
+                qw = to_quant_weight(module, qc)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            for pname in list(module._parameters):
+                if pname != "bias":
+                    delattr(module, pname)
+            module.weight = None
+            module.quant = ops.prepare_quantized(qw)
+            module.quant_format = None
+        elif isinstance(module, MoEExperts) and qc.online:
+            module.quant13 = ops.prepare_quantized(quantize_per_channel(module.w13.detach(), qc.method, qc.act))
+            module.quant2 = ops.prepare_quantized(quantize_per_channel(module.w2.detach(), qc.method, qc.act))
+            del module.w13, module.w2
+    logger.info("quantized %s: %s", type(model).__name__, qc.describe())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `model`, each storage counted once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.untyped_storage().data_ptr(), t.data_ptr())
+        if key in seen or t.device.type == "meta":
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total

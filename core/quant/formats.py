@@ -1,0 +1,252 @@
+"""Checkpoint formats of quantized linear layers: the tensors each format stores for one layer (in
+its own names and packing), how a rank's slice of them is loaded, and their conversion to the
+canonical `QuantWeight` once every part has arrived.
+
+A format replaces a `LinearBase`'s dense ``weight`` with parameters named as in the checkpoint
+(``qweight``, ``qzeros``, ``scales``, ``g_idx`` for GPTQ), so `DecoderForCausalLM.load_weights`
+fills them like any other: ``q_proj.qweight`` goes to part "q" of ``qkv_proj.qweight``. Each
+parameter's `CkptParam` says which of its axes runs over output rows (N, possibly packed several
+to an int32) and which over input columns (K, packed, or one entry per group), which is all the
+tensor-parallel and fused-part slicing needs (`LinearBase.out_partition` / `in_partition`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from portside.model.layers import LinearBase
+from portside.quant.config import QuantConfig
+from portside.quant.weight import QuantWeight, pack_int4, quantize_per_channel
+
+__all__ = ["CkptParam", "checkpoint_params", "add_checkpoint_params", "to_quant_weight", "unpack_int32"]
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i]
+
+
+@dataclass(frozen=True)
+class CkptParam:
+    """One checkpoint tensor of a quantized linear layer (shapes in `checkpoint_params`)."""
+
+    name: str
+    dtype: torch.dtype  # how portside keeps it: the packed integer type, or fp32 for scales
+    shape: Callable[[int, int, int], tuple[int, ...]]  # (N, K, groups) of this rank -> shape
+    out_dim: int | None = None  # axis over output rows
+    out_pack: int = 1  # rows per element along out_dim
+    in_dim: int | None = None  # axis over input columns
+    in_unit: int | str = 1  # columns per element along in_dim, or "group"
+    per_part: bool = False  # one (scalar / small) value per fused part: [parts, ...]
+    shared: bool = False  # the same tensor for every part (GPTQ's g_idx): kept once, checked equal
+    optional: bool = False
+    integer: bool = False  # must arrive as exactly `dtype`
+
+
+def checkpoint_params(qc: QuantConfig) -> list[CkptParam]:
+    """The tensors `qc`'s format stores per linear layer (empty: the dense ``weight`` stays)."""
+    i32, f32 = torch.int32, torch.float32
+    if qc.method == "gptq":
+        pf = 32 // qc.bits
+        return [
+            CkptParam("qweight", i32, lambda n, k, g: (k // pf, n), out_dim=1, in_dim=0, in_unit=pf, integer=True),
+            CkptParam("qzeros", i32, lambda n, k, g: (g, n // pf), out_dim=1, out_pack=pf, in_dim=0, in_unit="group", integer=True),
+            CkptParam("scales", f32, lambda n, k, g: (g, n), out_dim=1, in_dim=0, in_unit="group"),
+            CkptParam("g_idx", i32, lambda n, k, g: (k,), in_dim=0, shared=True, optional=True, integer=True),
+        ]
+    if qc.method == "awq":
+        return [
+            CkptParam("qweight", i32, lambda n, k, g: (k, n // 8), out_dim=1, out_pack=8, in_dim=0, integer=True),
+            CkptParam("qzeros", i32, lambda n, k, g: (g, n // 8), out_dim=1, out_pack=8, in_dim=0, in_unit="group", integer=True),
+            CkptParam("scales", f32, lambda n, k, g: (g, n), out_dim=1, in_dim=0, in_unit="group"),
+        ]
+    if qc.method == "compressed-tensors" and qc.ct_format == "pack-quantized":
+        pf = 32 // qc.bits
+        params = [
+            CkptParam("weight_packed", i32, lambda n, k, g: (n, k // pf), out_dim=0, in_dim=1, in_unit=pf, integer=True),
+            CkptParam("weight_scale", f32, lambda n, k, g: (n, g), out_dim=0, in_dim=1, in_unit="group"),
+            CkptParam("weight_shape", torch.int64, lambda n, k, g: (2,), per_part=True, integer=True),
+        ]
+        if not qc.sym:
+            params.append(CkptParam("weight_zero_point", i32, lambda n, k, g: (n // pf, g), out_dim=0, out_pack=pf,
+                                    in_dim=1, in_unit="group", integer=True))
+        if qc.desc_act:
+            params.append(CkptParam("weight_g_idx", i32, lambda n, k, g: (k,), in_dim=0, shared=True, integer=True))
+        return params
+    if qc.method in ("compressed-tensors", "fp8") and not qc.online:
+        fp8 = qc.method == "fp8" or qc.ct_format == "float-quantized"
+        wdtype = torch.float8_e4m3fn if fp8 else torch.int8
+        params = [CkptParam("weight", wdtype, lambda n, k, g: (n, k), out_dim=0, in_dim=1, integer=True)]
+        if qc.strategy == "channel":
+            params.append(CkptParam("weight_scale", f32, lambda n, k, g: (n, 1), out_dim=0))
+        else:
+            params.append(CkptParam("weight_scale", f32, lambda n, k, g: (1,), per_part=True))
+        if qc.act_static:
+            params.append(CkptParam("input_scale", f32, lambda n, k, g: (1,), per_part=True))
+        return params
+    return []  # online int8 / fp8: the dense weight loads, then is quantized
+
+
+def _groups(qc: QuantConfig, layer: LinearBase) -> tuple[int, bool]:
+    """(groups this rank keeps, whether the groups are sliced with the input columns)."""
+    if qc.group_size <= 0:
+        return 1, False
+    cols = layer.in_partition()
+    full_k = layer.in_local if cols is None else layer.in_local * getattr(layer, "tp_size", 1)
+    if qc.desc_act and cols is not None:
+        return full_k // qc.group_size, False  # act order: any column may use any group
+    if layer.in_local % qc.group_size:
+        raise ValueError(f"{layer.in_local} input features per rank are not a multiple of the group size {qc.group_size}")
+    return layer.in_local // qc.group_size, cols is not None
+
+
+def add_checkpoint_params(layer: LinearBase, qc: QuantConfig) -> None:
+    """Replace `layer`'s dense weight with `qc`'s checkpoint tensors (a no-op for online methods)."""
+    specs = checkpoint_params(qc)
+    if not specs:
+        return
+    groups, sliced = _groups(qc, layer)
+    parts = layer.parts or [None]
+    del layer.weight
+    layer.weight = None
+    for spec in specs:
+        shape = spec.shape(layer.out_local, layer.in_local, groups)
+        if spec.per_part:
+            shape = (len(parts), *shape)
+        p = nn.Parameter(torch.zeros(shape, dtype=spec.dtype), requires_grad=False)
+        p.weight_loader = _loader(layer, spec, qc, sliced)  # type: ignore[attr-defined]
+        if layer.parts is not None:
+            p.shard_ids = layer.parts  # type: ignore[attr-defined]
+        p.optional = spec.optional  # type: ignore[attr-defined]
+        p.loaded_parts = set()  # type: ignore[attr-defined]
+        layer.register_parameter(spec.name, p)
+    layer.quant_format = qc  # type: ignore[assignment]
+
+
+def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: bool) -> Callable[..., None]:
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if spec.integer and loaded.dtype != spec.dtype:
+            raise ValueError(f"{spec.name} is stored as {loaded.dtype}, expected {spec.dtype}")
+        if not spec.integer and not loaded.is_floating_point():
+            raise ValueError(f"{spec.name} is stored as {loaded.dtype}, expected a floating-point tensor")
+        dst, t = param.data, loaded
+        if spec.per_part:
+            dst = dst[layer.part_index(shard_id)]
+            t = t.reshape(dst.shape) if t.numel() == dst.numel() else t
+        else:
+            if spec.out_dim is not None:
+                d0, s0, n = layer.out_partition(shard_id)
+                p = spec.out_pack
+                if d0 % p or s0 % p or n % p:
+                    raise ValueError(f"{spec.name}: {n} output rows do not pack {p} to an int32")
+                t = t.narrow(spec.out_dim, s0 // p, n // p)
+                dst = dst.narrow(spec.out_dim, d0 // p, n // p)
+            cols = layer.in_partition()
+            if spec.in_dim is not None and cols is not None and (spec.in_unit != "group" or groups_sliced):
+                unit = qc.group_size if spec.in_unit == "group" else int(spec.in_unit)
+                start, size = cols
+                full = size * getattr(layer, "tp_size", 1)
+                if start % unit or size % unit or t.shape[spec.in_dim] != full // unit:
+                    raise ValueError(f"{spec.name} has shape {tuple(loaded.shape)}: {full} input columns in units of "
+                                     f"{unit} do not split evenly over the ranks")
+                t = t.narrow(spec.in_dim, start // unit, size // unit)
+        if tuple(dst.shape) != tuple(t.shape):
+            raise ValueError(f"{spec.name} has shape {tuple(loaded.shape)}, which does not fit {tuple(param.shape)} "
+                             f"({qc.describe()}; a wrong packing, group size or shard)")
+        if spec.shared and param.loaded_parts and not torch.equal(dst, t.to(dst.dtype)):  # type: ignore[attr-defined]
+            raise ValueError(f"{spec.name} differs between the fused parts {param.loaded_parts} and {shard_id!r}")  # type: ignore[attr-defined]
+        dst.copy_(t)
+        param.loaded_parts.add(shard_id)  # type: ignore[attr-defined]
+
+    return load
+
+
+# ---- conversion to the canonical layout ----------------------------------------------------------
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 words holding 32/bits codes each (element i at bits [i*bits, (i+1)*bits)) along
+    `dim` -> the unsigned codes (int32), `dim` grown 32/bits times; `order`: element i of a word
+    is position order[i] (AWQ)."""
+    pf, mask = 32 // bits, (1 << bits) - 1
+    x = packed.movedim(dim, -1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    codes = (x.unsqueeze(-1) >> shifts) & mask  # [..., words, pf]; >> of int32 is arithmetic, the mask fixes it
+    if order is not None:
+        codes = codes[..., [order.index(j) for j in range(pf)]]
+    return codes.flatten(-2).movedim(-1, dim)
+
+
+def _trivial_g_idx(g_idx: torch.Tensor, group_size: int, start: int) -> bool:
+    expected = (torch.arange(g_idx.numel(), device=g_idx.device) + start) // group_size
+    return torch.equal(g_idx.long(), expected)
+
+
+def _expand_parts(layer: LinearBase, per_part: torch.Tensor) -> torch.Tensor:
+    """One value per fused part [P, 1] -> per output row [N, 1]."""
+    sizes = [layer.out_partition(s)[2] for s in (layer.parts or [None])]
+    return torch.cat([per_part[i].reshape(1, 1).expand(n, 1) for i, n in enumerate(sizes)])
+
+
+def to_quant_weight(layer: LinearBase, qc: QuantConfig) -> QuantWeight:
+    """The canonical `QuantWeight` of a loaded layer (its checkpoint tensors, or for an online
+    method its dense weight); raises ValueError when the tensors contradict each other."""
+    n, k = layer.out_local, layer.in_local
+    gs = qc.group_size if qc.group_size > 0 else k
+    get = layer.get_parameter
+
+    def codes(t: torch.Tensor) -> torch.Tensor:  # unsigned codes [N, K] -> canonical storage
+        if t.min() < 0 or t.max() >= 1 << qc.bits:
+            raise ValueError(f"codes outside [0, {1 << qc.bits})")
+        c = t.to(torch.uint8)
+        if qc.bits == 4:
+            if k % 2:
+                raise ValueError(f"4-bit weights need an even number of input features, got {k}")
+            return pack_int4(c)
+        return c.contiguous()
+
+    def act_order(g_idx: torch.Tensor) -> torch.Tensor | None:
+        cols = layer.in_partition()
+        start = cols[0] if cols is not None else 0
+        if _trivial_g_idx(g_idx, gs, start if not qc.desc_act else 0):
+            return None
+        if not qc.desc_act:
+            raise ValueError("g_idx is not in order but the config says desc_act: false")
+        return g_idx.to(torch.int32).contiguous()  # under row parallelism it indexes every group (`_groups`)
+
+    common = dict(group_size=gs, method=qc.method, act=qc.act)
+    if qc.method == "gptq":
+        q = unpack_int32(get("qweight"), qc.bits, 0).T  # [N, K]
+        z = unpack_int32(get("qzeros"), qc.bits, 1).T.float() + (1 if qc.gptq_v1_zeros else 0)  # [N, G]
+        g_param = get("g_idx")
+        g_idx = act_order(g_param) if g_param.loaded_parts else None  # type: ignore[attr-defined]
+        return QuantWeight("int", (n, k), codes(q), bits=qc.bits, scales=get("scales").T.contiguous(),
+                           zeros=z.contiguous(), g_idx=g_idx, **common)
+    if qc.method == "awq":
+        q = unpack_int32(get("qweight"), 4, 1, AWQ_ORDER).T
+        z = unpack_int32(get("qzeros"), 4, 1, AWQ_ORDER).T.float()
+        return QuantWeight("int", (n, k), codes(q), bits=4, scales=get("scales").T.contiguous(), zeros=z.contiguous(), **common)
+    if qc.method == "compressed-tensors" and qc.ct_format == "pack-quantized":
+        full_k = k * (getattr(layer, "tp_size", 1) if layer.in_partition() is not None else 1)
+        for _, cols in get("weight_shape").tolist():
+            if cols != full_k:
+                raise ValueError(f"weight_shape says {cols} input features, the model has {full_k}")
+        q = unpack_int32(get("weight_packed"), qc.bits, 1)[:, :k]
+        z = None
+        if not qc.sym:
+            z = unpack_int32(get("weight_zero_point"), qc.bits, 0)[:n].float().contiguous()
+        g_idx = act_order(get("weight_g_idx")) if qc.desc_act else None
+        return QuantWeight("int", (n, k), codes(q), bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=z,
+                           g_idx=g_idx, **common)
+    if qc.online:
+        return quantize_per_channel(layer.weight.detach(), qc.method, qc.act)  # type: ignore[union-attr]
+    # compressed-tensors int/float-quantized, fp8
+    w = get("weight")
+    scale = get("weight_scale")
+    scale = _expand_parts(layer, scale) if qc.strategy == "tensor" else scale
+    input_scale = get("input_scale").max().reshape(1) if qc.act_static else None
+    if w.dtype == torch.float8_e4m3fn:
+        return QuantWeight("fp8", (n, k), w.detach(), scales=scale.contiguous(), input_scale=input_scale, **common)
+    q = (w.detach().to(torch.int16) + 128).to(torch.uint8)
+    return QuantWeight("int", (n, k), q, bits=8, scales=scale.contiguous(), input_scale=input_scale, **common)

@@ -1,0 +1,177 @@
+"""`QuantWeight`: one linear layer's quantized weight in portside's canonical layout, whatever
+checkpoint format it came from, and its pure-torch reference (dequantize, then matmul).
+
+Canonical layouts (the logical weight is ``W [.., N, K]``, N output and K input features; a
+leading expert dimension is allowed):
+
+- ``kind == "int"`` (GPTQ, AWQ, compressed-tensors int, ``--quantization int8``):
+  ``qweight`` uint8, unsigned codes: ``[.., N, K]`` for 8 bits, ``[.., N, K // 2]`` for 4 bits
+  (input column 2j in the low nibble of byte j, 2j + 1 in the high one); ``scales`` fp32
+  ``[.., N, G]``; ``zeros`` uint8 ``[.., N, G]`` or None (symmetric: zero = 2^(bits-1));
+  ``g_idx`` int32 ``[.., K]`` (the group of each input column) or None (column k is in group
+  ``k // group_size``). ``W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]``.
+- ``kind == "fp8"``: ``qweight`` float8_e4m3fn ``[.., N, K]``, ``scales`` fp32 ``[.., N, 1]``
+  (a per-tensor scale is stored per channel). ``W = q * scale``.
+- ``kind == "gguf"``: ``qweight`` uint8 ``[.., N, row_bytes]``, each row llama.cpp's blocks of
+  type ``ggml_type`` (`portside.quant.gguf`).
+
+``act`` says how activations are treated: None (weight-only: the matmul runs in the
+activation's dtype) or ``"int8"`` / ``"fp8"`` (quantized per token before the matmul, with a
+scale from the token's absolute maximum, or ``input_scale`` where the checkpoint calibrated one).
+
+A platform may re-lay the tensors for its kernel in `ModelOps.prepare_quantized`, storing what it
+needs as further buffers (``packed_*``) or attributes; the canonical tensors it keeps stay valid
+so the reference can always run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["QuantWeight", "dequantize", "quantize_per_channel", "quantize_activation", "quantized_linear", "quantized_embedding", "FP8_MAX"]
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+KINDS = ("int", "fp8", "gguf")
+ACTS = (None, "int8", "fp8")
+
+
+class QuantWeight(nn.Module):
+    """The tensors are buffers, so the module tree moves, counts and packs them with the rest."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    input_scale: torch.Tensor | None
+
+    def __init__(
+        self,
+        kind: str,
+        shape: tuple[int, int],
+        qweight: torch.Tensor,
+        *,
+        bits: int = 8,
+        scales: torch.Tensor | None = None,
+        zeros: torch.Tensor | None = None,
+        group_size: int | None = None,
+        g_idx: torch.Tensor | None = None,
+        ggml_type: int | None = None,
+        act: str | None = None,
+        input_scale: torch.Tensor | None = None,
+        method: str = "",
+    ) -> None:
+        super().__init__()
+        if kind not in KINDS or act not in ACTS:
+            raise ValueError(f"quantized weight kind {kind!r} / activations {act!r} unknown")
+        self.kind, self.shape, self.bits, self.act, self.method = kind, tuple(shape), bits, act, method
+        self.group_size = group_size or shape[1]
+        self.ggml_type = ggml_type
+        self.register_buffer("qweight", qweight)
+        for name, t in (("scales", scales), ("zeros", zeros), ("g_idx", g_idx), ("input_scale", input_scale)):
+            self.register_buffer(name, t)
+        self.layout: Any = None  # what a platform's prepare_quantized records about its own buffers
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    def expert(self, e: int) -> QuantWeight:
+        """Expert e's weight of a stacked [E, N, ...] one (shares storage)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None or t.dim() == 0 or (t is self.input_scale and t.numel() == 1) else t[e]
+
+        return QuantWeight(
+            self.kind, self.shape, self.qweight[e], bits=self.bits, scales=pick(self.scales), zeros=pick(self.zeros),
+            group_size=self.group_size, g_idx=pick(self.g_idx) if self.g_idx is not None and self.g_idx.dim() == 2 else self.g_idx,
+            ggml_type=self.ggml_type, act=self.act, input_scale=self.input_scale, method=self.method,
+        )
+
+    def extra_repr(self) -> str:
+        what = f"{self.kind}{self.bits}" if self.kind != "gguf" else f"gguf type {self.ggml_type}"
+        return f"{self.method or what}, {what}, shape={self.shape}, group_size={self.group_size}, act={self.act}"
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [.., K // 2] -> uint8 [.., K] (low nibble first)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [.., K] in [0, 16) -> [.., K // 2] (`unpack_int4`'s inverse)."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def _group_index(w: QuantWeight, device: torch.device) -> torch.Tensor:
+    if w.g_idx is not None:
+        return w.g_idx.long()
+    return torch.arange(w.in_features, device=device) // w.group_size
+
+
+def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight [.., N, K] in `dtype` (computed in fp32)."""
+    if w.kind == "gguf":
+        from portside.quant.gguf import dequantize_blocks
+
+        return dequantize_blocks(w.qweight, w.ggml_type, w.in_features).to(dtype)
+    assert w.scales is not None
+    if w.kind == "fp8":
+        return (w.qweight.float() * w.scales).to(dtype)
+    q = unpack_int4(w.qweight) if w.bits == 4 else w.qweight
+    g = _group_index(w, q.device)
+    scale = w.scales.index_select(-1, g)  # [.., N, K]
+    zero = w.zeros.index_select(-1, g).float() if w.zeros is not None else float(1 << (w.bits - 1))
+    return ((q.float() - zero) * scale).to(dtype)
+
+
+def quantize_activation(x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] rounded the way an int8 or fp8 kernel sees it (per-token scale, or the static
+    `input_scale`), returned dequantized in x's dtype: the reference of a W8A8 matmul."""
+    xf = x.float()
+    qmax = 127.0 if mode == "int8" else FP8_MAX
+    if input_scale is not None:
+        scale = input_scale.float().reshape(1, 1)
+    else:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+    q = (xf / scale).clamp(-qmax, qmax)
+    q = q.round() if mode == "int8" else q.to(torch.float8_e4m3fn).float()
+    return (q * scale).to(x.dtype)
+
+
+def quantized_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: y [T, N] = act(x) [T, K] @ dequantize(w)^T + bias, in x's dtype."""
+    if w.act is not None:
+        x = quantize_activation(x, w.act, w.input_scale)
+    return F.linear(x, dequantize(w, x.dtype), bias)
+
+
+def quantized_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding table, dequantized (fp32): only the rows looked up."""
+    rows = QuantWeight(
+        w.kind, (ids.numel(), w.in_features), w.qweight.index_select(0, ids), bits=w.bits,
+        scales=None if w.scales is None else w.scales.index_select(0, ids),
+        zeros=None if w.zeros is None else w.zeros.index_select(0, ids), group_size=w.group_size, g_idx=w.g_idx,
+        ggml_type=w.ggml_type,
+    )
+    return dequantize(rows)
+
+
+def quantize_per_channel(w: torch.Tensor, method: str, act: str | None = None) -> QuantWeight:
+    """A dense weight [.., N, K] quantized symmetrically per output channel to int8 or fp8
+    (``--quantization int8|fp8``)."""
+    w = w.float()
+    qmax = FP8_MAX if method == "fp8" else 127.0
+    scale = (w.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+    shape = (w.shape[-2], w.shape[-1])
+    if method == "fp8":
+        return QuantWeight("fp8", shape, (w / scale).to(torch.float8_e4m3fn), scales=scale, act=act, method="fp8")
+    q = ((w / scale).round().clamp(-127, 127).to(torch.int16) + 128).to(torch.uint8)
+    return QuantWeight("int", shape, q, bits=8, scales=scale, act=act, method="int8")
