@@ -37,6 +37,15 @@ __all__ = [
     "DeviceInfo",
     "host_memory",
     "host_zeros",
+    "KV_CACHE_DTYPES",
+    "QUANTIZED_KV_CACHE_DTYPES",
+    "KV_SCALE_BYTES",
+    "kv_cache_dtype_name",
+    "kv_cache_torch_dtype",
+    "is_quantized_kv",
+    "kv_row_bytes",
+    "quantize_kv",
+    "dequantize_kv",
     "KVCacheSpec",
     "AttentionMetadata",
     "ForwardContext",
@@ -122,6 +131,81 @@ def host_zeros(nbytes: int) -> torch.Tensor:
     return flat[start : start + nbytes]
 
 
+# --------------------------------------------------------------------------------------------
+# KV-cache dtypes
+# --------------------------------------------------------------------------------------------
+
+# `--kv-cache-dtype` values -> what the cache tensor holds (None: the model's dtype). "fp8" is
+# "fp8_e4m3" (as in vLLM). The 8-bit formats, as core's reference stores them (`quantize_kv`):
+#   fp8_e4m3 / fp8_e5m2: each element cast to OCP float8 (e4m3fn: +-448; e5m2: +-57344),
+#     saturating, round to nearest even. Per-layer scales (a checkpoint's k_scale / v_scale) are
+#     applied by the model, not the backend: it stores k / k_scale and v / v_scale and
+#     compensates in q and in the attention output, so a backend stores and reads scale-free fp8.
+#   int8: each (token, KV head) row of head_size values symmetric-quantized with its own fp32
+#     scale (amax / 127, round half to even): head_size int8 values, then the scale's 4 bytes.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+QUANTIZED_KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+KV_SCALE_BYTES = 4  # int8: one fp32 scale per (token, KV head) row, after its values
+
+
+def kv_cache_dtype_name(name: str) -> str:
+    """The canonical name of a `--kv-cache-dtype` value ("fp8" -> "fp8_e4m3"); ValueError if unknown."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown --kv-cache-dtype {name!r}; use one of {list(KV_CACHE_DTYPES)}")
+    return "fp8_e4m3" if name == "fp8" else name
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the cache tensor for `--kv-cache-dtype name` with a model in `model_dtype`."""
+    return KV_CACHE_DTYPES[kv_cache_dtype_name(name)] or model_dtype
+
+
+def is_quantized_kv(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds 8-bit values (with scales), not the model's own."""
+    return dtype in QUANTIZED_KV_CACHE_DTYPES
+
+
+def kv_row_bytes(head_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes one (token, KV head) row of K (or of V) takes in a cache of `cache_dtype`; the pool is
+    sized by this, and a backend's `kv_cache_shape` must hold exactly that many bytes per row."""
+    if cache_dtype == torch.int8:
+        return head_size + KV_SCALE_BYTES
+    return head_size * torch.empty((), dtype=cache_dtype).element_size()
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows x [..., head_size] as stored in a cache of the 8-bit `cache_dtype` (core's
+    reference formats, above): fp8 -> [..., head_size] in that dtype; int8 -> [..., head_size + 4]
+    int8, the row's fp32 scale in the last 4 bytes. Computed in fp32."""
+    xf = x.float()
+    if cache_dtype == torch.int8:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        scale = amax / 127.0
+        q = torch.where(amax > 0, torch.round(xf / torch.where(amax > 0, scale, 1.0)), 0.0)
+        q = q.clamp(-127, 127).to(torch.int8)
+        return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = torch.finfo(cache_dtype).max
+        return xf.clamp(-fmax, fmax).to(cache_dtype)
+    raise ValueError(f"{cache_dtype} is not an 8-bit KV-cache dtype {QUANTIZED_KV_CACHE_DTYPES}")
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_kv` (by the rows' dtype), in fp32: int8 [..., head_size + 4] or fp8
+    [..., head_size] -> [..., head_size]."""
+    if rows.dtype == torch.int8:
+        d = rows.shape[-1] - KV_SCALE_BYTES
+        scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+        return rows[..., :d].float() * scale
+    return rows.float()
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one attention layer stores per token; the pool is sized from this."""
@@ -129,12 +213,16 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int  # per tensor-parallel rank
     head_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's
+    cache_dtype: torch.dtype | None = None  # what the cache holds (`--kv-cache-dtype`); None: `dtype`
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
 
     @property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_size, self.storage_dtype)
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.bytes_per_token * block_size
@@ -206,29 +294,51 @@ class AttentionBackend(ABC):
     reference over the backend's `write_kv`/`read_kv` instead (correct whatever the layout, slow,
     eager only); a backend whose graphs cannot run that lists the feature in
     `unsupported_features`, and the platform then refuses the model, naming the feature.
+
+    8-bit caches (`--kv-cache-dtype`, `KV_CACHE_DTYPES`): a backend lists in `kv_cache_dtypes`
+    the formats it stores besides the model's dtype ("auto"); core refuses any other. For such a
+    cache, `kv_cache_shape` is called with `cache_dtype` (the cache tensor's dtype) and the
+    tensor's dtype tells `write_kv` / `read_kv` / `forward` which format it holds: they quantize
+    on write, and `read_kv` returns fp32 values. The layout (scales included) is the backend's,
+    but its bytes per (token, KV head) row must be `kv_row_bytes` (core sizes the pool by it);
+    `quantize_kv` / `dequantize_kv` are the reference formats, which an implementation must match
+    within `portside.testing.tolerances`.
     """
 
     name: ClassVar[str] = "abstract"
     graph_support: ClassVar[GraphCaptureSupport] = GraphCaptureSupport.NEVER
     features: ClassVar[frozenset[str]] = frozenset()
     unsupported_features: ClassVar[frozenset[str]] = frozenset()
+    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto"})  # canonical `KV_CACHE_DTYPES` names
 
     @abstractmethod
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's cache (K and V together)."""
+        """Shape of one layer's cache (K and V together). A backend that lists 8-bit formats in
+        `kv_cache_dtypes` takes a keyword argument ``cache_dtype: torch.dtype | None = None``,
+        which core passes (only) for such a cache."""
 
     @abstractmethod
     def write_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store key/value ([num_tokens, num_kv_heads, head_size]) at `slot_mapping` (-1: skip)."""
+        """Store key/value ([num_tokens, num_kv_heads, head_size]) at `slot_mapping` (-1: skip),
+        quantized when the cache is 8-bit."""
 
     @abstractmethod
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read back K and V ([len(slots), num_kv_heads, head_size]) at `slots`. For tests and
-        the conformance kit; not on the hot path."""
+        """Read back K and V ([len(slots), num_kv_heads, head_size]) at `slots`, dequantized to
+        fp32 from an 8-bit cache. For tests and the conformance kit; not on the hot path."""
+
+    def cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype
+    ) -> tuple[int, ...]:
+        """`kv_cache_shape` for a cache of `cache_dtype`: with ``cache_dtype=`` for an 8-bit one,
+        without it otherwise (so a backend written before 8-bit caches keeps its signature)."""
+        if is_quantized_kv(cache_dtype):
+            return self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype=cache_dtype)  # type: ignore[call-arg]
+        return self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @abstractmethod
     def forward(
@@ -595,6 +705,9 @@ class Platform(ABC):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     block_sizes: ClassVar[tuple[int, ...]] = (16,)  # allowed KV block sizes
     default_block_size: ClassVar[int] = 16
+    # `--kv-cache-dtype` values accepted (canonical `KV_CACHE_DTYPES` names); the attention
+    # backend built for one must list it in its own `kv_cache_dtypes`
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     # ---- probe and device ------------------------------------------------------------------
 
@@ -641,12 +754,21 @@ class Platform(ABC):
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> EngineConfig:
         """Return a (new, frozen) config adjusted for this platform, or raise ValueError naming the
-        fix. Default: fill in the block size and check it and the dtype."""
+        fix. Default: fill in the block size and check it, the dtype and the KV-cache dtype
+        (naming "fp8" by its canonical name, "fp8_e4m3")."""
         import dataclasses
 
         cache = config.cache
         if cache.block_size is None:
             cache = dataclasses.replace(cache, block_size=cls.default_block_size)
+        kv_dtype = kv_cache_dtype_name(cache.kv_cache_dtype)
+        if kv_dtype not in cls.kv_cache_dtypes:
+            raise ValueError(
+                f"--kv-cache-dtype {cache.kv_cache_dtype} is not supported by the {cls.name} platform; "
+                f"use one of {list(cls.kv_cache_dtypes)}"
+            )
+        if kv_dtype != cache.kv_cache_dtype:
+            cache = dataclasses.replace(cache, kv_cache_dtype=kv_dtype)
         if cache.block_size not in cls.block_sizes:
             raise ValueError(
                 f"block size {cache.block_size} is not supported by the {cls.name} platform; "

@@ -2,6 +2,9 @@
 
 Canonical cache layout (one layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
 index 0 = keys, 1 = values. Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+An 8-bit cache (`portside.backend_api.KV_CACHE_DTYPES`) has the same layout in float8, or, for
+int8, ``[2, num_blocks, block_size, num_kv_heads, head_size + 4]``: each row's int8 values, then
+its fp32 scale (`quantize_kv`). Values are quantized on write and dequantized on read.
 
 Per-layer attention features (`portside.backend_api.ATTENTION_FEATURES`), as Hugging Face
 computes them:
@@ -14,23 +17,50 @@ from __future__ import annotations
 
 import torch
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backend_api import (
+    AttentionBackend,
+    AttentionMetadata,
+    GraphCaptureSupport,
+    dequantize_kv,
+    is_quantized_kv,
+    kv_row_bytes,
+    quantize_kv,
+)
+
+
+def cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype | None = None
+) -> tuple[int, ...]:
+    """The canonical layout's shape; an int8 cache's rows carry their scale (`kv_row_bytes`)."""
+    row = head_size if cache_dtype is None or not is_quantized_kv(cache_dtype) else kv_row_bytes(head_size, cache_dtype)
+    return (2, num_blocks, block_size, num_kv_heads, row)
+
+
+def _stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """K or V rows as the cache holds them: quantized for an 8-bit cache, else cast."""
+    return quantize_kv(x, kv_cache.dtype) if is_quantized_kv(kv_cache.dtype) else x.to(kv_cache.dtype)
+
+
+def _values(rows: torch.Tensor) -> torch.Tensor:
+    """Cached rows as values: dequantized (fp32) from an 8-bit cache, else as they are."""
+    return dequantize_kv(rows) if is_quantized_kv(rows.dtype) else rows
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each token's key/value at its slot (slot -1: padding, skipped)."""
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, row)
+    k, v = _stored(key, kv_cache), _stored(value, kv_cache)
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
-            flat[0, slot] = key[i]
-            flat[1, slot] = value[i]
+            flat[0, slot] = k[i]
+            flat[1, slot] = v[i]
 
 
 def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-    return flat[0, slots.long()], flat[1, slots.long()]
+    _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, row)
+    return _values(flat[0, slots.long()]), _values(flat[1, slots.long()])
 
 
 def attend(
@@ -83,8 +113,8 @@ def paged_attention(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len]  # (S, kvh, D)
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len]
+        k = _values(kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len])  # (S, kvh, D)
+        v = _values(kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len])
         o = attend(query[start:end], k, v, scale, sliding_window, logit_softcap)
         out[start:end] = o.to(query.dtype)
     return out
@@ -125,9 +155,12 @@ class ReferenceAttentionBackend(AttentionBackend):
     name = "reference"
     graph_support = GraphCaptureSupport.NEVER
     features = frozenset({"sliding_window", "logit_softcap"})
+    kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2", "int8"})
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype | None = None
+    ) -> tuple[int, ...]:
+        return cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
         write_kv(kv_cache, key, value, slot_mapping)

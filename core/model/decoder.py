@@ -8,6 +8,7 @@ soft-caps, experts, rope). The checkpoint names are Hugging Face's: `load_weight
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -31,6 +32,8 @@ from portside.model.layers import (
 from portside.model.moe import SparseMoEBlock
 from portside.model.rotary import RotaryEmbedding, apply_rotary
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["TP", "DecoderForCausalLM", "GatedMLP", "DecoderAttention", "DecoderLayer", "activation"]
 
 # checkpoint name fragment -> (fused module fragment, shard id)
@@ -44,6 +47,10 @@ _STACKED = (
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}  # transformers 5
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# KV-cache scales as checkpoints name them (vLLM's maybe_remap_kv_scale_name): self_attn.k_scale /
+# v_scale (compressed-tensors), the older self_attn.kv_scale (both), self_attn.k_proj.k_scale /
+# v_proj.v_scale (ModelOpt); q_scale is skipped.
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(kv|k|v|q)_scale$")
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -110,6 +117,14 @@ class DecoderAttention(nn.Module):
             "sliding_window": args.layer_window(layer_idx),
             "logit_softcap": args.attn_logit_softcap,
         }
+        # An fp8 KV cache's per-layer scales (a checkpoint's k_scale / v_scale: one, or one per
+        # KV head; this rank's heads here), as vLLM reads them: the cache holds k / k_scale and
+        # v / v_scale. With `kv_scaled` (`DecoderForCausalLM.use_kv_scales`) `qkv` divides k and v,
+        # multiplies q by its KV head's k_scale (q . k unchanged) and `out` the output by v_scale,
+        # so attention backends store and read scale-free fp8.
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads), persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
+        self.kv_scaled = False
 
     def _full_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:  # [T, n / tp] -> [T, n / tp]
         if self.tp.size == 1:
@@ -129,9 +144,28 @@ class DecoderAttention(nn.Module):
         q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.reshape(T, self.num_kv_heads, D)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.kv_scaled:
+            group = self.num_heads // self.num_kv_heads
+            ks, vs = self.k_scale.to(q.dtype)[:, None], self.v_scale.to(v.dtype)[:, None]  # [KVH, 1]
+            q, k, v = q * ks.repeat_interleave(group, dim=0), k / ks, v / vs
+        return q, k, v
+
+    def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's k_scale / v_scale ("k", "v"; "kv": both), one value or one per KV head."""
+        values = tensor.detach().float().reshape(-1)
+        total = self.qkv_proj.total_kv_heads
+        if values.numel() not in (1, total):
+            raise ValueError(f"a KV-cache scale of {values.numel()} values; expected 1 or one per KV head ({total})")
+        if values.numel() > 1:
+            start = self.qkv_proj.kv_head_start
+            values = values[start : start + self.num_kv_heads]
+        for name in ("k", "v") if which == "kv" else (which,):
+            getattr(self, f"{name}_scale").copy_(values.expand(self.num_kv_heads))
 
     def out(self, o: torch.Tensor) -> torch.Tensor:  # o [T, H, D] -> [T, hidden]
+        if self.kv_scaled:
+            o = o * self.v_scale.to(o.dtype).repeat_interleave(self.num_heads // self.num_kv_heads)[:, None]
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
@@ -284,6 +318,18 @@ class DecoderForCausalLM(nn.Module):
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
+    def use_kv_scales(self, enabled: bool) -> None:
+        """Apply the checkpoint's KV-cache scales (`DecoderAttention.k_scale`), i.e. the cache is
+        fp8; a layer whose scales are all 1 (the default) is left as it is."""
+        scaled = []
+        for i in range(self.num_layers):
+            attn = self._layer(i).self_attn
+            attn.kv_scaled = enabled and bool(((attn.k_scale != 1) | (attn.v_scale != 1)).any())
+            if attn.kv_scaled:
+                scaled.append(i)
+        if scaled:
+            logger.info("fp8 KV cache: the checkpoint's k/v scales applied in %d of %d layers", len(scaled), self.num_layers)
+
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self._layer(0).self_attn
         return KVCacheSpec(
@@ -322,6 +368,11 @@ class DecoderForCausalLM(nn.Module):
         loaded: set[tuple[str, object]] = set()
         for name, tensor in weights:
             if any(s in name for s in _SKIPPED):
+                continue
+            scale = _KV_SCALE.search(name)
+            if scale:  # an fp8 KV cache's scales: kept whatever the cache (`use_kv_scales`)
+                if scale[2] != "q":  # q_scale: fp8 attention math, which portside does not do
+                    self._layer(int(scale[1])).self_attn.load_kv_scale(scale[2], tensor)
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store the copy anyway

@@ -7,6 +7,7 @@ and from the tokens it samples itself, so per-step messages stay small.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import cast
@@ -14,7 +15,15 @@ from typing import cast
 import numpy as np
 import torch
 
-from portside.backend_api import AttentionMetadata, Communicator, ForwardContext, KVCacheSpec, Platform
+from portside.backend_api import (
+    AttentionMetadata,
+    Communicator,
+    ForwardContext,
+    KVCacheSpec,
+    Platform,
+    kv_cache_dtype_name,
+    kv_cache_torch_dtype,
+)
 from portside.config import EngineConfig
 from portside.sample.metadata import SamplingMetadata
 from portside.sampling_params import SamplingParams
@@ -36,6 +45,17 @@ def _check_attention_features(model: object, platform: type[Platform], backend: 
                     f"{model.config.architecture} needs attention feature {name!r} (layer {i}), which the "  # type: ignore[attr-defined]
                     f"{platform.name} platform's attention backend {getattr(backend, 'name', '?')!r} does not support"
                 )
+
+
+def _check_kv_cache_dtype(name: str, platform: type[Platform], backend: object) -> None:
+    """Refuse an 8-bit cache the attention backend does not store: never silently the model dtype."""
+    name = kv_cache_dtype_name(name)
+    listed: frozenset[str] = getattr(backend, "kv_cache_dtypes", frozenset({"auto"}))
+    if name != "auto" and name not in listed:
+        raise ValueError(
+            f"--kv-cache-dtype {name}: the {platform.name} platform's attention backend {getattr(backend, 'name', '?')!r} "
+            f"stores only {sorted(listed)}; use --kv-cache-dtype auto"
+        )
 
 
 @dataclass
@@ -100,6 +120,12 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         self.attn_backend = platform.attention_backend(config)
         _check_attention_features(self.model, platform, self.attn_backend)
+        _check_kv_cache_dtype(config.cache.kv_cache_dtype, platform, self.attn_backend)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.model.kv_cache_spec().dtype)
+        # an fp8 cache stores K / k_scale and V / v_scale (a checkpoint's per-layer scales, else 1)
+        use_scales = getattr(self.model, "use_kv_scales", None)
+        if use_scales is not None:
+            use_scales(self.kv_cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
         self.graph_runner = platform.graph_runner(self.model, config)
         self.sampler = platform.sampler(config)
@@ -113,7 +139,8 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------------
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return self.model.kv_cache_spec()
+        spec = self.model.kv_cache_spec()
+        return spec if self.kv_cache_dtype == spec.dtype else dataclasses.replace(spec, cache_dtype=self.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the configured KV-cache memory (or exactly `num_kv_blocks`)."""
@@ -130,14 +157,15 @@ class ModelRunner:
         cap = 2 * self.config.scheduler.max_num_seqs * blocks_per_seq
         if num_blocks > cap:
             num_blocks = cap
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20, str(self.kv_cache_spec().storage_dtype).removeprefix("torch."))
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         spec = self.kv_cache_spec()
-        shape = self.attn_backend.kv_cache_shape(num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [self.attn_backend.allocate_kv_cache(shape, spec.dtype, self.device) for _ in range(spec.num_layers)]
+        dtype = spec.storage_dtype
+        shape = self.attn_backend.cache_shape(num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_size, dtype)
+        self.kv_caches = [self.attn_backend.allocate_kv_cache(shape, dtype, self.device) for _ in range(spec.num_layers)]
         self.scratch_block = num_blocks
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
