@@ -224,7 +224,11 @@ def _scaled_mm_kernel(
         elif OPERAND == "fp16":
             a = a.to(tl.float16)
             b = b.to(tl.float16)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if INT8 and OPERAND == "native":
+            acc = tl.dot(a, tl.trans(b), acc)  # exact in int32
+        else:
+            # a fresh fp32 sum per K tile: sm90's FP8 MMAs accumulate in reduced precision in place
+            acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
 
     a_scale = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n * stride_bs, mask=n_ok, other=0.0)

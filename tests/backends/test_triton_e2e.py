@@ -5,7 +5,8 @@ pip-installed into a private folder by the `triton_interp_site` fixture and put 
 it registers the way a third-party plugin does: a distribution's entry point in the
 ``portside.platforms`` group. The engine then selects it with ``device="triton-interp"``; its
 greedy tokens must equal transformers' on a tiny random-weight model (head_dim 64, GQA 2), alone
-and batched, with chunked prefill across block boundaries.
+and batched, with chunked prefill across block boundaries. Quantized at load (``int8``, ``fp8``),
+the Triton quantized-linear kernels give the greedy tokens of the same engine on core's reference.
 """
 
 from __future__ import annotations
@@ -84,3 +85,31 @@ def test_window_softcap_and_experts_through_triton_kernels(triton_plugin, arch: 
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 6), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.slow  # two engines under the interpreter: about 35 s each on a loaded 2-core host
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_online_quantized_model_through_triton_kernels(triton_plugin, tiny_gqa_model: Path, method: str, monkeypatch) -> None:
+    """``--quantization int8`` (weight-only) and ``fp8`` (FP8 activations too) through the Triton
+    quantized kernels: greedy tokens equal those of the same engine on core's reference ops."""
+    from portside import LLM, SamplingParams
+    from portside.backend_api import ModelOps
+    from portside.backends.triton.quant import TritonQuantLayout, TritonQuantOps
+
+    base = [1, 5, 9, 33, 70, 12, 40, 41, 2, 17, 18, 19, 60, 61, 62, 63, 64, 8]
+    prompts = [base[:4], base]  # within a block, across one
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def greedy() -> tuple[list[list[int]], object]:
+        llm = LLM(model=str(tiny_gqa_model), device="triton-interp", max_model_len=64, block_size=16, quantization=method)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        layer = llm.engine.executor.runner.model.model.layers[0]
+        return [o.outputs[0].token_ids for o in outs], layer.self_attn.qkv_proj.quant.layout
+
+    tokens, layout = greedy()
+    assert isinstance(layout, TritonQuantLayout) and layout.path == ("dequant" if method == "int8" else "scaled_mm")
+    for name in ("prepare_quantized", "quantized_linear"):
+        monkeypatch.setattr(TritonQuantOps, name, getattr(ModelOps, name))
+    reference, layout = greedy()
+    assert layout is None
+    assert tokens == reference
