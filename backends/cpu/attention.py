@@ -11,8 +11,14 @@ The cache must hold finite values everywhere (the runner zero-initialises it): p
 positions are masked out of the softmax, and 0 * finite = 0.
 
 The native path reads each decode's K/V rows in place from the paged cache (no gather copy, no
-padding) and writes new K/V rows with one call; it runs when the cache, queries and new K/V are
-fp32 and otherwise falls back to the torch path call by call. Prefill chunks always use SDPA.
+padding) and writes new K/V rows with one call; it runs when the queries and new K/V are fp32 (the
+cache fp32 or 8-bit) and otherwise falls back to the torch path call by call. Prefill chunks
+always use SDPA.
+
+8-bit caches (`--kv-cache-dtype` fp8_e4m3, fp8_e5m2, int8): the canonical layout in that dtype,
+int8 rows followed by their fp32 scale (`portside.backend_api.quantize_kv`). Writes quantize;
+the torch path dequantizes the blocks it gathers to fp32 and attends in fp32; the native kernels
+dequantize each row as they read it.
 
 Both take the attention features (`portside.backend_api.ATTENTION_FEATURES`). A sliding window
 is a mask, and only the blocks holding keys inside some query's window are gathered (a windowed
@@ -27,8 +33,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backend_api import (
+    AttentionBackend,
+    AttentionMetadata,
+    GraphCaptureSupport,
+    dequantize_kv,
+    is_quantized_kv,
+    kv_row_bytes,
+    quantize_kv,
+)
 from portside.backends.cpu import kernels
+
+KV_CACHE_DTYPES = frozenset({"auto", "fp8_e4m3", "fp8_e5m2", "int8"})
 
 
 @dataclass
@@ -86,9 +102,13 @@ class CpuAttentionBackend(AttentionBackend):
     name = "torch-sdpa"
     graph_support = GraphCaptureSupport.NEVER
     features = frozenset({"sliding_window", "logit_softcap"})
+    kv_cache_dtypes = KV_CACHE_DTYPES
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype | None = None
+    ) -> tuple[int, ...]:
+        row = kv_row_bytes(head_size, cache_dtype) if cache_dtype is not None and is_quantized_kv(cache_dtype) else head_size
+        return (2, num_blocks, block_size, num_kv_heads, row)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         md = metadata
@@ -105,17 +125,25 @@ class CpuAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _write(kv_cache, key, value, keep, slots) -> None:
-        _, nb, bs, kvh, d = kv_cache.shape
-        flat = kv_cache.view(2, nb * bs, kvh, d)
+        _, nb, bs, kvh, row = kv_cache.shape
         if keep is not None:
             key, value = key[keep], value[keep]
-        flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+        if is_quantized_kv(kv_cache.dtype):  # float8 has no index_copy_: copy the bytes
+            flat = kv_cache.view(torch.uint8).view(2, nb * bs, kvh, row)
+            key, value = quantize_kv(key, kv_cache.dtype).view(torch.uint8), quantize_kv(value, kv_cache.dtype).view(torch.uint8)
+        else:
+            flat = kv_cache.view(2, nb * bs, kvh, row)
+            key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        flat[0].index_copy_(0, slots, key)
+        flat[1].index_copy_(0, slots, value)
 
     def read_kv(self, kv_cache, slots):
-        _, nb, bs, kvh, d = kv_cache.shape
-        flat = kv_cache.view(2, nb * bs, kvh, d)
-        return flat[0, slots.long()], flat[1, slots.long()]
+        _, nb, bs, kvh, row = kv_cache.shape
+        flat = _bytes(kv_cache).view(2, nb * bs, kvh, row)
+        k, v = flat[0, slots.long()], flat[1, slots.long()]
+        if is_quantized_kv(kv_cache.dtype):
+            return dequantize_kv(k.view(kv_cache.dtype)), dequantize_kv(v.view(kv_cache.dtype))
+        return k, v
 
     def forward(
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
@@ -169,8 +197,8 @@ def _decode_view(plan: TorchAttentionPlan, md: AttentionMetadata, window: int | 
 
 
 class NativeAttentionBackend(CpuAttentionBackend):
-    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32 caches),
-    which take the attention features too.
+    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32 or 8-bit
+    caches, fp32 queries), which take the attention features too.
 
     Build the kernels first (`kernels.native_unavailable_reason()`); the platform only picks this
     backend when they load."""
@@ -196,7 +224,7 @@ class NativeAttentionBackend(CpuAttentionBackend):
         return md
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        if _fp32(kv_cache, key, value):
+        if _native(kv_cache, key, value):
             kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), slot_mapping.long().contiguous())
         else:
             super().write_kv(kv_cache, key, value, slot_mapping)
@@ -208,7 +236,7 @@ class NativeAttentionBackend(CpuAttentionBackend):
         plan = metadata.backend_data
         if not isinstance(plan, TorchAttentionPlan) or plan.native_slots is None:
             plan = self.prepare(metadata).backend_data
-        native = _fp32(kv_cache, query, key, value)
+        native = _native(kv_cache, query, key, value)
         if native and plan.native_step is not None:
             return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale,
                                     sliding_window, logit_softcap)
@@ -239,8 +267,14 @@ def plan_prefills(md: AttentionMetadata, first: int | None = None) -> list[_Pref
     return prefills
 
 
-def _fp32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 for t in tensors)
+def _native(kv_cache: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether the native kernels take these: fp32 queries / K / V, a cache they read (fp32 or 8-bit)."""
+    return kv_cache.dtype in kernels.FORMATS and all(t.dtype == torch.float32 for t in tensors)
+
+
+def _bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache as uint8 (float8 has no CPU indexing kernels), else the cache itself."""
+    return kv_cache.view(torch.uint8) if is_quantized_kv(kv_cache.dtype) else kv_cache
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
@@ -250,12 +284,17 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """K and V of `block_ids` ([N] int64) as (2, N, block_size * kvh * D), one copy.
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """K and V of `block_ids` ([N] int64) as (2, N * block_size, kvh, D) values: one copy, then
+    for an 8-bit cache one dequantizing pass (fp32).
 
     `index_select` on the flattened blocks: advanced indexing (`kv_cache[:, ids]`) on this
     non-leading axis is ~500x slower on CPU for small batches."""
-    return kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, block_ids)
+    _, nb, bs, kvh, row = kv_cache.shape
+    kv = _bytes(kv_cache).view(2, nb, -1).index_select(1, block_ids).view(2, -1, kvh, row)
+    if is_quantized_kv(kv_cache.dtype):
+        return dequantize_kv(kv.view(kv_cache.dtype))
+    return kv
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -274,9 +313,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, scale: float, window: int | None = None,
              softcap: float | None = None) -> torch.Tensor:
     """One request's query chunk (the last Q of its seq_len tokens), causal. q: (Q, H, D)."""
-    kvh, d = kv_cache.shape[3], q.shape[2]
     blocks, k0, mask = p.view(window)
-    kv = _gather_blocks(kv_cache, blocks).view(2, -1, kvh, d)[:, : p.seq_len - k0]  # (2, S', kvh, D)
+    kv = _gather_kv(kv_cache, blocks)[:, : p.seq_len - k0]  # (2, S', kvh, D)
     return _attend_chunk(q, kv[0], kv[1], mask, scale, softcap)
 
 
@@ -313,7 +351,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask:
     """A batch of single-token queries. q: (B, H, D); tables (B, n); mask (B, 1, 1, n*bs)."""
     batch, num_heads, d = q.shape
     kvh = kv_cache.shape[3]
-    kv = _gather_blocks(kv_cache, tables.reshape(-1))  # (2, B*n, bs*kvh*D)
+    kv = _gather_kv(kv_cache, tables.reshape(-1))  # (2, B*n*bs, kvh, D)
     kv = kv.view(2, batch, -1, kvh, d).transpose(2, 3)  # (2, B, kvh, S, D)
     group = num_heads // kvh
     qg = q.view(batch, kvh, group, d)  # (B, kvh, G, D): the group is the query axis

@@ -58,9 +58,10 @@ class FusedDecoder:
 
     @staticmethod
     def covers(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
-        """Whether this step is a one-sequence decode the native step runs: one row, and a
-        decode-only native attention plan (fp32 caches)."""
-        return input_ids.shape[0] == 1 and getattr(ctx.metadata.backend_data, "native_step", None) is not None
+        """Whether this step is a one-sequence decode the native step runs: one row, a decode-only
+        native attention plan, and fp32 caches (not an 8-bit `--kv-cache-dtype`)."""
+        return (input_ids.shape[0] == 1 and getattr(ctx.metadata.backend_data, "native_step", None) is not None
+                and ctx.kv_caches[0].dtype == torch.float32)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [1, hidden] after the final norm, fp32 logits [1, vocab]) of a covered step;

@@ -30,17 +30,23 @@ from pathlib import Path
 
 import torch
 
+from portside.backend_api import KV_SCALE_BYTES
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-lm")
-ABI_VERSION = 2
+ABI_VERSION = 3
 _ERRORS = {
     1: "a block id outside the cache",
     2: "out of memory for the kernel's scratch buffers",
     3: "a seq_len longer than its block-table row holds",
     4: "a slot outside the cache",
+    5: "an unknown cache format",
 }
+# Cache dtype -> the C kernels' format (csrc/paged_attention.c, PS_KV_*): fp32, or an 8-bit cache
+# as portside.backend_api.quantize_kv lays it out (the canonical layout, int8 rows + fp32 scale).
+FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -136,6 +142,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ps_paged_decode_f32.argtypes = [_ptr] * 5 + [_i64] * 12 + [_f32, _i64, _f32, _i32]
     lib.ps_write_kv_f32.restype = _i32
     lib.ps_write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
+    lib.ps_paged_decode_q8.restype = _i32
+    lib.ps_paged_decode_q8.argtypes = [_ptr, _ptr, _ptr, _i32, _ptr, _ptr] + [_i64] * 12 + [_f32, _i64, _f32, _i32]
+    lib.ps_write_kv_q8.restype = _i32
+    lib.ps_write_kv_q8.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
 
 
 @functools.lru_cache(maxsize=1)
@@ -179,10 +189,23 @@ def _raise_on(rc: int, what: str) -> None:
         raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
 
 
+def _cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(format, num_blocks, block_size, KV heads, head size) of a contiguous canonical cache:
+    fp32 [2, num_blocks, block_size, KVH, D], or 8-bit (`FORMATS`; int8 rows are D + 4 bytes)."""
+    fmt = FORMATS.get(kv_cache.dtype)
+    if kv_cache.device.type != "cpu" or fmt is None or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} on {kv_cache.device}: need a cpu "
+                         f"[2, num_blocks, block_size, KVH, row] cache of {list(FORMATS)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    _, num_blocks, block_size, kv_heads, row = kv_cache.shape
+    return fmt, num_blocks, block_size, kv_heads, row - (KV_SCALE_BYTES if kv_cache.dtype == torch.int8 else 0)
+
+
 def paged_decode(
     out: torch.Tensor,  # [B, H, D] fp32, written
     query: torch.Tensor,  # [B, H, D] fp32
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] fp32, contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] fp32 or 8-bit (`FORMATS`), contiguous
     block_tables: torch.Tensor,  # [B, max_blocks] int32, rows contiguous
     seq_lens: torch.Tensor,  # [B] int32, contiguous
     scale: float,
@@ -195,51 +218,61 @@ def paged_decode(
     lib = load_library().lib
     for t, name in ((out, "out"), (query, "query")):
         _check(t, name, torch.float32, 3)
-    _check(kv_cache, "kv_cache", torch.float32, 5)
+    fmt, num_blocks, block_size, kv_heads, d_cache = _cache_geometry(kv_cache)
     _check(block_tables, "block_tables", torch.int32, 2)
     _check(seq_lens, "seq_lens", torch.int32, 1)
     batch, heads, d = query.shape
-    two, num_blocks, block_size, kv_heads, d_cache = kv_cache.shape
-    if two != 2 or d_cache != d or heads % kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
+    if d_cache != d or heads % kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
     if out.shape != query.shape or query.stride(1) != d or out.stride(1) != d:
         raise ValueError(f"out {tuple(out.shape)} / query {tuple(query.shape)}: need matching shapes, heads dense")
-    if not kv_cache.is_contiguous() or not seq_lens.is_contiguous():
-        raise ValueError("kv_cache and seq_lens must be contiguous")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
                          f"do not match batch {batch}")
     if batch == 0:
         return
-    rc = lib.ps_paged_decode_f32(
-        out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        batch, heads, kv_heads, d, num_blocks, block_size, block_tables.shape[1],
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+    args = (
+        block_tables.data_ptr(), seq_lens.data_ptr(), batch, heads, kv_heads, d, num_blocks, block_size,
+        block_tables.shape[1], query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale, sliding_window or 0, logit_softcap or 0.0, num_threads or torch.get_num_threads(),
     )  # fmt: skip
+    if fmt:
+        rc = lib.ps_paged_decode_q8(out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), fmt, *args)
+    else:
+        rc = lib.ps_paged_decode_f32(out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), *args)
     _raise_on(rc, "paged_decode")
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv_cache [2, num_blocks, block_size, KVH, D] at `slots` ([T] int64; -1 skips) <- key/value [T, KVH, D]."""
+    """kv_cache [2, num_blocks, block_size, KVH, D] (fp32, or 8-bit: quantized) at `slots` ([T]
+    int64; -1 skips) <- fp32 key/value [T, KVH, D]."""
     lib = load_library().lib
-    _check(kv_cache, "kv_cache", torch.float32, 5)
+    fmt, num_blocks, block_size, kv_heads, d = _cache_geometry(kv_cache)
     _check(key, "key", torch.float32, 3)
     _check(value, "value", torch.float32, 3)
     _check(slots, "slots", torch.int64, 1)
-    _, num_blocks, block_size, kv_heads, d = kv_cache.shape
-    row = kv_heads * d
     for t, name in ((key, "key"), (value, "value")):
         if t.shape[1:] != (kv_heads, d) or t.stride(1) != d or t.shape[0] != slots.shape[0]:
-            raise ValueError(f"{name} {tuple(t.shape)} does not fit kv_cache {tuple(kv_cache.shape)} "
+            raise ValueError(f"{name} {tuple(t.shape)} does not fit kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} "
                              f"and {slots.shape[0]} slots (or its heads are not dense)")
-    if not kv_cache.is_contiguous() or not slots.is_contiguous():
-        raise ValueError("kv_cache and slots must be contiguous")
+    if not slots.is_contiguous():
+        raise ValueError("slots must be contiguous")
     if slots.shape[0] == 0:
         return
-    rc = lib.ps_write_kv_f32(kv_cache.data_ptr(), num_blocks * block_size, row, key.data_ptr(), key.stride(0),
-                             value.data_ptr(), value.stride(0), slots.data_ptr(), slots.shape[0])
-    _raise_on(rc, "write_kv")
+    _raise_on(_write(lib, fmt, kv_cache.data_ptr(), num_blocks * block_size, kv_heads, d, key, value, slots.data_ptr(),
+                     slots.shape[0]), "write_kv")
+
+
+def _write(lib: ctypes.CDLL, fmt: int, cache: int, num_slots: int, kv_heads: int, d: int, key: torch.Tensor,
+           value: torch.Tensor, slots: int, n: int) -> int:
+    """The C write for the cache's format (arguments checked by the caller)."""
+    if fmt:
+        return lib.ps_write_kv_q8(cache, fmt, num_slots, kv_heads, d, key.data_ptr(), key.stride(0), value.data_ptr(),
+                                  value.stride(0), slots, n)
+    return lib.ps_write_kv_f32(cache, num_slots, kv_heads * d, key.data_ptr(), key.stride(0), value.data_ptr(),
+                               value.stride(0), slots, n)
 
 
 class DecodeStep:
@@ -268,12 +301,9 @@ class DecodeStep:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
         """fp32 query [B, H, D], key/value [B, KVH, D] with dense heads -> attention output [B, H, D]
-        (contiguous); key/value are first written at the step's slots of `kv_cache`. The features
-        as in `paged_decode`."""
-        if kv_cache.dtype != torch.float32 or kv_cache.dim() != 5 or not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}: need a contiguous fp32 "
-                             "[2, num_blocks, block_size, KVH, D] cache")
-        _, num_blocks, block_size, kv_heads, d = kv_cache.shape
+        (contiguous); key/value are first written at the step's slots of `kv_cache` (fp32 or
+        8-bit, `FORMATS`). The features as in `paged_decode`."""
+        fmt, num_blocks, block_size, kv_heads, d = _cache_geometry(kv_cache)
         batch, heads = self._batch, query.shape[1]
         for t in (query, key, value):
             if t.dtype != torch.float32 or t.shape[0] != batch or t.shape[2] != d or t.stride(2) != 1 or t.stride(1) != d:
@@ -282,14 +312,17 @@ class DecodeStep:
         if key.shape[1] != kv_heads or value.shape[1] != kv_heads or heads % kv_heads:
             raise ValueError(f"key/value heads {key.shape[1]}/{value.shape[1]} and {heads} query heads do not "
                              f"fit {kv_heads} cached KV heads")
-        row, cache = kv_heads * d, kv_cache.data_ptr()
-        _raise_on(self._lib.ps_write_kv_f32(cache, num_blocks * block_size, row, key.data_ptr(), key.stride(0),
-                                            value.data_ptr(), value.stride(0), self._slots, batch), "write_kv")
+        cache = kv_cache.data_ptr()
+        _raise_on(_write(self._lib, fmt, cache, num_blocks * block_size, kv_heads, d, key, value, self._slots, batch),
+                  "write_kv")
         out = torch.empty(query.shape, dtype=torch.float32)
-        rc = self._lib.ps_paged_decode_f32(
-            out.data_ptr(), query.data_ptr(), cache, *self._tables, batch, heads, kv_heads, d, num_blocks,
-            block_size, self._table_shape[0], query.stride(0), d, heads * d, d, self._table_shape[1], scale,
-            sliding_window or 0, logit_softcap or 0.0, torch.get_num_threads(),
+        args = (
+            *self._tables, batch, heads, kv_heads, d, num_blocks, block_size, self._table_shape[0], query.stride(0), d,
+            heads * d, d, self._table_shape[1], scale, sliding_window or 0, logit_softcap or 0.0, torch.get_num_threads(),
         )  # fmt: skip
+        if fmt:
+            rc = self._lib.ps_paged_decode_q8(out.data_ptr(), query.data_ptr(), cache, fmt, *args)
+        else:
+            rc = self._lib.ps_paged_decode_f32(out.data_ptr(), query.data_ptr(), cache, *args)
         _raise_on(rc, "paged_decode")
         return out

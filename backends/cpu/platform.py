@@ -109,6 +109,7 @@ class CpuPlatform(Platform):
     block_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
     default_block_size = 16
     default_kv_cache_memory = 4 * 2**30  # bytes, like vLLM's CPU default; capped by free memory
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # 8-bit: the torch and native paths, not IPEX
     attention_name = "native-paged|torch-sdpa|ipex-paged"
     graph_name = "eager|inductor|openvino"
     collectives_name = dist_backend
@@ -172,6 +173,9 @@ class CpuPlatform(Platform):
             reason = ipex_unavailable_reason()
             if reason:
                 raise ValueError(f"cpu_attention=ipex: {reason}")
+            if config.cache.kv_cache_dtype != "auto":
+                raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype}: IPEX's paged attention stores only "
+                                 "the model's dtype; use cpu_attention=native or torch, or --kv-cache-dtype auto")
         if impl == "native":
             from portside.backends.cpu.kernels import native_unavailable_reason
 
@@ -192,12 +196,13 @@ class CpuPlatform(Platform):
     @classmethod
     def attention_backend(cls, config) -> AttentionBackend:
         """Option cpu_attention: "auto" picks IPEX's paged kernels when intel_extension_for_pytorch
-        is usable, else the native C kernels for fp32 models when they build, else the torch path;
-        "native", "torch" and "ipex" force one (checked in `check_and_update_config`)."""
+        is usable (and the KV cache is the model's dtype), else the native C kernels for fp32
+        models when they build, else the torch path; "native", "torch" and "ipex" force one
+        (checked in `check_and_update_config`)."""
         from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 
         impl = config.option("cpu_attention", "auto")
-        if impl in ("auto", "ipex"):
+        if impl == "ipex" or (impl == "auto" and config.cache.kv_cache_dtype == "auto"):
             from portside.backends.cpu.ipex_attention import IpexAttentionBackend, ipex_unavailable_reason
 
             if ipex_unavailable_reason() is None:

@@ -4,9 +4,9 @@
 // feature is not used).
 //
 // The compiled graph (cpp_wrapper) calls it through the dispatcher once per layer. In a step
-// whose plan was installed on this thread with set_decode_step (every row a decode, fp32 caches:
+// whose plan was installed on this thread with set_decode_step (every row a decode, native caches:
 // see attention_op.forward_context) it writes the new K/V rows and attends with the kernels of
-// paged_attention.c, compiled into this library: no Python between the layers' kernels. In any
+// paged_attention.c (fp32 or 8-bit caches), compiled into this library: no Python between the layers' kernels. In any
 // other step, or for inputs it was not written for, it calls portside_cpu::attention, the Python
 // operator that runs the step's attention backend, so it is always correct to call.
 //
@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>  // paged_attention.c's 8-bit loads, outside the namespace below
+#endif
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -45,6 +48,20 @@ namespace {
 using portside_native::DecodePlan;
 using portside_native::decode_plan;
 
+// The kernels' format of a cache (PS_KV_*: fp32 or an 8-bit one), -1 for any other dtype.
+int cache_format(const at::Tensor& c) {
+  switch (c.scalar_type()) {
+    case at::kFloat: return PS_KV_F32;
+    case at::kChar: return PS_KV_INT8;
+    case at::kFloat8_e4m3fn: return PS_KV_E4M3;
+    case at::kFloat8_e5m2: return PS_KV_E5M2;
+    default: return -1;
+  }
+}
+
+// Head size of a cache: its last dim, less an int8 row's scale.
+int64_t cache_head_size(const at::Tensor& c) { return c.size(4) - (cache_format(c) == PS_KV_INT8 ? 4 : 0); }
+
 void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots) {
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2 && tables.stride(1) == 1,
               "set_decode_step: block tables must be int32 [B, n] with dense rows");
@@ -55,9 +72,10 @@ void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::
   TORCH_CHECK(tables.size(0) == lens.size(0) && slots.size(0) == lens.size(0),
               "set_decode_step: block tables, seq_lens and slots disagree on the batch size");
   for (const at::Tensor& c : caches)
-    TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == at::kFloat && c.dim() == 5 && c.size(0) == 2 &&
-                    c.is_contiguous(),
-                "set_decode_step: every cache must be a contiguous fp32 [2, num_blocks, block_size, KVH, D] cpu tensor");
+    TORCH_CHECK(c.device().is_cpu() && cache_format(c) >= 0 && c.scalar_type() == caches[0].scalar_type() &&
+                    c.dim() == 5 && c.size(0) == 2 && c.is_contiguous(),
+                "set_decode_step: every cache must be a contiguous [2, num_blocks, block_size, KVH, row] cpu tensor, "
+                "all fp32 or all of one 8-bit format (float8_e4m3fn, float8_e5m2, int8)");
   DecodePlan& plan = decode_plan();
   plan.caches.assign(caches.begin(), caches.end());
   plan.tables = tables;
@@ -72,7 +90,7 @@ void clear_decode_step() { decode_plan() = DecodePlan(); }
 bool fits(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
   if (!plan.active || layer < 0 || layer >= (int64_t)plan.caches.size()) return false;
   const at::Tensor& c = plan.caches[layer];
-  const int64_t batch = plan.lens.size(0), kvh = c.size(3), d = c.size(4);
+  const int64_t batch = plan.lens.size(0), kvh = c.size(3), d = cache_head_size(c);
   for (const at::Tensor* t : {&q, &k, &v})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(0) != batch ||
         t->size(2) != d || t->stride(2) != 1 || t->stride(1) != d)
@@ -93,16 +111,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const at::Tensor& cache = plan.caches[layer];
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t num_blocks = cache.size(1), block_size = cache.size(2), kvh = cache.size(3);
-  float* cp = cache.data_ptr<float>();
-  int rc = paged::ps_write_kv_f32(cp, num_blocks * block_size, kvh * d, k.data_ptr<float>(), k.stride(0),
-                                  v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(), batch);
+  const int fmt = cache_format(cache);
+  void* cp = cache.data_ptr();
+  int rc = fmt == PS_KV_F32
+               ? paged::ps_write_kv_f32((float*)cp, num_blocks * block_size, kvh * d, k.data_ptr<float>(), k.stride(0),
+                                        v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(), batch)
+               : paged::ps_write_kv_q8((uint8_t*)cp, fmt, num_blocks * block_size, kvh, d, k.data_ptr<float>(),
+                                       k.stride(0), v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(),
+                                       batch);
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: writing K/V failed (error ", rc, ": a slot outside the cache)");
   at::Tensor out = at::empty({batch, heads, d}, q.options());
-  rc = paged::ps_paged_decode_f32(out.data_ptr<float>(), q.data_ptr<float>(), cp, plan.tables.data_ptr<int32_t>(),
-                                  plan.lens.data_ptr<int32_t>(), batch, heads, kvh, d, num_blocks, block_size,
-                                  plan.tables.size(1), q.stride(0), d, heads * d, d, plan.tables.stride(0),
-                                  (float)scale, std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
-                                  at::get_num_threads());
+  rc = paged::paged_decode(out.data_ptr<float>(), q.data_ptr<float>(), cp, fmt, plan.tables.data_ptr<int32_t>(),
+                           plan.lens.data_ptr<int32_t>(), batch, heads, kvh, d, num_blocks, block_size,
+                           plan.tables.size(1), q.stride(0), d, heads * d, d, plan.tables.stride(0), (float)scale,
+                           std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
+                           at::get_num_threads());
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: paged decode failed (error ", rc,
               ": a block id or seq_len outside the cache or the block table, or out of memory)");
   return out;

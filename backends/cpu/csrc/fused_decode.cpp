@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>  // paged_attention.c's 8-bit loads, outside the namespace below
+#endif
 #include <omp.h>
 
 #include <ATen/Parallel.h>

@@ -2,10 +2,13 @@
  * and compiled into the C++ operator library too (csrc/decode_attention.cpp, which includes this
  * file as C++: keep it valid in both languages).
  *
- * Plain C, fp32 only, no torch headers. Cache layout of one layer (the canonical one):
+ * Plain C, no torch headers. Cache layout of one layer (the canonical one):
  *     kv_cache[2][num_blocks][block_size][num_kv_heads][head_size]
  * so key row (slot, kv_head) starts at ((slot * num_kv_heads) + kv_head) * head_size of plane 0,
- * where slot = block * block_size + offset; plane 1 holds the values.
+ * where slot = block * block_size + offset; plane 1 holds the values. Queries, outputs and new
+ * K/V are fp32; the cache is fp32 (`ps_*_f32`) or 8-bit (`ps_*_q8`, formats PS_KV_*, as
+ * portside.backend_api.quantize_kv stores them: one byte a value, and for int8 each (token, KV
+ * head) row's fp32 scale after its head_size values).
  *
  * Built with -O3 -march=native -fopenmp: the inner loops over head_size are `omp simd` so the
  * compiler vectorizes them; (sequence, 128-token split) tasks are spread over OpenMP threads.
@@ -18,12 +21,23 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h> /* the 8-bit loads (raw8); C++ includers include it before their namespace */
+#define PS_X86_LOADS 1
+#endif
 
 #define PS_OK 0
 #define PS_ERR_BLOCK 1   /* a block id outside [0, num_blocks) */
 #define PS_ERR_NOMEM 2   /* scratch allocation failed */
 #define PS_ERR_LEN 3     /* a seq_len larger than its block-table row can hold */
 #define PS_ERR_SLOT 4    /* a slot >= num_blocks * block_size */
+#define PS_ERR_FORMAT 5  /* an unknown 8-bit cache format */
+
+/* Cache formats: fp32, or one of the 8-bit ones of portside.backend_api.quantize_kv. */
+#define PS_KV_F32 0
+#define PS_KV_INT8 1 /* int8 values, then the row's fp32 scale (value = int8 * scale) */
+#define PS_KV_E4M3 2 /* OCP float8 e4m3fn, saturated to +-448 */
+#define PS_KV_E5M2 3 /* OCP float8 e5m2, saturated to +-57344 */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 /* Sequences longer than this are attended in splits of this many tokens, one task each, then
@@ -133,6 +147,123 @@ ALWAYS_INLINE float tanh_f32(const float x) {
     return a < 0.625f ? small : (x < 0.0f ? -large : large);
 }
 
+/* ---- 8-bit caches ---------------------------------------------------------------------------
+ * A row's values are read as "raw" fp32 numbers times a row factor: int8 -> the int8 value, times
+ * the row's scale; e5m2 -> its value, times 1; e4m3 -> its value / 256, times 256 (its bits
+ * placed in an fp16's, which F16C converts 8 at a time: the sign, then the exponent and mantissa
+ * one bit lower, i.e. an fp16 of exponent bias 15 holding a bias-7 number: exact, subnormals
+ * included). e4m3fn's NaN (0x7f / 0xff) is never stored: writes saturate. */
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* One raw value (scalar; the tails of head sizes that are not a multiple of 8, and CPUs without
+ * AVX2/F16C). */
+ALWAYS_INLINE float raw1(const uint8_t b, const int fmt) {
+    if (fmt == PS_KV_INT8) return (float)(int8_t)b;
+    const float sign = (b & 0x80) ? -1.0f : 1.0f;
+    if (fmt == PS_KV_E5M2) {
+        const int e = (b >> 2) & 31, m = b & 3;
+        return sign * (e ? ldexpf(1.0f + m * 0.25f, e - 15) : ldexpf((float)m, -16));
+    }
+    const int e = (b >> 3) & 15, m = b & 7; /* e4m3, / 256 */
+    return sign * (e ? ldexpf(1.0f + m * 0.125f, e - 15) : ldexpf((float)m, -17));
+}
+
+/* Eight raw values from p. */
+ALWAYS_INLINE v8f raw8(const uint8_t *p, const int fmt) {
+#ifdef PS_X86_LOADS
+    const __m128i x = _mm_loadl_epi64((const __m128i *)p);
+    if (fmt == PS_KV_INT8) return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), x); /* each byte in the high half of a 16-bit lane */
+    if (fmt == PS_KV_E4M3) /* s eeee mmm 0^8 -> s 0 eeee mmm 0^7: shift right one keeping the sign, clear bit 14 */
+        h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16((short)0xBFFF));
+    return (v8f)_mm256_cvtph_ps(h);
+#else
+    v8f r;
+    for (int i = 0; i < 8; ++i) r[i] = raw1(p[i], fmt);
+    return r;
+#endif
+}
+
+/* n heads' rows of an 8-bit cache (rb bytes each, from src) -> dst [n][D] fp32 values. */
+ALWAYS_INLINE void dequant_heads(float *restrict dst, const uint8_t *src, const int64_t n, const int64_t D,
+                                 const int64_t rb, const int fmt) {
+    for (int64_t h = 0; h < n; ++h) {
+        const uint8_t *row = src + h * rb;
+        float f = fmt == PS_KV_E4M3 ? 256.0f : 1.0f;
+        if (fmt == PS_KV_INT8) memcpy(&f, row + D, sizeof f);
+        float *o = dst + h * D;
+        int64_t c = 0;
+        for (; c + 8 <= D; c += 8) {
+            const v8f r = raw8(row + c, fmt) * f;
+            memcpy(o + c, &r, sizeof r);
+        }
+        for (; c < D; ++c) o[c] = raw1(row[c], fmt) * f;
+    }
+}
+
+ALWAYS_INLINE uint32_t f32_bits(const float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+ALWAYS_INLINE float f32_from_bits(const uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> OCP float8, saturating, round to nearest even: torch's conversion (c10's
+ * fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value) after clamping to the format's range.
+ * `mbits` mantissa bits, `bias` exponent bias, smallest normal exponent 1 - bias. */
+ALWAYS_INLINE uint8_t to_fp8(float f, const float fmax, const int mbits, const int bias) {
+    f = f > fmax ? fmax : (f < -fmax ? -fmax : f);
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t r;
+    if (bits < (uint32_t)(127 + 1 - bias) << 23) { /* subnormal or zero: round at the subnormal step by an add */
+        const uint32_t magic = (uint32_t)(127 + 23 - mbits - (bias - 1)) << 23;
+        r = (uint8_t)(f32_bits(f32_from_bits(bits) + f32_from_bits(magic)) - magic);
+    } else {
+        const uint32_t odd = (bits >> (23 - mbits)) & 1;
+        bits += ((uint32_t)(bias - 127) << 23) + ((1u << (22 - mbits)) - 1) + odd;
+        r = (uint8_t)(bits >> (23 - mbits));
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+/* One K or V row of D fp32 values -> its 8-bit row at dst (int8: D values, then the fp32 scale
+ * amax / 127, values round(x / scale) half to even: quantize_kv's arithmetic exactly). */
+ALWAYS_INLINE void quantize_row(uint8_t *restrict dst, const float *restrict x, const int64_t D, const int fmt) {
+    if (fmt == PS_KV_INT8) {
+        float amax = 0.0f;
+        for (int64_t d = 0; d < D; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        const float scale = amax / 127.0f;
+        for (int64_t d = 0; d < D; ++d) {
+            float q = amax > 0.0f ? nearbyintf(x[d] / scale) : 0.0f;
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            dst[d] = (uint8_t)(int8_t)q;
+        }
+        memcpy(dst + D, &scale, sizeof scale);
+    } else if (fmt == PS_KV_E4M3) {
+        for (int64_t d = 0; d < D; ++d) dst[d] = to_fp8(x[d], 448.0f, 3, 7);
+    } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = to_fp8(x[d], 57344.0f, 2, 15);
+    }
+}
+
+/* Bytes of one (token, KV head) row of an 8-bit cache (kv_row_bytes). */
+ALWAYS_INLINE int64_t q8_row_bytes(const int64_t D, const int fmt) { return fmt == PS_KV_INT8 ? D + 4 : D; }
+
+ALWAYS_INLINE void prefetch_bytes(const uint8_t *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* Tokens of values dequantized at a time in decode_range_q8's pass 2 (its scratch holds them). */
+#define Q8_CHUNK 16
+
 /* One sequence's tokens [t_begin, t_end), all its KV heads: its R = H query rows attend over
  * those keys. Two passes over the paged rows; each K and V row is read once for all R query rows
  * (the heads of a cache row are adjacent in memory):
@@ -241,6 +372,121 @@ static void decode_range_any(const decode_shape *sh, float *out, float *part, co
     }
 }
 
+/* `decode_range` over an 8-bit cache (format `fmt`): each token's key rows are dequantized to fp32
+ * (scales applied) before its dot products, and values Q8_CHUNK tokens at a time before the
+ * weighted sum, so every query head of a KV head uses one conversion; the rest is decode_range's
+ * arithmetic. Scratch: decode_range's, then (1 + Q8_CHUNK) * num_kv_heads * D floats. */
+ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
+                                   const int32_t *table, int64_t t_begin, int64_t t_end, float *restrict scratch,
+                                   const int64_t D, const int fmt) {
+    const int64_t G = sh->num_heads / sh->num_kv_heads, R = sh->num_heads, KVH = sh->num_kv_heads;
+    const int64_t BS = sh->block_size, rb = q8_row_bytes(D, fmt), row = KVH * rb; /* bytes per cache row */
+    const uint8_t *k_plane = kv, *v_plane = kv + sh->num_blocks * BS * row;
+    const int64_t len = t_end - t_begin, frow = KVH * D; /* floats per dequantized row */
+    float *restrict scores = scratch;       /* [R][len] */
+    float *restrict qs = scores + R * len;  /* [R][D]: scale * q */
+    float *restrict acc = qs + R * D;       /* [R][D] (part's, when given) */
+    float *restrict kf = acc + R * D;       /* [KVH * D]: one token's keys */
+    float *restrict vf = kf + frow;         /* [Q8_CHUNK][KVH * D]: values */
+    if (part) acc = part;
+
+    for (int64_t r = 0; r < R; ++r) {
+        const float *qr = q + r * sh->q_stride_head;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sh->scale;
+    }
+    for (int64_t t = t_begin; t < t_begin + PREFETCH_TOKENS && t < t_end; ++t) {
+        const int64_t off = (table[t / BS] * BS + t % BS) * row;
+        prefetch_bytes(k_plane + off, row);
+        prefetch_bytes(v_plane + off, row);
+    }
+    /* pass 1: scores */
+    for (int64_t t = t_begin; t < t_end; ++t) {
+        const int64_t ahead = t + PREFETCH_TOKENS;
+        if (ahead < t_end) {
+            const int64_t off = (table[ahead / BS] * BS + ahead % BS) * row;
+            prefetch_bytes(k_plane + off, row);
+            prefetch_bytes(v_plane + off, row);
+        }
+        dequant_heads(kf, k_plane + (table[t / BS] * BS + t % BS) * row, KVH, D, rb, fmt);
+        for (int64_t r = 0; r < R; ++r) scores[r * len + t - t_begin] = dot(qs + r * D, kf + (r / G) * D, D);
+    }
+    if (sh->softcap > 0.0f) {
+        const float cap = sh->softcap, inv_cap = 1.0f / cap;
+#pragma omp simd
+        for (int64_t i = 0; i < R * len; ++i) scores[i] = cap * tanh_f32(scores[i] * inv_cap);
+    }
+    float m_r[R], l_r[R];
+    for (int64_t r = 0; r < R; ++r) {
+        float *s = scores + r * len;
+        float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = exp_nonpos(s[t] - m);
+            total += s[t];
+        }
+        m_r[r] = m;
+        l_r[r] = total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+    }
+    /* pass 2: values, up to Q8_CHUNK tokens of one block at a time */
+    for (int64_t t0 = t_begin; t0 < t_end;) {
+        const int64_t in_blk = t0 % BS, left = BS - in_blk < t_end - t0 ? BS - in_blk : t_end - t0;
+        const int64_t n = left < Q8_CHUNK ? left : Q8_CHUNK;
+        dequant_heads(vf, v_plane + (table[t0 / BS] * BS + in_blk) * row, n * KVH, D, rb, fmt); /* rows are adjacent */
+        for (int64_t r = 0; r < R; ++r) {
+            const float *p = scores + r * len + (t0 - t_begin), *vr = vf + (r / G) * D;
+            float *restrict a = acc + r * D;
+            if (D % 16 == 0 && D <= 256) {
+                v16f a16[D % 16 == 0 && D <= 256 ? D / 16 : 1];
+                for (int64_t c = 0; c < D / 16; ++c) a16[c] = load16(a + 16 * c);
+                for (int64_t j = 0; j < n; ++j)
+                    for (int64_t c = 0; c < D / 16; ++c) a16[c] += p[j] * load16(vr + j * frow + 16 * c);
+                memcpy(a, a16, D * sizeof(float));
+            } else {
+                for (int64_t j = 0; j < n; ++j)
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) a[d] += p[j] * vr[j * frow + d];
+            }
+        }
+        t0 += n;
+    }
+    if (part) {
+        memcpy(part + R * D, m_r, R * sizeof(float));
+        memcpy(part + R * D + R, l_r, R * sizeof(float));
+        return;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        float *o = out + r * sh->out_stride_head;
+        const float inv = 1.0f / l_r[r];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+    }
+}
+
+#define Q8_CASE(FMT)                                                                                                 \
+    switch (sh->head_size) {                                                                                         \
+    case 64: decode_range_q8(sh, out, part, q, kv, table, t_begin, t_end, scratch, 64, FMT); break;                  \
+    case 128: decode_range_q8(sh, out, part, q, kv, table, t_begin, t_end, scratch, 128, FMT); break;                \
+    default: decode_range_q8(sh, out, part, q, kv, table, t_begin, t_end, scratch, sh->head_size, FMT);              \
+    }
+
+static void decode_range_q8_any(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
+                                const int32_t *table, int64_t t_begin, int64_t t_end, float *scratch, int fmt) {
+    /* constant D and format: unrolled, vectorized conversions and dot products */
+    if (fmt == PS_KV_INT8) {
+        Q8_CASE(PS_KV_INT8)
+    } else if (fmt == PS_KV_E4M3) {
+        Q8_CASE(PS_KV_E4M3)
+    } else {
+        Q8_CASE(PS_KV_E5M2)
+    }
+}
+#undef Q8_CASE
+
 /* out_r = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over a sequence's `n` splits (M = max_s m_s):
  * the exact softmax over the whole sequence from its splits' partial ones. */
 static void merge_splits(const decode_shape *sh, float *out, const float *parts, int64_t n) {
@@ -302,12 +548,13 @@ static char *workspace(size_t bytes) {
  * merged (flash-decoding), so a batch of one keeps every thread busy; the cut depends only on
  * seq_len and the window, so the result is the same whatever the thread count and whatever else
  * is in the batch. */
-int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, const int32_t *block_tables,
+static int paged_decode(float *out, const float *query, const void *kv_cache, const int fmt, const int32_t *block_tables,
                         const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                         int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
                         int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
                         float softcap, int num_threads) {
+    if (fmt < PS_KV_F32 || fmt > PS_KV_E5M2) return PS_ERR_FORMAT;
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
                              q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale,
                              softcap, window};
@@ -335,7 +582,8 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
     for (int64_t i = 0; i < num_seqs; ++i)
         task_start[i + 1] = task_start[i] + num_splits(seq_lens[i] - window_start(&sh, seq_lens[i]));
     const int64_t scores_len = max_len < SPLIT_TOKENS ? max_len : SPLIT_TOKENS; /* the most tokens a task scores */
-    const size_t scratch_floats = (size_t)(num_heads * (scores_len + 2 * head_size));
+    const size_t scratch_floats = (size_t)(num_heads * (scores_len + 2 * head_size)) +
+                                  (fmt ? (size_t)((1 + Q8_CHUNK) * num_kv_heads * head_size) : 0);
     const int threads = num_threads > 0 ? num_threads : 1;
     int status = PS_OK;
 
@@ -359,8 +607,13 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
             }
             const int64_t len = seq_lens[i], t_begin = window_start(&sh, len) + s * SPLIT_TOKENS;
             const int64_t t_end = t_begin + SPLIT_TOKENS < len ? t_begin + SPLIT_TOKENS : len;
-            decode_range_any(&sh, n > 1 ? NULL : o, n > 1 ? parts + task * part_floats : NULL, query + i * q_stride_tok,
-                             kv_cache, block_tables + i * table_stride, t_begin, t_end, scratch);
+            float *part = n > 1 ? parts + task * part_floats : NULL;
+            if (fmt == PS_KV_F32)
+                decode_range_any(&sh, part ? NULL : o, part, query + i * q_stride_tok, (const float *)kv_cache,
+                                 block_tables + i * table_stride, t_begin, t_end, scratch);
+            else
+                decode_range_q8_any(&sh, part ? NULL : o, part, query + i * q_stride_tok, (const uint8_t *)kv_cache,
+                                    block_tables + i * table_stride, t_begin, t_end, scratch, fmt);
         }
         if (split_tasks && status == PS_OK) {
 #pragma omp for schedule(dynamic, 1)
@@ -372,6 +625,30 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
         free(scratch);
     }
     return status;
+}
+
+int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, const int32_t *block_tables,
+                        const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                        int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
+                        int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
+                        float softcap, int num_threads) {
+    return paged_decode(out, query, kv_cache, PS_KV_F32, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
+                        head_size, num_blocks, block_size, max_blocks, q_stride_tok, q_stride_head, out_stride_tok,
+                        out_stride_head, table_stride, scale, window, softcap, num_threads);
+}
+
+/* `ps_paged_decode_f32` over an 8-bit cache of format `fmt` (PS_KV_INT8, _E4M3, _E5M2):
+ *   kv_cache [2, num_blocks, block_size, num_kv_heads, row] bytes, row = q8_row_bytes(head_size, fmt). */
+int ps_paged_decode_q8(float *out, const float *query, const uint8_t *kv_cache, int fmt, const int32_t *block_tables,
+                       const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                       int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok, int64_t out_stride_head,
+                       int64_t table_stride, float scale, int64_t window, float softcap, int num_threads) {
+    if (fmt == PS_KV_F32) return PS_ERR_FORMAT;
+    return paged_decode(out, query, kv_cache, fmt, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
+                        head_size, num_blocks, block_size, max_blocks, q_stride_tok, q_stride_head, out_stride_tok,
+                        out_stride_head, table_stride, scale, window, softcap, num_threads);
 }
 
 /* Write the K/V rows of new tokens into the cache (vLLM's reshape_and_cache):
@@ -393,5 +670,28 @@ int ps_write_kv_f32(float *kv_cache, int64_t num_slots, int64_t row, const float
     return PS_OK;
 }
 
+/* `ps_write_kv_f32` into an 8-bit cache of format `fmt`, each (token, KV head) row quantized
+ * (quantize_row):
+ *   kv_cache  [2, num_blocks * block_size, num_kv_heads, row] bytes, row = q8_row_bytes(head_size, fmt)
+ *   key/value [num_tokens, num_kv_heads, head_size] fp32, heads dense, token strides as above */
+int ps_write_kv_q8(uint8_t *kv_cache, int fmt, int64_t num_slots, int64_t num_kv_heads, int64_t head_size,
+                   const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                   const int64_t *slots, int64_t num_tokens) {
+    if (fmt < PS_KV_INT8 || fmt > PS_KV_E5M2) return PS_ERR_FORMAT;
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (slots[i] >= num_slots) return PS_ERR_SLOT;
+    const int64_t rb = q8_row_bytes(head_size, fmt), row = num_kv_heads * rb;
+    uint8_t *v_plane = kv_cache + num_slots * row;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            quantize_row(kv_cache + s * row + h * rb, key + i * key_stride + h * head_size, head_size, fmt);
+            quantize_row(v_plane + s * row + h * rb, value + i * value_stride + h * head_size, head_size, fmt);
+        }
+    }
+    return PS_OK;
+}
+
 /* ABI version of this file's entry points; kernels.py checks it after loading. */
-int ps_abi_version(void) { return 2; }
+int ps_abi_version(void) { return 3; }
