@@ -128,11 +128,19 @@ class LinearBase(nn.Module):
         """(first column in the checkpoint tensor, columns) this rank keeps; None: all."""
         return None
 
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        """Rows of part `shard_id`'s whole checkpoint tensor (what every rank's slice is cut from)."""
+        return self.out_partition(shard_id)[2] * getattr(self, "tp_size", 1) if self.column_split else self.out_local
+
+    column_split = False  # output rows split over ranks
+
     def part_index(self, shard_id: object) -> int:
         return 0 if self.parts is None else self.parts.index(shard_id)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         dst, src, n = self.out_partition(shard_id)
+        if loaded.shape[0] != self.checkpoint_rows(shard_id):
+            raise ValueError(f"has {loaded.shape[0]} rows, expected {self.checkpoint_rows(shard_id)}")
         cols = self.in_partition()
         if cols is not None and loaded.dim() == 2:
             loaded = loaded.narrow(1, *cols)
@@ -156,6 +164,8 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's output rows split across ranks: y is this rank's slice."""
+
+    column_split = True
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int, dtype: torch.dtype
@@ -210,6 +220,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             _divide(tp_size, num_kv_heads, "tensor-parallel size / KV heads")  # replicas must be even
             self.num_kv_heads = 1
             self.kv_head_start = tp_rank * num_kv_heads // tp_size
+        self.total_kv_heads = num_kv_heads
         out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.parts = ["q", "k", "v"]
         super().__init__(hidden_size, out_local, bias, 0, 1, dtype)  # sizes already per rank
@@ -224,6 +235,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id in ("k", "v"):
             return (q_size if shard_id == "k" else q_size + kv_size), self.kv_head_start * d, kv_size
         raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        return (self.num_heads * self.tp_size if shard_id == "q" else self.total_kv_heads) * self.head_dim
 
 
 class RowParallelLinear(LinearBase):

@@ -19,7 +19,7 @@ Methods:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["QuantConfig", "QUANT_METHODS", "ONLINE_METHODS"]
@@ -44,6 +44,8 @@ class QuantConfig:
     online: bool = False  # quantize full-precision weights while loading
     ignore: tuple[str, ...] = ()  # modules left in full precision ("re:" prefix: a regex)
     quantize_lm_head: bool = False
+    # gguf: (HF tensor name, GGML type name, rows, cols) of every tensor kept in llama.cpp's blocks
+    gguf_tensors: tuple[tuple[str, str, int, int], ...] = field(default=(), repr=False)
 
     # ---- which layers -----------------------------------------------------------------------
 
@@ -213,7 +215,14 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
 
 
 def _gguf(q: dict[str, Any]) -> QuantConfig:
-    return QuantConfig("gguf", strategy="block")
+    """portside's GGUF converter: ``tensors: {hf_name: {"type": "Q4_K", "shape": [rows, cols]}}``
+    (an ``{e}`` in a name stands for every expert)."""
+    try:
+        tensors = tuple(sorted((str(name), str(t["type"]), int(t["shape"][0]), int(t["shape"][1]))
+                               for name, t in (q.get("tensors") or {}).items()))
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise ValueError('gguf quantization_config.tensors must map tensor names to {"type": "Q4_K", "shape": [rows, cols]}') from None
+    return QuantConfig("gguf", strategy="block", gguf_tensors=tensors)
 
 
 _PARSERS = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed_tensors, "gguf": _gguf}

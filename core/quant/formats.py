@@ -109,7 +109,6 @@ def add_checkpoint_params(layer: LinearBase, qc: QuantConfig) -> None:
     groups, sliced = _groups(qc, layer)
     parts = layer.parts or [None]
     del layer.weight
-    layer.weight = None
     for spec in specs:
         shape = spec.shape(layer.out_local, layer.in_local, groups)
         if spec.per_part:
@@ -121,6 +120,8 @@ def add_checkpoint_params(layer: LinearBase, qc: QuantConfig) -> None:
         p.optional = spec.optional  # type: ignore[attr-defined]
         p.loaded_parts = set()  # type: ignore[attr-defined]
         layer.register_parameter(spec.name, p)
+    if "weight" not in layer._parameters:
+        layer.weight = None
     layer.quant_format = qc  # type: ignore[assignment]
 
 
@@ -140,6 +141,9 @@ def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: 
                 p = spec.out_pack
                 if d0 % p or s0 % p or n % p:
                     raise ValueError(f"{spec.name}: {n} output rows do not pack {p} to an int32")
+                if t.shape[spec.out_dim] * p != layer.checkpoint_rows(shard_id):
+                    raise ValueError(f"{spec.name} has shape {tuple(loaded.shape)}: {t.shape[spec.out_dim]} x {p} "
+                                     f"output rows, expected {layer.checkpoint_rows(shard_id)}")
                 t = t.narrow(spec.out_dim, s0 // p, n // p)
                 dst = dst.narrow(spec.out_dim, d0 // p, n // p)
             cols = layer.in_partition()
