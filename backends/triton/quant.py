@@ -6,10 +6,11 @@ Two paths, chosen per weight by `quant_path` (recorded in ``weight.layout`` at p
 - ``"dequant"``, weight-only (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, ``--quantization int8``,
   FP8 weights with ``act`` None): `_dequant_gemm_kernel` loads a [BLOCK_N, BLOCK_K] tile of codes
   (4-bit bytes split into their two nibbles with `tl.interleave`, low nibble first), subtracts
-  the zero and feeds it to `tl.dot` against x's tile in x's dtype, fp32 accumulation. When a K
-  tile lies inside one group (no ``g_idx``; one group per row, or a group size that is a multiple
-  of BLOCK_K) the scale multiplies the tile's [BLOCK_M, BLOCK_N] product, else each code is
-  scaled before the dot, its group read from ``g_idx`` (act order) or ``k // group_size``.
+  the zero, scales it, rounds it to x's dtype (the reference's dequantized weight, element for
+  element) and feeds it to `tl.dot` against x's tile, fp32 accumulation. When a K tile lies
+  inside one group (no ``g_idx``; one group per row, or a group size that is a multiple of
+  BLOCK_K) each row's scale and zero are one load; else they are gathered per code, the group
+  read from ``g_idx`` (act order) or ``k // group_size``.
 - ``"scaled_mm"``, W8A8 (``act`` "int8" with symmetric per-channel int8 codes, ``act`` "fp8"
   with FP8 weights and one scale per channel): `_quantize_rows_kernel` rounds x per token
   (scale = amax / qmax, or the static ``input_scale``) the way `quantize_activation` does, then
@@ -32,9 +33,10 @@ routed to goes through `quantized_linear`, so it does reach these kernels). `por
 not imported here (backends import only the contract); the weight is duck-typed.
 
 Numerics: fp32 accumulation; int8 products exact in int32. Under the interpreter on CPU tensors
-half-precision operands are upcast to fp32 (its bf16 dot is wrong, as in `moe`), and FP8
-activations are rounded to e4m3 in fp32 arithmetic before the (then exact) cast, because the
-interpreter's fp32 -> fp8 cast mis-rounds values whose mantissa carries into the exponent.
+half-precision operands are upcast to fp32 (its bf16 dot is wrong, as in `moe`) and roundings to
+bf16 are done in fp32 arithmetic (its fp32 -> bf16 cast truncates). FP8 activations are always
+rounded to e4m3 in fp32 arithmetic before the (then exact) cast, because the interpreter's
+fp32 -> fp8 cast mis-rounds values whose mantissa carries into the exponent.
 """
 
 from __future__ import annotations
@@ -98,13 +100,14 @@ def _dequant_gemm_kernel(
     ZERO: tl.constexpr,  # the zero of symmetric codes, 2^(BITS-1) (not HAS_ZEROS)
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
-    SCALE_PER_TILE: tl.constexpr,  # every K tile lies in one group: scale the tile's product
+    SCALE_PER_TILE: tl.constexpr,  # every K tile lies in one group: one scale (zero) per row
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # round to bf16 in fp32 arithmetic (the interpreter's casts truncate)
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -133,16 +136,11 @@ def _dequant_gemm_kernel(
             q = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]: column 2j low, 2j + 1 high
         else:
             q = tl.load(q_ptr + rows_q[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        w = q.to(tl.float32)
-        if SCALE_PER_TILE:
+        if SCALE_PER_TILE:  # the tile's columns share one group: a scale (and zero) per row
             g = k0 // group_size
-            if BITS != 0:
-                if HAS_ZEROS:
-                    w = w - tl.load(z_ptr + offs_n * stride_zn + g, mask=n_ok, other=0.0)[:, None]
-                else:
-                    w = w - ZERO
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-            acc += part * tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[None, :]
+            scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[:, None]
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + offs_n * stride_zn + g, mask=n_ok, other=0.0)[:, None]
         else:
             if HAS_G_IDX:
                 g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
@@ -150,18 +148,30 @@ def _dequant_gemm_kernel(
                 g = offs_k // group_size
             nk_ok = n_ok[:, None] & k_ok[None, :]
             scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=nk_ok, other=0.0)
-            if BITS != 0:
-                if HAS_ZEROS:
-                    w = w - tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=nk_ok, other=0.0)
-                else:
-                    w = w - ZERO
-            w = w * scale
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=nk_ok, other=0.0)
+        w = q.to(tl.float32)
+        if BITS != 0:
+            if HAS_ZEROS:
+                w = w - zero
+            else:
+                w = w - ZERO
+        # rounded to x's dtype as the reference's dequantized weight is (then upcast: interpreter)
+        w = w * scale
+        if ROUND_BF16:
+            w = _round_to_bf16(w)
+        else:
+            w = w.to(x_ptr.dtype.element_ty)
+            if UPCAST:
+                w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
     mn_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            acc = _round_to_bf16(acc)
         c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mn_ok)
     else:
@@ -193,6 +203,7 @@ def _scaled_mm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -237,11 +248,22 @@ def _scaled_mm_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            out = _round_to_bf16(out)
         c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mn_ok)
     else:
         c_ptrs = c_ptr + pid_k * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, out, mask=mn_ok)
+
+
+@triton.jit
+def _round_to_bf16(v):
+    """fp32 v rounded to the nearest bfloat16 (ties to even), kept in fp32: the value a GPU's
+    cast gives, where the interpreter's fp32 -> bf16 cast truncates."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -318,7 +340,7 @@ class QuantLaunch:
     num_warps: int
     num_stages: int
     input_precision: str  # tl.dot precision for fp32 operands: "ieee" or "tf32"
-    upcast: bool  # dequant path: half-precision x loaded as fp32 (interpreter)
+    upcast: bool  # interpreter: half-precision x loaded as fp32, bf16 rounding done in fp32
     operand: str = "native"  # scaled path: "native" MMA on the codes, else "fp16" / "fp32" upcast
 
     def kernel_options(self) -> dict[str, Any]:
@@ -481,7 +503,8 @@ def dequant_matmul(
         BITS=bits, ZERO=float(1 << (bits - 1)) if bits else 0.0, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=scale_per_tile, HAS_BIAS=bias is not None, SPLIT_K=split,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, UPCAST=launch.upcast,
-        PRECISION=launch.input_precision, **launch.kernel_options(),
+        ROUND_BF16=launch.upcast and x.dtype == torch.bfloat16, PRECISION=launch.input_precision,
+        **launch.kernel_options(),
     )  # fmt: skip
     return _finish(c, split, bias, x.dtype)
 
@@ -532,7 +555,8 @@ def scaled_matmul(
         a, a_scale, t["qweight"], scales, x if bias is None else bias, c,
         m, n, k, per, a.stride(0), t["qweight"].stride(0), scales.stride(0), stride_cs, stride_cm,
         INT8=w.act == "int8", OPERAND=launch.operand, HAS_BIAS=bias is not None, SPLIT_K=split,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, PRECISION=launch.input_precision,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        ROUND_BF16=launch.upcast and x.dtype == torch.bfloat16, PRECISION=launch.input_precision,
         **launch.kernel_options(),
     )  # fmt: skip
     return _finish(c, split, bias, x.dtype)

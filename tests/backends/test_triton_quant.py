@@ -237,15 +237,18 @@ def test_empty_batch(kernel_device) -> None:
     assert TritonModelOps().quantized_linear(torch.zeros(0, K, device=kernel_device), w).shape == (0, N)
 
 
-def test_quantized_experts_reach_the_kernels(kernel_device, monkeypatch) -> None:
-    """Stacked experts are prepared for their slices; each routed expert goes through the kernel."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_experts_reach_the_kernels(dtype: torch.dtype, kernel_device, monkeypatch) -> None:
+    """Stacked experts are prepared for their slices; each routed expert goes through the kernel.
+    Two layers and an activation in bf16: only a weight and output rounded the reference's way
+    stay within tolerance."""
     import portside.backends.triton.quant as quant
 
     gen = torch.Generator().manual_seed(8)
     hidden, inter, experts = 64, 48, 4
     w13 = quantize_per_channel(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5, "int8")
     w2 = quantize_per_channel(torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5, "int8")
-    x = torch.randn(6, hidden, generator=gen)
+    x = torch.randn(6, hidden, generator=gen).to(dtype)
     weights, ids = ModelOps().select_experts(torch.randn(6, experts, generator=gen), 2, True)
     expected = ModelOps().quantized_moe_experts(x, w13, w2, weights, ids)
     ops = TritonModelOps()
