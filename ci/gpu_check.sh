@@ -2,7 +2,8 @@
 # GPU checks for the cuda backend, for a lent NVIDIA machine (never CI). Under 10 minutes:
 #   1. environment: torch with CUDA, triton, the project (installed without touching torch);
 #   2. compiled Triton kernel tests (attention with its features, fused MoE) and cuda platform
-#      tests (no TRITON_INTERPRET);
+#      tests (no TRITON_INTERPRET); then the quantized-linear kernels (int4/int8 dequant-GEMM,
+#      FP8 and W8A8 on sm90's FP8 and int8 MMAs, CUDA-graph replay), in their own time budget;
 #   3. CUDA-graph replay == eager == transformers, end to end (ci/bench/graph_replay_check.py);
 #   4. decode-attention bandwidth, GB/s and % of peak (ci/bench/decode_attention_bw.py);
 #   5. end-to-end throughput vs transformers (ci/bench/e2e_throughput.py).
@@ -58,6 +59,7 @@ PYEOF
 step "2. compiled kernel tests"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/backends/test_triton_attention.py \
     tests/backends/test_triton_moe.py tests/backends/test_cuda_rocm_platform.py 2>&1 | tee "$OUT/kernel_tests.log" || status=1
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/backends/test_triton_quant.py 2>&1 | tee "$OUT/quant_tests.log" || status=1
 
 step "3. CUDA graph replay == eager"
 timeout 120 "$PY" ci/bench/graph_replay_check.py 2>&1 | tee "$OUT/graph_check.log" || status=1
