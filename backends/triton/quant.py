@@ -18,6 +18,9 @@ Two paths, chosen per weight by `quant_path` (recorded in ``weight.layout`` at p
   NVIDIA sm89+, elsewhere both operands upcast to fp16 (exact for e4m3); the per-token and
   per-channel scales are applied to the tile's product.
 
+On NVIDIA before sm89, where Triton has no e4m3 type, FP8 weights and activations are read and
+written as their bytes and converted in integer ops (`QuantLaunch.fp8_bytes`).
+
 Both GEMMs serve every M with one kernel and a launch table (`choose_quant_launch`): small M
 (decode) gets 16-row tiles, wide K steps and split-K (K cut into `split_k` slices whose fp32
 partials are summed in a fixed order: no atomics, the result does not depend on timing); large
@@ -79,7 +82,7 @@ QuantWeightT = Any
 @triton.jit
 def _dequant_gemm_kernel(
     x_ptr,  # [M, K] fp16/bf16/fp32, K contiguous
-    q_ptr,  # [N, K] uint8 codes (BITS 8), [N, K // 2] (BITS 4) or [N, K] float8_e4m3fn (BITS 0)
+    q_ptr,  # [N, K] uint8 codes (BITS 8), [N, K // 2] (BITS 4) or [N, K] float8_e4m3fn (BITS 0; its bytes: FP8_BYTES)
     s_ptr,  # [N, G] fp32 scales
     z_ptr,  # [N, G] fp32 zeros (HAS_ZEROS)
     g_ptr,  # [K] int32 group of each input column (HAS_G_IDX)
@@ -108,6 +111,7 @@ def _dequant_gemm_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # round to bf16 in fp32 arithmetic (the interpreter's casts truncate)
+    FP8_BYTES: tl.constexpr,  # FP8 weights as uint8, decoded in integer ops (no fp8 type: NVIDIA < sm89)
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -150,7 +154,10 @@ def _dequant_gemm_kernel(
             scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=nk_ok, other=0.0)
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=nk_ok, other=0.0)
-        w = q.to(tl.float32)
+        if FP8_BYTES:
+            w = _e4m3_bits_to_f32(q)
+        else:
+            w = q.to(tl.float32)
         if BITS != 0:
             if HAS_ZEROS:
                 w = w - zero
@@ -183,7 +190,7 @@ def _dequant_gemm_kernel(
 def _scaled_mm_kernel(
     a_ptr,  # [M, K] int8 or float8_e4m3fn: the quantized activations
     a_scale_ptr,  # [M] fp32
-    b_ptr,  # [N, K] uint8 codes, zero 128 (INT8) or float8_e4m3fn
+    b_ptr,  # [N, K] uint8 codes, zero 128 (INT8) or float8_e4m3fn (a_ptr too: their bytes with FP8_BYTES)
     b_scale_ptr,  # [N] fp32 (stride stride_bs)
     bias_ptr,
     c_ptr,  # as in `_dequant_gemm_kernel`
@@ -198,6 +205,7 @@ def _scaled_mm_kernel(
     stride_cm,
     INT8: tl.constexpr,
     OPERAND: tl.constexpr,  # "native" (int8 / fp8 MMA), "fp16" or "fp32" (both operands upcast)
+    FP8_BYTES: tl.constexpr,  # FP8 operands as uint8, decoded in integer ops (then OPERAND is an upcast)
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -229,6 +237,9 @@ def _scaled_mm_kernel(
         b = tl.load(b_ptr + rows_b[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if INT8:
             b = (b.to(tl.int32) - 128).to(tl.int8)
+        if FP8_BYTES:
+            a = _e4m3_bits_to_f32(a)
+            b = _e4m3_bits_to_f32(b)
         if OPERAND == "fp32":
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -288,9 +299,31 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _e4m3_bits_to_f32(b):
+    """float8_e4m3fn bytes (uint8) -> their fp32 values, in integer ops (NaN bytes not handled)."""
+    b = b.to(tl.int32)
+    exp = (b >> 3) & 0xF
+    mant = b & 0x7
+    sign = (b & 0x80) << 24
+    normal = (sign | ((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    subnormal = mant.to(tl.float32) * 0.001953125  # exponent field 0: mant * 2^-9
+    return tl.where(exp == 0, tl.where(sign != 0, -subnormal, subnormal), normal)
+
+
+@triton.jit
+def _f32_to_e4m3_bits(v):
+    """fp32 v, exactly a float8_e4m3fn value, -> that value's byte (int32 in [0, 256))."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 0x7)
+    subnormal = (a * 512.0).to(tl.int32)
+    return ((bits >> 24) & 0x80) | tl.where(a < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,  # [M, K]
-    q_ptr,  # [M, K] int8 or float8_e4m3fn
+    q_ptr,  # [M, K] int8 or float8_e4m3fn (uint8 bytes of it with FP8_BYTES)
     scale_ptr,  # [M] fp32 out
     static_ptr,  # [1] fp32 (STATIC)
     K,
@@ -299,6 +332,7 @@ def _quantize_rows_kernel(
     QMAX: tl.constexpr,
     INT8: tl.constexpr,
     STATIC: tl.constexpr,
+    FP8_BYTES: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -318,10 +352,12 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
         if INT8:
-            v = _round_half_even(v)
+            q = _round_half_even(v).to(tl.int8)
+        elif FP8_BYTES:
+            q = _f32_to_e4m3_bits(_round_to_e4m3(v)).to(tl.uint8)
         else:
-            v = _round_to_e4m3(v)
-        tl.store(q_ptr + row * stride_qm + offs, v.to(q_ptr.dtype.element_ty), mask=offs < K)
+            q = _round_to_e4m3(v).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * stride_qm + offs, q, mask=offs < K)
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,6 +378,7 @@ class QuantLaunch:
     input_precision: str  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     upcast: bool  # interpreter: half-precision x loaded as fp32, bf16 rounding done in fp32
     operand: str = "native"  # scaled path: "native" MMA on the codes, else "fp16" / "fp32" upcast
+    fp8_bytes: bool = False  # FP8 tensors read as bytes and decoded in integer ops (NVIDIA < sm89)
 
     def kernel_options(self) -> dict[str, Any]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -390,11 +427,12 @@ def choose_quant_launch(
     k_tiles = -(-k // bk)
     if m <= 64 and tiles < 2 * arch.num_sms:
         split = max(1, min(MAX_SPLIT_K, -(-2 * arch.num_sms // tiles), k_tiles // MIN_K_TILES_PER_SPLIT))
+    fp8_bytes = arch.vendor == "nvidia" and arch.capability < (8, 9)  # triton has no e4m3 type there
     operand = "native"
     if scaled == "fp8" and not (arch.vendor == "nvidia" and arch.capability >= (8, 9)):
         operand = "fp32" if arch.vendor == "interpreter" else "fp16"  # no fp8 MMA (AMD: e4m3fnuz only)
     upcast = arch.vendor == "interpreter" and dtype != torch.float32
-    return QuantLaunch(bm, bn, bk, split, warps, stages, precision, upcast, operand)
+    return QuantLaunch(bm, bn, bk, split, warps, stages, precision, upcast, operand, fp8_bytes)
 
 
 def _k_slices(k: int, launch: QuantLaunch) -> tuple[int, int]:
@@ -494,38 +532,42 @@ def dequant_matmul(
     scale_per_tile = g_idx is None and (scales.shape[-1] == 1 or w.group_size % launch.block_k == 0)
     c, stride_cs, stride_cm = _output(m, n, split, x)
     bits = 0 if w.kind == "fp8" else w.bits
+    fp8_bytes = bits == 0 and launch.fp8_bytes
+    qweight = t["qweight"].view(torch.uint8) if fp8_bytes else t["qweight"]
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
     _dequant_gemm_kernel[grid](
-        x, t["qweight"], scales, scales if zeros is None else zeros, scales if g_idx is None else g_idx,
+        x, qweight, scales, scales if zeros is None else zeros, scales if g_idx is None else g_idx,
         x if bias is None else bias, c,
         m, n, k, w.group_size, per,
-        x.stride(0), t["qweight"].stride(0), scales.stride(0), 0 if zeros is None else zeros.stride(0), stride_cs, stride_cm,
+        x.stride(0), qweight.stride(0), scales.stride(0), 0 if zeros is None else zeros.stride(0), stride_cs, stride_cm,
         BITS=bits, ZERO=float(1 << (bits - 1)) if bits else 0.0, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=scale_per_tile, HAS_BIAS=bias is not None, SPLIT_K=split,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, UPCAST=launch.upcast,
-        ROUND_BF16=launch.upcast and x.dtype == torch.bfloat16, PRECISION=launch.input_precision,
+        ROUND_BF16=launch.upcast and x.dtype == torch.bfloat16, FP8_BYTES=fp8_bytes, PRECISION=launch.input_precision,
         **launch.kernel_options(),
     )  # fmt: skip
     return _finish(c, split, bias, x.dtype)
 
 
 def quantize_rows(
-    x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None
+    x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None, fp8_bytes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes [M, K] int8 or float8_e4m3fn, scales [M] fp32): per token, scale =
     amax / qmax (or the static `input_scale`), codes = round(clamp(x / scale)), as
-    `portside.quant.weight.quantize_activation` rounds them."""
+    `portside.quant.weight.quantize_activation` rounds them. `fp8_bytes`: FP8 codes written as
+    their uint8 bytes, in integer ops (a `.view(torch.float8_e4m3fn)` of the same values)."""
     m, k = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     int8 = mode == "int8"
-    q = torch.empty((m, k), dtype=torch.int8 if int8 else torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((m, k), dtype=torch.int8 if int8 else torch.uint8 if fp8_bytes else torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     static = None if input_scale is None else input_scale.reshape(1).to(torch.float32)
     if m:
         block_k = min(1024, triton.next_power_of_2(max(k, 16)))
         _quantize_rows_kernel[(m,)](
             x, q, scale, scale if static is None else static, k, x.stride(0), q.stride(0),
-            QMAX=127.0 if int8 else FP8_MAX, INT8=int8, STATIC=static is not None, BLOCK_K=block_k,
+            QMAX=127.0 if int8 else FP8_MAX, INT8=int8, STATIC=static is not None, FP8_BYTES=fp8_bytes and not int8,
+            BLOCK_K=block_k,
             num_warps=4 if block_k >= 512 else 1,
         )  # fmt: skip
     return q, scale
@@ -547,14 +589,16 @@ def scaled_matmul(
     n = w.out_features
     arch = arch or detect_arch(x.device)
     launch = launch or choose_quant_launch(arch, m, n, k, x.dtype, scaled=w.act)
-    a, a_scale = quantize_rows(x, w.act, t["input_scale"])
+    fp8_bytes = w.act == "fp8" and launch.fp8_bytes
+    a, a_scale = quantize_rows(x, w.act, t["input_scale"], fp8_bytes)
+    qweight = t["qweight"].view(torch.uint8) if fp8_bytes else t["qweight"]
     per, split = _k_slices(k, launch)
     c, stride_cs, stride_cm = _output(m, n, split, x)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
     _scaled_mm_kernel[grid](
-        a, a_scale, t["qweight"], scales, x if bias is None else bias, c,
-        m, n, k, per, a.stride(0), t["qweight"].stride(0), scales.stride(0), stride_cs, stride_cm,
-        INT8=w.act == "int8", OPERAND=launch.operand, HAS_BIAS=bias is not None, SPLIT_K=split,
+        a, a_scale, qweight, scales, x if bias is None else bias, c,
+        m, n, k, per, a.stride(0), qweight.stride(0), scales.stride(0), stride_cs, stride_cm,
+        INT8=w.act == "int8", OPERAND=launch.operand, FP8_BYTES=fp8_bytes, HAS_BIAS=bias is not None, SPLIT_K=split,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         ROUND_BF16=launch.upcast and x.dtype == torch.bfloat16, PRECISION=launch.input_precision,
         **launch.kernel_options(),

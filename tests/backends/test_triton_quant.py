@@ -59,6 +59,10 @@ def dense(seed: int, n: int = N, k: int = K) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
 
 
+def has_fp8_type(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability() >= (8, 9)
+
+
 def inputs(m: int, dtype: torch.dtype, seed: int = 1, k: int = K, bias: bool = False):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -169,12 +173,40 @@ OPERANDS = [("int8", "native", 1), ("int8", "fp32", 2), ("fp8", "native", 1), ("
 
 @pytest.mark.parametrize(("method", "operand", "split"), OPERANDS, ids=[f"{a}-{b}-split{c}" for a, b, c in OPERANDS])
 def test_scaled_operand_modes(method: str, operand: str, split: int, kernel_device) -> None:
-    if kernel_device.type == "cuda" and method == "fp8" and operand == "native" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 tl.dot needs sm89+")
+    if method == "fp8" and not has_fp8_type(kernel_device):
+        pytest.skip("Triton has no e4m3 type before sm89 (the byte path is tested below)")
     w = quantize_per_channel(dense(seed=11), method, act=method).to(kernel_device)
     x, bias = inputs(5, torch.float32, seed=12, bias=True)
     launch = QuantLaunch(16, 32, 32, split, 4, 1, "ieee", upcast=True, operand=operand)
     check(scaled_matmul(x.to(kernel_device), w, bias.to(kernel_device), launch), x, w, bias, operand)
+
+
+def test_fp8_as_bytes_decodes_every_value(kernel_device) -> None:
+    """NVIDIA before sm89 (no e4m3 type in Triton): FP8 weights read as bytes and decoded in
+    integer ops; every finite byte, through an identity x, comes back as torch's value."""
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8).view(2, 127)
+    w = QuantWeight("fp8", (2, 127), codes.view(torch.float8_e4m3fn), scales=torch.ones(2, 1), method="fp8")
+    launch = QuantLaunch(16, 32, 32, 1, 4, 1, "ieee", upcast=False, fp8_bytes=True)
+    out = dequant_matmul(torch.eye(127, device=kernel_device), w.to(kernel_device), None, launch)
+    assert torch.equal(out.T.cpu(), codes.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_as_bytes_matches_reference(dtype: torch.dtype, kernel_device) -> None:
+    upcast = dtype != torch.float32 and kernel_device.type == "cpu"
+    x, bias = inputs(5, dtype, seed=13, bias=True)
+    d = kernel_device
+    weight_only = quantize_per_channel(dense(seed=14), "fp8").to(d)
+    launch = QuantLaunch(16, 32, 32, 2, 4, 1, "ieee", upcast=upcast, fp8_bytes=True)
+    check(dequant_matmul(x.to(d), weight_only, bias.to(d), launch), x, weight_only, bias)
+    w8a8 = quantize_per_channel(dense(seed=15), "fp8", act="fp8").to(d)
+    for operand in ("fp16", "fp32"):
+        launch = QuantLaunch(16, 32, 32, 1, 4, 1, "ieee", upcast=upcast, operand=operand, fp8_bytes=True)
+        check(scaled_matmul(x.to(d), w8a8, bias.to(d), launch), x, w8a8, bias, operand)
+    codes, scale = quantize_rows(x.to(d), "fp8", fp8_bytes=True)
+    assert codes.dtype == torch.uint8
+    got = (codes.view(torch.float8_e4m3fn).cpu().float() * scale.cpu()[:, None]).to(dtype)
+    assert torch.equal(got, quantize_activation(x, "fp8"))
 
 
 def _rounding_probe(mode: str, dtype: torch.dtype) -> torch.Tensor:
@@ -271,6 +303,9 @@ def test_launch_table() -> None:
     assert choose_quant_launch(A100, 8, 4096, 4096, torch.bfloat16, scaled="fp8").operand == "fp16"
     assert choose_quant_launch(MI300, 8, 4096, 4096, torch.bfloat16, scaled="fp8").operand == "fp16"
     assert choose_quant_launch(MI300, 8, 4096, 4096, torch.bfloat16, scaled="int8").operand == "native"
+    assert choose_quant_launch(A100, 8, 4096, 4096, torch.bfloat16).fp8_bytes  # no e4m3 type before sm89
+    assert not choose_quant_launch(H200, 8, 4096, 4096, torch.bfloat16).fp8_bytes
+    assert not choose_quant_launch(MI300, 8, 4096, 4096, torch.bfloat16).fp8_bytes
     assert choose_quant_launch(H200, 8, 4096, 4096, torch.float32).input_precision == "ieee"
 
 
