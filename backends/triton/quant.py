@@ -470,6 +470,8 @@ def quant_path(w: QuantWeightT) -> str | None:
         return None
     if w.kind == "int" and (w.bits not in (4, 8) or w.qweight.dtype != torch.uint8):
         return None
+    if w.kind == "fp8" and w.qweight.dtype != torch.float8_e4m3fn:
+        return None
     if w.act is None:
         return "dequant"
     static_ok = w.input_scale is None or w.input_scale.numel() == 1
