@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport, dequantize_kv, is_quantized_kv
 from portside.backends.triton import kv_cache as _kv
 from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch
 from portside.backends.triton.paged_attention import paged_attention
@@ -36,11 +36,16 @@ class TritonAttentionBackend(AttentionBackend):
 
     Features: ``sliding_window`` and ``logit_softcap`` are kernel arguments (constexpr flags), so
     a layer's values are baked into a captured graph like its scale.
+
+    KV-cache dtypes: the model's, or fp8 (e4m3fn, e5m2) in the same layout, cast on write and
+    decoded in the attention kernel (`paged_attention._kv_values`). No int8: its per-row scales
+    are a cpu format here.
     """
 
     name = "triton"
     graph_support = GraphCaptureSupport.DECODE_ONLY
     features = frozenset({"sliding_window", "logit_softcap"})
+    kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def __init__(self, arch: ArchInfo | None = None, num_splits: int | None = None) -> None:
         """`arch`: override device detection (tests, heuristics studies). `num_splits`: force the
@@ -48,7 +53,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._arch = arch
         self._num_splits = num_splits
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype | None = None
+    ) -> tuple[int, ...]:
+        if cache_dtype is not None and cache_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and is_quantized_kv(cache_dtype):
+            raise ValueError(f"the Triton kernels store no {cache_dtype} KV cache (fp8_e4m3, fp8_e5m2 or the model's dtype)")
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
@@ -65,6 +74,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        if is_quantized_kv(kv_cache.dtype):  # fp8: index the bytes, dequantize to fp32
+            flat = kv_cache.view(torch.uint8).view(2, num_blocks * block_size, num_kv_heads, head_size)
+            k, v = flat[0, slots.long()], flat[1, slots.long()]
+            return dequantize_kv(k.view(kv_cache.dtype)), dequantize_kv(v.view(kv_cache.dtype))
         flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
         return flat[0, slots.long()], flat[1, slots.long()]
 

@@ -87,6 +87,7 @@ class TorchGpuPlatform(Platform):
     dist_backend = "nccl"  # RCCL answers to this name on ROCm builds of torch
     block_sizes: ClassVar[tuple[int, ...]] = (16, 32, 64)
     default_block_size = 16
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")  # TritonAttentionBackend's
     attention_name = "triton"
     communicator_cls: ClassVar[type[TorchDistributedCommunicator]] = TorchDistributedCommunicator
     graph_runner_cls: ClassVar[type[DeviceGraphRunner]] = DeviceGraphRunner

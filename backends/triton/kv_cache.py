@@ -2,7 +2,10 @@
 
 Cache layout (one layer, the canonical one): ``[2, num_blocks, block_size, num_kv_heads,
 head_size]``; slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 is
-padding and is skipped.
+padding and is skipped. An fp8 cache (float8_e4m3fn / float8_e5m2) has the same layout: the new
+K/V are cast first (saturating, `portside.backend_api.quantize_kv`, in torch) and the kernel
+copies their bytes (uint8 views), so it never handles an fp8 type itself (the interpreter has
+none, and older GPUs have no fp8 conversions).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from portside.backend_api import is_quantized_kv, quantize_kv
 from portside.backends.triton.launch import next_power_of_2
 
 __all__ = ["write_kv"]
@@ -58,6 +62,10 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    if is_quantized_kv(kv_cache.dtype):  # fp8: cast here, copy bytes below
+        key = quantize_kv(key, kv_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kvh, D) each
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
     _write_kv_kernel[(num_tokens,)](

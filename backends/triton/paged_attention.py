@@ -22,6 +22,10 @@ first block the tile's earliest query can see (its blocks before are never read)
 Numerics: every load is upcast to fp32 at once (the interpreter computes bf16 wrongly, and
 fp32 accumulation is wanted anyway); outputs are cast on store. Head sizes that are not powers
 of two (80, 96) are padded to the next power of two with masks.
+
+fp8 caches (constexpr ``KV_FP8``: 1 = e4m3fn, 2 = e5m2) are passed as uint8 and decoded in
+registers by bit moves (`_kv_values`), which every Triton target and the interpreter run; the
+values then go through the same fp32 arithmetic.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from portside.backends.triton.launch import AttentionLaunch, next_power_of_2
 __all__ = ["paged_attention"]
 
 _LOG2E = 1.4426950408889634  # log2(e)
+KV_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's KV_FP8 for an fp8 cache
 
 
 @triton.jit
@@ -50,6 +55,21 @@ def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _kv_values(x, KV_FP8: tl.constexpr):
+    """Cached K or V as fp32: `x` as loaded, or its fp8 bits (uint8) decoded exactly. e5m2 is the
+    high byte of an fp16; e4m3fn's sign stays at the top and its exponent and mantissa sit one
+    bit lower, which reads as an fp16 of its value / 256 (subnormals included)."""
+    if KV_FP8 == 1:
+        b = x.to(tl.uint16)
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    elif KV_FP8 == 2:
+        return (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -93,6 +113,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: the cache holds the model's dtype; 1: fp8 e4m3fn, 2: e5m2 (as uint8)
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,11 +164,14 @@ def _paged_attention_kernel(
         if SLIDING_WINDOW:
             kv_ok &= k_pos >= kv_start
         base = blk * stride_cb + kv_head * stride_ch
-        k = tl.load(
-            k_cache_ptr + base + offs_n[None, :] * stride_co + offs_d[:, None],
-            mask=d_ok[:, None] & kv_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)  # (D, N)
+        k = _kv_values(
+            tl.load(
+                k_cache_ptr + base + offs_n[None, :] * stride_co + offs_d[:, None],
+                mask=d_ok[:, None] & kv_ok[None, :],
+                other=0,
+            ),
+            KV_FP8,
+        )  # (D, N)
         s = tl.dot(q, k, input_precision=PRECISION)  # (M, N)
         if SOFTCAP:
             s = cap_log2 * _tanh(s * scale_over_cap)
@@ -162,11 +186,14 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + base + offs_n[:, None] * stride_co + offs_d[None, :],
-            mask=kv_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)  # (N, D)
+        v = _kv_values(
+            tl.load(
+                v_cache_ptr + base + offs_n[:, None] * stride_co + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :],
+                other=0,
+            ),
+            KV_FP8,
+        )  # (N, D)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
 
@@ -214,7 +241,7 @@ def _reduce_splits_kernel(
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], model dtype or fp8
     out: torch.Tensor,  # [num_tokens, num_heads, head_size], written
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
@@ -228,6 +255,9 @@ def paged_attention(
     """Causal paged attention of each request's query tokens over its cached sequence (with a
     sliding window and a logit softcap when given: semantics in `portside.attention.reference`)."""
     num_tokens, num_heads, head_size = query.shape
+    kv_fp8 = KV_FP8.get(kv_cache.dtype, 0)
+    if kv_fp8:
+        kv_cache = kv_cache.view(torch.uint8)  # decoded in the kernel (`_kv_values`)
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kvh, D)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_reqs = seq_lens.shape[0]
@@ -285,6 +315,7 @@ def paged_attention(
         PRECISION=launch.input_precision,
         SLIDING_WINDOW=sliding_window is not None,
         SOFTCAP=logit_softcap is not None,
+        KV_FP8=kv_fp8,
         **launch.kernel_options(),
     )
     if num_splits > 1:

@@ -22,6 +22,10 @@ and the cap are Python constants of the layer, so each layer traces to one fixed
 
 Nothing reads a device tensor on the host (`.item()`, `.tolist()`, Python `if` on values): the
 per-token request index and position are computed on the device in `prepare`.
+
+fp8 caches (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`): the same layout in float8; K/V are cast on
+write (saturating, `portside.backend_api.quantize_kv`) and the gather path upcasts what it
+gathers to fp32 (a plain dequantize-on-read); the platform does not pick Pallas for them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
+from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport, is_quantized_kv, quantize_kv
 
 __all__ = ["XlaAttentionBackend", "XlaAttentionData", "pallas_available"]
 
@@ -62,6 +66,7 @@ class XlaAttentionBackend(AttentionBackend):
     name = "xla-gather"
     graph_support = GraphCaptureSupport.ALWAYS
     features = frozenset({"sliding_window", "logit_softcap"})
+    kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def __init__(self, use_pallas: bool = False) -> None:
         self.use_pallas = use_pallas
@@ -70,7 +75,11 @@ class XlaAttentionBackend(AttentionBackend):
 
     # ---- cache ------------------------------------------------------------------------------
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype | None = None
+    ) -> tuple[int, ...]:
+        if cache_dtype == torch.int8:
+            raise ValueError("the xla backend stores no int8 KV cache (fp8_e4m3, fp8_e5m2 or the model's dtype)")
         return (num_blocks, block_size, 2 * num_kv_heads, head_size)
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
@@ -79,11 +88,14 @@ class XlaAttentionBackend(AttentionBackend):
         dropped = nb * bs  # one past the last slot: XLA's scatter drops out-of-bounds updates
         slots = torch.where(slot_mapping < 0, dropped, slot_mapping)  # [T]
         kv = torch.stack([key, value], dim=2).reshape(key.shape[0], kvh2, d)  # [T, 2*kvh, D] interleaved
-        flat.index_copy_(0, slots, kv.to(kv_cache.dtype))
+        kv = quantize_kv(kv, kv_cache.dtype) if is_quantized_kv(kv_cache.dtype) else kv.to(kv_cache.dtype)
+        flat.index_copy_(0, slots, kv)
 
     def read_kv(self, kv_cache, slots):
         nb, bs, kvh2, d = kv_cache.shape
         kv = kv_cache.view(nb * bs, kvh2, d)[slots.long()]  # [N, 2*kvh, D]
+        if is_quantized_kv(kv_cache.dtype):
+            kv = kv.float()
         return kv[:, 0::2], kv[:, 1::2]
 
     # ---- metadata ---------------------------------------------------------------------------
@@ -125,7 +137,7 @@ class XlaAttentionBackend(AttentionBackend):
             metadata = self.with_data(metadata)
             data = metadata.backend_data
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
-        if self.use_pallas:
+        if self.use_pallas and not is_quantized_kv(kv_cache.dtype):
             return self._pallas(query, kv_cache, metadata, data, scale, sliding_window, logit_softcap)
         return _gather_attention(query, kv_cache, metadata.block_tables, data, scale, sliding_window, logit_softcap)
 

@@ -96,6 +96,7 @@ class XlaPlatform(Platform):
     block_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
     default_block_size = 16
     default_kv_cache_memory = 0.9
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")  # fp8: the gather path
     attention_name = "pallas|xla-gather"
     graph_name = "xla-buckets"
     collectives_name = "xla"
@@ -196,6 +197,9 @@ class XlaPlatform(Platform):
         mode = config.option("xla_attention", "auto")
         if mode not in ("auto", "pallas", "gather"):
             raise ValueError(f"xla_attention must be auto, pallas or gather, got {mode!r}")
+        if mode == "pallas" and config.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype}: the Pallas kernel path reads only the "
+                             "model's dtype here; use xla_attention=gather (or auto) or --kv-cache-dtype auto")
         if config.parallel.tensor_parallel_size > 1:
             raise ValueError(
                 "tensor parallelism on the tpu platform is not wired up yet (needs one process per chip "
@@ -216,6 +220,8 @@ class XlaPlatform(Platform):
 
         mode = config.option("xla_attention", "auto")
         use_pallas = mode == "pallas" or (mode == "auto" and not cls.on_cpu() and pallas_available())
+        if config.cache.kv_cache_dtype != "auto":  # an fp8 cache: dequantized on read, by the gather path
+            use_pallas = False
         return XlaAttentionBackend(use_pallas=use_pallas)
 
     @classmethod

@@ -36,6 +36,7 @@ class TritonInterpPlatform(Platform):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     block_sizes: ClassVar[tuple[int, ...]] = (16, 32, 64)  # the Triton kernels' block sizes
     default_block_size = 16
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")  # the Triton kernels' fp8 caches
     default_kv_cache_memory = 512 * 2**20  # bytes
     attention_name = "triton (interpreter)"
     graph_name = "eager"
