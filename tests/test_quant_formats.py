@@ -245,3 +245,19 @@ def test_broken_quantized_checkpoint_exits_2_from_the_cli(llama: Path, tmp_path:
          "--quantization", "gptq"], capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 2 and "--quantization int8 or fp8" in proc.stderr, proc.stderr[-2000:]
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "kw"), [("gptq", dict(bits=4, group_size=16, desc_act=True, sym=False)),
+                                         ("awq", dict(group_size=16)), ("ct-fp8", dict(static=True))])
+def test_tensor_parallel_quantized(llama: Path, tmp_path: Path, fmt: str, kw: dict) -> None:
+    """Two ranks (gloo): column-parallel layers split packed output rows, row-parallel ones split
+    packed input columns and their groups (act order: every group kept), fp8 per-part scales."""
+    q, oracle = write_quantized(llama, tmp_path / fmt, fmt, **kw)
+    want = _greedy(q)
+    assert _greedy(q, tensor_parallel_size=2) == want
+    if fmt != "ct-fp8":
+        assert want == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]

@@ -7,7 +7,8 @@ leading expert dimension is allowed):
 - ``kind == "int"`` (GPTQ, AWQ, compressed-tensors int, ``--quantization int8``):
   ``qweight`` uint8, unsigned codes: ``[.., N, K]`` for 8 bits, ``[.., N, K // 2]`` for 4 bits
   (input column 2j in the low nibble of byte j, 2j + 1 in the high one); ``scales`` fp32
-  ``[.., N, G]``; ``zeros`` uint8 ``[.., N, G]`` or None (symmetric: zero = 2^(bits-1));
+  ``[.., N, G]``; ``zeros`` fp32 ``[.., N, G]`` (whole numbers, in code units) or None
+  (symmetric: zero = 2^(bits-1));
   ``g_idx`` int32 ``[.., K]`` (the group of each input column) or None (column k is in group
   ``k // group_size``). ``W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]``.
 - ``kind == "fp8"``: ``qweight`` float8_e4m3fn ``[.., N, K]``, ``scales`` fp32 ``[.., N, 1]``

@@ -42,10 +42,11 @@ def oracle_dir(dst: str | Path) -> Path:
 
 
 def quantize_rtn(
-    w: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor
+    w: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor, min_zero: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest codes [N, K] (unsigned, in [0, 2^bits)), fp16-exact scales [N, G] and
-    zeros [N, G] (integers) for the column groups `g_idx` [K]."""
+    zeros [N, G] (integers, at least `min_zero`: GPTQ v1 stores zero - 1 and cannot hold a zero
+    of 0, which AutoGPTQ's own kernels then read as 2^bits) for the column groups `g_idx` [K]."""
     n, k = w.shape
     groups = int(g_idx.max()) + 1
     qmax = (1 << bits) - 1
@@ -59,7 +60,7 @@ def quantize_rtn(
         else:
             lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
             s = (hi - lo) / qmax
-            z = (-lo / s.half().float()).round().clamp(0, qmax)
+            z = (-lo / s.half().float()).round().clamp(min_zero, qmax)
         scales[:, g], zeros[:, g] = s.clamp(min=1e-6).half().float(), z
     codes = (w / scales[:, g_idx] + zeros[:, g_idx]).round().clamp(0, qmax).to(torch.int32)
     return codes, scales, zeros
@@ -213,7 +214,7 @@ def write_quantized(
         same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
         g_idx = _group_index(w.shape[1], group_size, desc_act and fmt in ("gptq", "ct-w4a16", "ct-w8a16"),
                              seed + sum(map(ord, same_input)))
-        codes, scales, zeros = quantize_rtn(w, b, group_size, sym, g_idx)
+        codes, scales, zeros = quantize_rtn(w, b, group_size, sym, g_idx, min_zero=1 if fmt == "gptq" else 0)
         dense[name] = (codes.float() - zeros[:, g_idx]) * scales[:, g_idx]
         if fmt == "gptq":
             parts = gptq_pack(codes, scales, zeros, b) | {"g_idx": g_idx.to(torch.int32)}
