@@ -101,10 +101,10 @@ def load_model(
     qc = model_config.quantization
     with torch.device(device):
         model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops)
-    if qc is not None:
-        from portside.quant.apply import prepare_model_for_format
+        if qc is not None:  # the format's checkpoint tensors, on the device too
+            from portside.quant.apply import prepare_model_for_format
 
-        prepare_model_for_format(model, qc, ops)
+            prepare_model_for_format(model, qc, ops)
     load_checkpoint(model, folder)
     if qc is not None:
         from portside.quant.apply import finalize_quantized

@@ -86,13 +86,6 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model`, each storage counted once."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        key = (t.untyped_storage().data_ptr(), t.data_ptr())
-        if key in seen or t.device.type == "meta":
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
+    """Bytes of every parameter and buffer of `model` (a tied tensor counted once)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

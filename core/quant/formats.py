@@ -174,9 +174,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     `dim` -> the unsigned codes (int32), `dim` grown 32/bits times; `order`: element i of a word
     is position order[i] (AWQ)."""
     pf, mask = 32 // bits, (1 << bits) - 1
-    x = packed.movedim(dim, -1)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    codes = (x.unsqueeze(-1) >> shifts) & mask  # [..., words, pf]; >> of int32 is arithmetic, the mask fixes it
+    # as unsigned 32-bit values in int64: a right shift of a negative number is not the same
+    # everywhere (XLA rounds it toward zero)
+    x = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=packed.device)
+    codes = ((x.unsqueeze(-1) >> shifts) & mask).to(torch.int32)  # [..., words, pf]
     if order is not None:
         codes = codes[..., [order.index(j) for j in range(pf)]]
     return codes.flatten(-2).movedim(-1, dim)

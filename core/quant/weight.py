@@ -102,7 +102,7 @@ class QuantWeight(nn.Module):
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [.., K // 2] -> uint8 [.., K] (low nibble first)."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    return torch.stack((packed & 0xF, (packed >> 4) & 0xF), dim=-1).flatten(-2)  # the mask: XLA shifts uint8 as signed
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

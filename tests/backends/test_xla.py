@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -519,3 +520,41 @@ def test_tpu_platform_passes_the_conformance_kit():
     skips = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]
     unexpected = [ln for ln in skips if not any(reason in ln for reason in EXPECTED_KIT_SKIPS)]
     assert not unexpected and len(skips) == len(EXPECTED_KIT_SKIPS), "\n".join(skips)
+
+
+@needs_xla
+@pytest.mark.parametrize("fmt", ["int8", "gptq"])
+def test_quantized_models_through_the_bucketed_graphs(xla_device, tiny_llama, tmp_path, fmt):
+    """Quantized weights run on xla through core's reference (dequantize, then matmul, traced into
+    the bucketed graphs): int8 at load and a GPTQ int4 checkpoint give transformers' greedy tokens
+    on the dequantized weights, and after warm-up nothing compiles (strict mode)."""
+    from portside import SamplingParams
+    from portside.testing.quant_checkpoints import write_quantized
+    from portside.testing.tiny import hf_greedy
+
+    if fmt == "gptq":
+        path, oracle = write_quantized(tiny_llama, tmp_path / "gptq", "gptq", bits=4, group_size=32, desc_act=True)
+        llm = _llm(path, 51, xla_strict="1")
+    else:
+        from safetensors.torch import load_file, save_file
+
+        oracle = tmp_path / "oracle"
+        shutil.copytree(tiny_llama, oracle)
+        tensors = load_file(str(oracle / "model.safetensors"))
+        for name, w in tensors.items():
+            if name.endswith("proj.weight"):
+                scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
+                tensors[name] = (w / scale).round().clamp(-127, 127) * scale
+        save_file(tensors, str(oracle / "model.safetensors"), metadata={"format": "pt"})
+        from portside import LLM
+
+        llm = LLM(model=str(tiny_llama), device="tpu", max_model_len=128, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=64, num_kv_blocks=52, enable_prefix_caching=False, quantization="int8",
+                  platform_options={**BUCKET_OPTIONS, "xla_strict": "1"})
+    gr = _runner(llm).graph_runner
+    prompts = _prompts(llm.get_tokenizer(), [3, 17, 40])
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert gr.stats.recompiles == 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, GREEDY_TOKENS), f"prompt of {len(prompt)} tokens"
