@@ -1,5 +1,7 @@
 """GGUF checkpoints (llama.cpp): convert a .gguf file into a Hugging Face folder (config.json,
-safetensors, tokenizer) that the ordinary loader reads.
+safetensors, tokenizer) that the ordinary loader reads. The folder `resolve_model_path` caches
+keeps quantized weights in their blocks (raw uint8 rows, served by `portside.quant.gguf`);
+`convert_gguf` dequantizes them unless told not to (the embedded default model, transformers).
 
 Architectures, as llama.cpp's converter (convert_hf_to_gguf.py) writes them: llama (Llama,
 Mistral, and Mixtral: llama with stacked experts), qwen2, qwen3, qwen2moe, qwen3moe, olmoe,
@@ -117,6 +119,7 @@ _NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope: into the config
 _SKIP = {"rope_freqs.weight", *_ROPE_FACTORS}  # rope factors: llama3's recomputed from the config, Phi-3's in it
 _CONVERTED_MARK = "portside-converted.json"
+_CONVERSION_FORMAT = "2: quantized tensors kept in blocks"  # 1: everything dequantized to fp32
 
 
 def _arch(meta: dict[str, Any]) -> str:
@@ -320,17 +323,55 @@ def _optional(value: Any) -> float | None:
     return _f32_to_decimal(value) if value else None
 
 
-def _read_tensors(reader: Any, key: str, n_head: int, n_head_kv: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
+# HF tensors that may stay in llama.cpp's blocks (the linear layers, experts, embedding, LM head);
+# routers and anything else are dequantized
+_KEEP_QUANTIZED = re.compile(r".*(_proj|\.w[123]|embed_tokens|lm_head)\.weight")
+
+
+def _raw_rows(t: Any) -> np.ndarray:
+    """A quantized GGUF tensor's bytes as uint8 [.., rows, row_bytes], checked against its type
+    and shape (ValueError naming the tensor when the file is truncated or inconsistent)."""
+    from portside.quant.gguf_blocks import row_bytes
+
+    cols, lead = int(t.shape[0]), [int(d) for d in reversed(t.shape[1:])]  # GGUF shapes are [cols, rows, ..]
+    try:
+        width = row_bytes(int(t.tensor_type), cols)
+    except ValueError as e:
+        raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, shape {list(t.shape)}): {e}") from None
+    data = np.asarray(t.data)
+    if data.dtype != np.uint8 or data.size != int(np.prod(lead)) * width or int(t.n_bytes) != data.size:
+        raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, shape {list(t.shape)}) has {data.nbytes} bytes, "
+                         f"expected {int(np.prod(lead)) * width} (a truncated or inconsistent file)")
+    return data.reshape(*lead, width)
+
+
+def _read_tensors(
+    reader: Any, key: str, n_head: int, n_head_kv: int, dtype: torch.dtype, dequantize: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """(HF name -> tensor, HF name -> {"type", "shape"} of those kept in blocks as uint8 rows;
+    expert tensors are listed once, with "{e}" for the expert)."""
+    from gguf.quants import dequantize as gguf_dequantize
     from tqdm import tqdm
+
+    from portside.quant.gguf_blocks import GGML_TYPES, is_float_type
 
     spec = _ARCHS[key]
     out: dict[str, torch.Tensor] = {}
+    kept: dict[str, dict[str, Any]] = {}
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not sys.stderr.isatty(), leave=False):
         if t.name in _SKIP:
             continue
         name = hf_name(t.name, key)
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)  # [rows, cols] (HF order)
+        raw = not dequantize and t.tensor_type.name in GGML_TYPES and not is_float_type(int(t.tensor_type))
+        raw = raw and len(t.shape) >= 2 and _KEEP_QUANTIZED.fullmatch(name) is not None
+        if raw:
+            w = _raw_rows(t)  # [.., rows, row_bytes]: row permutations work on whole rows
+            kept[name] = {"type": t.tensor_type.name, "shape": [int(t.shape[1]), int(t.shape[0])]}
+        else:
+            try:
+                w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)  # [rows, cols] (HF order)
+            except (ValueError, NotImplementedError) as e:
+                raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, shape {list(t.shape)}): {e}") from None
         if spec.permuted and ".q_proj." in name:
             w = unpermute_qk(w, n_head)
         elif spec.permuted and ".k_proj." in name:
@@ -341,8 +382,11 @@ def _read_tensors(reader: Any, key: str, n_head: int, n_head_kv: int, dtype: tor
             w = w.reshape(1, -1)  # HF's [1, hidden]
         parts = [(name.format(e=e), w[e]) for e in range(w.shape[0])] if "{e}" in name else [(name, w)]
         for part_name, part in parts:  # copy: the reader is read-only
-            out[part_name] = torch.from_numpy(np.array(part, dtype=np.float32)).to(dtype)
-    return out
+            if raw:
+                out[part_name] = torch.from_numpy(np.array(part, dtype=np.uint8))
+            else:
+                out[part_name] = torch.from_numpy(np.array(part, dtype=np.float32)).to(dtype)
+    return out, kept
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
@@ -357,12 +401,20 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -
     tok.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32, dequantize: bool = True
+) -> Path:
     """Convert a GGUF file (an architecture of `GGUF_ARCHITECTURES`) into a HF folder at
     `out_dir` (config.json, generation_config.json, model.safetensors in `dtype`, tokenizer
-    files); returns `out_dir`. Raises ValueError for any other architecture.
+    files); returns `out_dir`. Raises ValueError for any other architecture, and for a quantized
+    tensor whose bytes do not fit its type and shape (naming it).
 
-    Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized with `gguf.quants`.
+    `dequantize` (the default: a folder transformers loads as it is): quantized tensors (Q4_0,
+    Q8_0, K-quants, ...) become `dtype`, through `gguf.quants`. Otherwise the linear layers',
+    experts', embedding's and LM head's tensors in a block type portside reads
+    (`portside.quant.gguf_blocks.GGML_TYPES`) stay as their raw uint8 rows [rows, row_bytes],
+    listed in config.json's ``quantization_config`` (``quant_method: gguf``, ``tensors``: each
+    one's type and [rows, cols]), which `portside.quant.gguf` serves without dequantizing.
     """
     from gguf import GGUFReader
     from safetensors.torch import save_file
@@ -376,7 +428,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     vocab_size = int(embd.shape[-1])  # GGUF shapes are [cols, rows]
     factors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name in _ROPE_FACTORS}
     config = _hf_config(meta, key, vocab_size, names, factors, dtype)
-    tensors = _read_tensors(reader, key, config["num_attention_heads"], config["num_key_value_heads"], dtype)
+    tensors, kept = _read_tensors(reader, key, config["num_attention_heads"], config["num_key_value_heads"], dtype, dequantize)
+    if kept:
+        config["quantization_config"] = {"quant_method": "gguf", "tensors": dict(sorted(kept.items()))}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -388,8 +442,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
 
 
 def _fingerprint(path: Path) -> str:
-    """sha256 of the file's first MiB and its size: cheap, and changes when the file does."""
-    h = hashlib.sha256()
+    """sha256 of the file's first MiB and its size (cheap, and changes when the file does), and
+    of the conversion's format (a new format never reuses an old conversion)."""
+    h = hashlib.sha256(_CONVERSION_FORMAT.encode())
     with path.open("rb") as f:
         h.update(f.read(1 << 20))
     h.update(str(path.stat().st_size).encode())
@@ -421,8 +476,9 @@ def resolve_model_path(path: str | Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        convert_gguf(path, tmp)
-        (tmp / _CONVERTED_MARK).write_text(json.dumps({"source": str(path), "size": path.stat().st_size}))
+        convert_gguf(path, tmp, dequantize=False)
+        (tmp / _CONVERTED_MARK).write_text(json.dumps({"source": str(path), "size": path.stat().st_size,
+                                                       "format": _CONVERSION_FORMAT}))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
     finally:

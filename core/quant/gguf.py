@@ -140,8 +140,8 @@ def _check_layer(layer: LinearBase, name: str, parts: dict[object, GGUFPart]) ->
         if layer.in_partition() is not None and layer.in_local % bs:
             raise ValueError(
                 f"checkpoint tensor {part.name!r}: {part.type} blocks of {bs} values cannot be split over "
-                f"{getattr(layer, 'tp_size', 1)} ranks ({layer.in_local} input features each); use a tensor-parallel "
-                f"size that divides {k // bs}"
+                f"{getattr(layer, 'tp_size', 1)} ranks ({layer.in_local} input features each): its {k} input features "
+                f"are {k // bs} blocks, so the tensor-parallel size must divide {k // bs}"
             )
 
 
@@ -205,7 +205,7 @@ def _prepare_embedding(module: VocabParallelEmbedding, part: GGUFPart, ops: Mode
     return p
 
 
-def _prepare_experts(module: nn.Module, pname: str, parts: dict[object, GGUFPart]) -> None:
+def _prepare_experts(module: nn.Module, name: str, pname: str, parts: dict[object, GGUFPart]) -> None:
     """experts.w13 [E, 2I/tp, hidden] / w2 [E, hidden, I/tp]: one uint8 [E, rows, row_bytes] when
     every part has one type, else the float weight, its quantized parts dequantized as they load."""
     dense = getattr(module, pname)
@@ -217,7 +217,7 @@ def _prepare_experts(module: nn.Module, pname: str, parts: dict[object, GGUFPart
                              f"{k} input features per rank")
     types = {p.ggml_type for p in parts.values()}
     if len(types) != 1 or set(parts) != set(dense.shard_ids):
-        logger.warning("%s: the experts' parts are stored as %s; dequantized to %s at load", pname,
+        logger.warning("%s.%s: the experts' parts are stored as %s; dequantized to %s at load", name, pname,
                        ", ".join(sorted({type_name(t) for t in types})), str(dense.dtype).removeprefix("torch."))
         dense.weight_loader = _dequantizing(dense.weight_loader, parts)
         return
@@ -225,8 +225,8 @@ def _prepare_experts(module: nn.Module, pname: str, parts: dict[object, GGUFPart
     bs, ts = block_shape(ggml_type)
     if k % bs:
         raise ValueError(f"checkpoint tensor {next(iter(parts.values())).name!r}: {type_name(ggml_type)} blocks of {bs} "
-                         f"values cannot be split into {k} input features per rank; use a tensor-parallel size that "
-                         f"divides {next(iter(parts.values())).cols // bs}")
+                         f"values cannot be split into {k} input features per rank: the tensor-parallel size must "
+                         f"divide {next(iter(parts.values())).cols // bs}")
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
         part = parts[shard]
@@ -282,7 +282,7 @@ def prepare_gguf_model(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
                 lm_head.ops = ops
                 lm_head.gguf_type, lm_head.gguf_cols = module.gguf_type, module.gguf_cols  # type: ignore[attr-defined]
         elif isinstance(module, MoEExperts) and pname in ("w13", "w2"):
-            _prepare_experts(module, pname, parts)
+            _prepare_experts(module, mod_name, pname, parts)
         else:
             param = params[target]
             param.weight_loader = _dequantizing(getattr(param, "weight_loader", _copy_whole), parts)  # type: ignore[attr-defined]

@@ -293,15 +293,21 @@ _GGUF_ARCHS = {
 }
 
 
-def make_tiny_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str = "F32") -> Path:
+def make_tiny_gguf(
+    hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str = "F32",
+    tensor_types: dict[str, str] | None = None,
+) -> Path:
     """Write a GGUF file from a tiny HF folder the way llama.cpp's converter (convert_hf_to_gguf.py)
     does, for every architecture it writes (Mistral and Mixtral as "llama"); returns `out_path`.
 
     As the converter: llama.cpp tensor names (gguf's own name map), llama's q/k rows permuted for
     its rotary layout, each layer's experts stacked into one [E, rows, cols] tensor per
     projection, Gemma's norm weights stored as 1 + w, Phi-3's longrope factors as tensors, its
-    metadata keys; 2-D+ weights as `qtype` ("F32", "F16", "Q8_0", "Q4_0", "Q4_1"; norms, biases
-    and routers stay F32). The tokenizer is written as "gpt2" (byte-level BPE) with the chat
+    metadata keys; 2-D+ weights as `qtype` ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", and the K-quants
+    "Q4_K", "Q5_K", "Q6_K" through `portside.testing.gguf_quants`; norms, biases and routers stay
+    F32; rows that are no whole number of blocks fall back to F16 as in the converter).
+    `tensor_types` overrides the type per GGUF tensor kind, as llama.cpp's mixes do (Q4_K_M keeps
+    ``{"attn_v": "Q6_K", "ffn_down": "Q6_K"}``). The tokenizer is written as "gpt2" (byte-level BPE) with the chat
     template. Raises ValueError for a config the file could not carry (what the converter drops
     and llama.cpp assumes otherwise, e.g. Gemma's query_pre_attn_scalar).
     """
@@ -319,12 +325,20 @@ def make_tiny_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, qtype
     writer = gguf.GGUFWriter(str(out_path), arch)
     _write_gguf_params(writer, cfg, arch, qtype)
     _write_gguf_vocab(writer, hf_dir)
-    raw_type = getattr(gguf.GGMLQuantizationType, qtype)
+    from portside.testing.gguf_quants import K_QUANTS, quantize_k
+
     for name, w in _gguf_tensors(cfg, arch, load_file(str(hf_dir / "model.safetensors"))):
         keep_f32 = w.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or "ffn_gate_inp" in name
-        dtype = gguf.GGMLQuantizationType.F32 if keep_f32 else raw_type
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        wanted = "F32" if keep_f32 else (tensor_types or {}).get(kind, qtype)
+        dtype = getattr(gguf.GGMLQuantizationType, wanted)
         try:
-            data = gguf.quants.quantize(w, dtype)
+            if wanted in K_QUANTS:
+                if w.shape[-1] % 256:
+                    raise gguf.QuantError(f"{name}: {w.shape[-1]} columns")
+                data = quantize_k(w, wanted)
+            else:
+                data = gguf.quants.quantize(w, dtype)
         except gguf.QuantError:  # rows not a multiple of the block: the converter falls back to F16
             dtype = gguf.GGMLQuantizationType.F16
             data = gguf.quants.quantize(w, dtype)
@@ -423,7 +437,7 @@ def _write_gguf_params(writer: Any, cfg: dict[str, Any], arch: str, qtype: str) 
         if full.get("long_factor"):
             scale = cfg["max_position_embeddings"] / original
             writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-    file_type = "ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}"
+    file_type = "ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}" + ("_M" if qtype in ("Q4_K", "Q5_K") else "")
     writer.add_file_type(gguf.LlamaFileType[file_type])
 
 
