@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import os
 import signal
 
@@ -49,6 +50,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = server_config(args)
     engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
+    quant = engine.config.model.quantization
+    print(f"portside: model weights {engine.weight_bytes / 2**20:.1f} MiB "
+          f"({quant.describe() if quant else str(engine.config.model.dtype).removeprefix('torch.')}), "
+          f"{engine.num_blocks} KV-cache blocks", file=sys.stderr, flush=True)
     app = build_app(engine, config)
     server = uvicorn.Server(
         uvicorn.Config(
