@@ -389,6 +389,31 @@ def _read_tensors(
     return out, kept
 
 
+def _open(path: Path) -> Any:
+    """A `gguf.GGUFReader` of `path`; a tensor whose data runs past the end of the file or whose
+    shape is no whole number of its type's blocks raises ValueError naming it."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):  # builds the tensors one at a time, to name the one that fails
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            tensors: list[Any] = []
+            for field in fields:
+                try:
+                    super()._build_tensors(start_offs, [field])
+                except ValueError as e:
+                    name = bytes(field.parts[1]).decode(errors="replace")
+                    raise ValueError(f"GGUF tensor {name!r}: {e} (a truncated or inconsistent file)") from None
+                tensors += self.tensors
+            if len({t.name for t in tensors}) != len(tensors):
+                raise ValueError("GGUF file names a tensor twice")
+            self.tensors = tensors
+
+    try:
+        return Reader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
 def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -416,11 +441,10 @@ def convert_gguf(
     listed in config.json's ``quantization_config`` (``quant_method: gguf``, ``tensors``: each
     one's type and [rows, cols]), which `portside.quant.gguf` serves without dequantizing.
     """
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(str(gguf_path))
+    reader = _open(gguf_path)
     meta = _fields(reader)
     key = _arch(meta)
     names = {t.name for t in reader.tensors}
