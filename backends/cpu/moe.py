@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from portside.backend_api import ModelOps
+from portside.backends.cpu.quant import CpuQuantOps
 
 
 def moe_experts(
@@ -69,8 +70,9 @@ def _moe_experts_fake(x, w13, w2, topk_weights, topk_ids, activation="silu"):  #
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-class CpuModelOps(ModelOps):
-    """`ModelOps` with `moe_experts` grouped by expert (above); routing stays core's reference."""
+class CpuModelOps(CpuQuantOps, ModelOps):
+    """`ModelOps` with `moe_experts` grouped by expert (above) and the quantized linears of
+    `quant.CpuQuantOps`; routing stays core's reference."""
 
     name = "cpu"
 

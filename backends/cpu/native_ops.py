@@ -12,7 +12,9 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
 - `portside_cpu_native::moe_experts`: fp32 mixture-of-experts grouped by expert (`csrc/moe.cpp`,
   `moe.CpuModelOps`);
 - `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
-  (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`).
+  (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`);
+- `portside_cpu_native::quant_linear` / `quant_linear_w8a8`: linears over quantized weights
+  (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`).
 
 Being C++ operators, a compiled graph (`cpp_wrapper`) calls them through the dispatcher without a
 trip through Python: 121 linears and 30 attention calls a step for the default model.
@@ -35,6 +37,7 @@ SOURCES = (
     CSRC / "cpu_allocator.cpp",
     CSRC / "argmax.cpp",
     CSRC / "moe.cpp",
+    CSRC / "quant_gemm.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
@@ -69,6 +72,8 @@ def load() -> Path:
             torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
             torch.library.register_fake("portside_cpu_native::argmax_rows", _argmax_rows_fake),
             torch.library.register_fake("portside_cpu_native::moe_experts", _moe_experts_fake),
+            torch.library.register_fake("portside_cpu_native::quant_linear", _quant_linear_fake),
+            torch.library.register_fake("portside_cpu_native::quant_linear_w8a8", _quant_linear_w8a8_fake),
         )
     return target
 
@@ -84,6 +89,16 @@ def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:
 def _moe_experts_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _quant_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                       bias: torch.Tensor | None, fmt: int, group_size: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _quant_linear_w8a8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                            input_scale: torch.Tensor | None, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def unavailable_reason() -> str | None:

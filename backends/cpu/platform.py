@@ -151,6 +151,12 @@ class CpuPlatform(Platform):
         if mode not in GRAPH_MODES:
             raise ValueError(f"unknown cpu graph mode {mode!r}; use one of {list(GRAPH_MODES)}")
         if mode == "openvino":
+            quantization = getattr(config.model, "quantization", None)
+            if quantization is not None:  # the quantized linears are opaque operators OpenVINO cannot convert
+                raise ValueError(
+                    f"--cpu-graph openvino does not run quantized models ({quantization.describe()}); "
+                    "use --cpu-graph eager or inductor, which run the cpu backend's quantized kernels"
+                )
             from portside.backends.cpu.openvino_runner import openvino_available
 
             reason = openvino_available()
