@@ -186,13 +186,18 @@ def test_quantization_config_errors_name_the_fix(hf, requested, needle: str) -> 
         QuantConfig.resolve(hf, requested)
 
 
-def test_quantized_moe_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
-    moe = make_tiny_model(tmp_path / "moe", "qwen3_moe")
-    cfg = json.loads((moe / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
-    (moe / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(model=str(moe), **ENGINE)
+MOE = [("qwen3_moe", "gptq", dict(bits=4, group_size=16, desc_act=True)), ("mixtral", "awq", dict(group_size=16)),
+       ("qwen2_moe", "ct-w4a16", dict(group_size=32, sym=False)), ("olmoe", "ct-w8a16", dict(group_size=-1))]
+
+
+@pytest.mark.parametrize(("arch", "fmt", "kw"), MOE, ids=[f"{a}-{f}" for a, f, _ in MOE])
+def test_quantized_mixture_of_experts_checkpoints(tmp_path: Path, arch: str, fmt: str, kw: dict) -> None:
+    """Every expert's gate/up/down quantized (as GPTQModel, AutoAWQ and llm-compressor write MoE
+    models), the routers left in full precision: stacked quantized experts give transformers'
+    tokens on the dequantized weights."""
+    moe = make_tiny_model(tmp_path / "moe", arch)
+    q, oracle = write_quantized(moe, tmp_path / fmt, fmt, **kw)
+    assert _greedy(q) == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]
 
 
 # ---- broken quantized tensors ---------------------------------------------------------------------

@@ -44,7 +44,7 @@ _STACKED = (
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 )
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.(\w+)$")  # .weight, or a quantized format's
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}  # transformers 5
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # KV-cache scales as checkpoints name them (vLLM's maybe_remap_kv_scale_name): self_attn.k_scale /
@@ -348,7 +348,9 @@ class DecoderForCausalLM(nn.Module):
             name = name.replace(old, new)
         m = _EXPERT.search(name)
         if m:
-            yield name[: m.start()] + (".experts.w2" if m[2] == "down" else ".experts.w13"), (int(m[1]), m[2]), tensor
+            stacked = ".experts.w2" if m[2] == "down" else ".experts.w13"
+            suffix = "" if m[3] == "weight" else f"_{m[3]}"  # a quantized format's tensors: w13_qweight, ...
+            yield name[: m.start()] + stacked + suffix, (int(m[1]), m[2]), tensor
             return
         for frag, fused in _FUSED_EXPERTS.items():
             if name.endswith(frag):
@@ -372,7 +374,10 @@ class DecoderForCausalLM(nn.Module):
             scale = _KV_SCALE.search(name)
             if scale:  # an fp8 KV cache's scales: kept whatever the cache (`use_kv_scales`)
                 if scale[2] != "q":  # q_scale: fp8 attention math, which portside does not do
-                    self._layer(int(scale[1])).self_attn.load_kv_scale(scale[2], tensor)
+                    try:
+                        self._layer(int(scale[1])).self_attn.load_kv_scale(scale[2], tensor)
+                    except (ValueError, IndexError) as e:
+                        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: {e}") from None
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store the copy anyway
@@ -392,7 +397,8 @@ class DecoderForCausalLM(nn.Module):
 
     def check_loaded(self, loaded: set[tuple[str, object]]) -> None:
         """Raise if some parameter (or fused part) was never filled by `load_weights`."""
-        expected = {(name, s) for name, param in self.named_parameters() for s in _parts(param)}
+        expected = {(name, s) for name, param in self.named_parameters() for s in _parts(param)
+                    if not getattr(param, "optional", False)}  # a quantized format's optional tensors (g_idx)
         if self.config.tie_word_embeddings:
             expected.discard(("lm_head.weight", None))
         missing = sorted(_checkpoint_name(name, shard) for name, shard in expected - loaded)
@@ -412,5 +418,6 @@ def _checkpoint_name(name: str, shard: object) -> str:
     for frag, fused, sid in _STACKED:
         if fused in name and sid == shard:
             return name.replace(fused, frag)
-    e, part = cast(tuple[int, str], shard)  # an expert's part of experts.w13 / experts.w2
-    return f"{name.rsplit('.', 1)[0]}.{e}.{part}_proj.weight"
+    e, part = cast(tuple[int, str], shard)  # an expert's part of experts.w13 / experts.w2 (/ w13_qweight, ...)
+    head, _, stacked = name.rpartition(".")
+    return f"{head}.{e}.{part}_proj.{stacked.partition('_')[2] or 'weight'}"

@@ -11,7 +11,7 @@ __all__ = ["MixtralForCausalLM"]
 class MixtralForCausalLM(DecoderForCausalLM):
     renames = (
         (".block_sparse_moe.", ".mlp."),
-        (".w1.weight", ".gate_proj.weight"),
-        (".w2.weight", ".down_proj.weight"),
-        (".w3.weight", ".up_proj.weight"),
+        (".w1.", ".gate_proj."),  # .weight, or a quantized format's .qweight, .scales, ...
+        (".w2.", ".down_proj."),
+        (".w3.", ".up_proj."),
     )

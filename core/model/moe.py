@@ -29,7 +29,7 @@ class MoEExperts(nn.Module):
         self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.num_experts, self.tp_rank = num_experts, tp_rank
+        self.num_experts, self.hidden_size, self.tp_rank, self.tp_size = num_experts, hidden_size, tp_rank, tp_size
         self.local = _divide(intermediate_size, tp_size, "expert intermediate size")
         self.w13 = _param(num_experts, 2 * self.local, hidden_size, dtype=dtype, loader=self.w13_loader)
         self.w2 = _param(num_experts, hidden_size, self.local, dtype=dtype, loader=self.w2_loader)

@@ -12,7 +12,7 @@ from torch import nn
 from portside.backend_api import ModelOps
 from portside.model.layers import LinearBase
 from portside.quant.config import QuantConfig
-from portside.quant.formats import add_checkpoint_params, to_quant_weight
+from portside.quant.formats import add_checkpoint_params, add_expert_params, stacked_expert_weights, to_quant_weight
 from portside.quant.weight import quantize_per_channel
 
 __all__ = ["prepare_model_for_format", "finalize_quantized", "weight_bytes"]
@@ -40,10 +40,9 @@ def prepare_model_for_format(model: nn.Module, qc: QuantConfig, ops: ModelOps) -
         return
     for name, module in model.named_modules():
         if isinstance(module, MoEExperts) and not qc.online:
-            raise ValueError(
-                f"{qc.method} checkpoints of mixture-of-experts models are not supported yet (quantized experts); "
-                "serve the full-precision checkpoint with --quantization int8 or fp8, or a GGUF file"
-            )
+            if all(qc.quantizes(f"{name}.{e}.{p}_proj") for e in range(module.num_experts) for p in ("gate", "up", "down")):
+                add_expert_params(module, qc)
+            continue
         if not isinstance(module, LinearBase):
             continue
         module.ops = ops
@@ -78,10 +77,18 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
             module.weight = None
             module.quant = ops.prepare_quantized(qw)
             module.quant_format = None
-        elif isinstance(module, MoEExperts) and qc.online:
-            module.quant13 = ops.prepare_quantized(quantize_per_channel(module.w13.detach(), qc.method, qc.act))
-            module.quant2 = ops.prepare_quantized(quantize_per_channel(module.w2.detach(), qc.method, qc.act))
-            del module.w13, module.w2
+        elif isinstance(module, MoEExperts) and (qc.online or getattr(module, "quant_format", None) is not None):
+            if qc.online:
+                w13 = quantize_per_channel(module.w13.detach(), qc.method, qc.act)
+                w2 = quantize_per_channel(module.w2.detach(), qc.method, qc.act)
+                del module.w13, module.w2
+            else:
+                try:
+                    w13, w2 = stacked_expert_weights(module, qc)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+                module.quant_format = None
+            module.quant13, module.quant2 = ops.prepare_quantized(w13), ops.prepare_quantized(w2)
     logger.info("quantized %s: %s", type(model).__name__, qc.describe())
 
 

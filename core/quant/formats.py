@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,10 @@ from portside.model.layers import LinearBase
 from portside.quant.config import QuantConfig
 from portside.quant.weight import QuantWeight, pack_int4, quantize_per_channel
 
-__all__ = ["CkptParam", "checkpoint_params", "add_checkpoint_params", "to_quant_weight", "unpack_int32"]
+__all__ = [
+    "CkptParam", "checkpoint_params", "add_checkpoint_params", "add_expert_params", "stacked_expert_weights",
+    "to_quant_weight", "unpack_int32",
+]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i]
 
@@ -106,23 +110,130 @@ def add_checkpoint_params(layer: LinearBase, qc: QuantConfig) -> None:
     specs = checkpoint_params(qc)
     if not specs:
         return
-    groups, sliced = _groups(qc, layer)
-    parts = layer.parts or [None]
     del layer.weight
     for spec in specs:
-        shape = spec.shape(layer.out_local, layer.in_local, groups)
-        if spec.per_part:
-            shape = (len(parts), *shape)
-        p = nn.Parameter(torch.zeros(shape, dtype=spec.dtype), requires_grad=False)
-        p.weight_loader = _loader(layer, spec, qc, sliced)  # type: ignore[attr-defined]
-        if layer.parts is not None:
-            p.shard_ids = layer.parts  # type: ignore[attr-defined]
-        p.optional = spec.optional  # type: ignore[attr-defined]
-        p.loaded_parts = set()  # type: ignore[attr-defined]
-        layer.register_parameter(spec.name, p)
+        layer.register_parameter(spec.name, _make_param(layer, spec, qc, layer.parts))
     if "weight" not in layer._parameters:
         layer.weight = None
     layer.quant_format = qc  # type: ignore[assignment]
+
+
+def _make_param(layer: Any, spec: CkptParam, qc: QuantConfig, shard_ids: list[object] | None,
+                experts: int | None = None) -> nn.Parameter:
+    groups, sliced = _groups(qc, layer)
+    shape = spec.shape(layer.out_local, layer.in_local, groups)
+    if spec.per_part:
+        shape = (len(layer.parts or [None]), *shape)
+    if experts is not None:
+        shape = (experts, *shape)
+    p = nn.Parameter(torch.zeros(shape, dtype=spec.dtype), requires_grad=False)
+    p.weight_loader = _loader(layer, spec, qc, sliced)  # type: ignore[attr-defined]
+    if shard_ids is not None:
+        p.shard_ids = shard_ids  # type: ignore[attr-defined]
+    p.optional = spec.optional  # type: ignore[attr-defined]
+    p.loaded_parts = set()  # type: ignore[attr-defined]
+    return p
+
+
+class ExpertSlot:
+    """`MoEExperts.w13` or `.w2` seen as the linear layer one expert's part is (what the loaders and
+    `to_quant_weight` ask of a layer). w13: gate and up, output rows split over ranks; w2: down,
+    input columns split."""
+
+    stacked = True
+
+    def __init__(self, experts: Any, which: str) -> None:
+        self.experts, self.which = experts, which
+        self.tp_rank, self.tp_size, local = experts.tp_rank, experts.tp_size, experts.local
+        if which == "w13":
+            self.in_local, self.out_local, self.parts = experts.hidden_size, 2 * local, ["gate", "up"]
+        else:
+            self.in_local, self.out_local, self.parts = local, experts.hidden_size, ["down"]
+
+    def out_partition(self, shard_id: object = None) -> tuple[int, int, int]:
+        if self.which == "w2":
+            return 0, 0, self.out_local
+        n = self.experts.local
+        return (0 if shard_id == "gate" else n), self.tp_rank * n, n
+
+    def in_partition(self) -> tuple[int, int] | None:
+        return (self.tp_rank * self.in_local, self.in_local) if self.which == "w2" and self.tp_size > 1 else None
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        return self.out_local if self.which == "w2" else self.experts.local * self.tp_size
+
+    def part_index(self, shard_id: object) -> int:
+        return self.parts.index(shard_id)  # type: ignore[arg-type]
+
+
+def add_expert_params(experts: Any, qc: QuantConfig) -> None:
+    """Replace a `MoEExperts`' dense w13 / w2 with `qc`'s checkpoint tensors stacked over the
+    experts: ``w13_qweight`` [E, ...] and so on (a format's ``weight`` keeps the name w13 / w2);
+    each expert's ``experts.{e}.gate_proj.qweight`` is part (e, "gate")."""
+    specs = checkpoint_params(qc)
+    for which in ("w13", "w2"):
+        slot = ExpertSlot(experts, which)
+        delattr(experts, which)
+        shard_ids = [(e, part) for e in range(experts.num_experts) for part in slot.parts]
+        for spec in specs:
+            name = which if spec.name == "weight" else f"{which}_{spec.name}"
+            experts.register_parameter(name, _make_param(slot, spec, qc, shard_ids, experts.num_experts))
+    experts.quant_format = qc
+
+
+class _ExpertView:
+    """Expert e of a stacked slot, for `to_quant_weight`."""
+
+    def __init__(self, slot: ExpertSlot, e: int) -> None:
+        self.slot, self.e = slot, e
+        self.out_local, self.in_local, self.parts = slot.out_local, slot.in_local, slot.parts
+        self.tp_size = slot.tp_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.slot, name)
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        which = self.slot.which
+        p = self.slot.experts.get_parameter(which if name == "weight" else f"{which}_{name}")
+        view = p.data[self.e]
+        view.loaded_parts = {part for e, part in p.loaded_parts if e == self.e}  # type: ignore[attr-defined]
+        return view
+
+
+def stacked_expert_weights(experts: Any, qc: QuantConfig) -> tuple[QuantWeight, QuantWeight]:
+    """The loaded experts' (w13, w2) as canonical QuantWeights stacked [E, ...]; the checkpoint
+    tensors are removed."""
+    out = []
+    for which in ("w13", "w2"):
+        slot = ExpertSlot(experts, which)
+        per_expert = []
+        for e in range(experts.num_experts):
+            try:
+                per_expert.append(to_quant_weight(_ExpertView(slot, e), qc))  # type: ignore[arg-type]
+            except ValueError as err:
+                part = "gate/up" if which == "w13" else "down"
+                raise ValueError(f"experts.{e}.{part}_proj: {err}") from None
+        out.append(_stack(per_expert))
+    for name in [n for n in experts._parameters if n.startswith(("w13", "w2"))]:
+        delattr(experts, name)
+    return out[0], out[1]
+
+
+def _stack(weights: list[QuantWeight]) -> QuantWeight:
+    first = weights[0]
+    if any(w.g_idx is not None for w in weights):  # some experts in act order: every one gets a g_idx
+        for w in weights:
+            if w.g_idx is None:
+                w.g_idx = (torch.arange(w.in_features, device=w.qweight.device) // w.group_size).to(torch.int32)
+
+    def stack(name: str) -> torch.Tensor | None:
+        ts = [getattr(w, name) for w in weights]
+        return None if ts[0] is None else torch.stack(ts)
+
+    return QuantWeight(first.kind, first.shape, stack("qweight"), bits=first.bits, scales=stack("scales"),  # type: ignore[arg-type]
+                       zeros=stack("zeros"), group_size=first.group_size, g_idx=stack("g_idx"), act=first.act,
+                       input_scale=None if first.input_scale is None else torch.stack([w.input_scale for w in weights]).max().reshape(1),
+                       method=first.method)
 
 
 def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: bool) -> Callable[..., None]:
@@ -131,7 +242,11 @@ def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: 
             raise ValueError(f"{spec.name} is stored as {loaded.dtype}, expected {spec.dtype}")
         if not spec.integer and not loaded.is_floating_point():
             raise ValueError(f"{spec.name} is stored as {loaded.dtype}, expected a floating-point tensor")
-        dst, t = param.data, loaded
+        key, dst, t = shard_id, param.data, loaded
+        done = param.loaded_parts  # type: ignore[attr-defined]
+        if getattr(layer, "stacked", False):  # an expert's part (e, part) of a stacked expert weight
+            e, shard_id = shard_id
+            dst, done = dst[e], {p for ee, p in done if ee == e}
         if spec.per_part:
             dst = dst[layer.part_index(shard_id)]
             t = t.reshape(dst.shape) if t.numel() == dst.numel() else t
@@ -156,12 +271,12 @@ def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: 
                                      f"{unit} do not split evenly over the ranks")
                 t = t.narrow(spec.in_dim, start // unit, size // unit)
         if tuple(dst.shape) != tuple(t.shape):
-            raise ValueError(f"{spec.name} has shape {tuple(loaded.shape)}, which does not fit {tuple(param.shape)} "
+            raise ValueError(f"{spec.name} has shape {tuple(loaded.shape)}, which does not fit {tuple(dst.shape)} "
                              f"({qc.describe()}; a wrong packing, group size or shard)")
-        if spec.shared and param.loaded_parts and not torch.equal(dst, t.to(dst.dtype)):  # type: ignore[attr-defined]
-            raise ValueError(f"{spec.name} differs between the fused parts {param.loaded_parts} and {shard_id!r}")  # type: ignore[attr-defined]
+        if spec.shared and done and not torch.equal(dst, t.to(dst.dtype)):
+            raise ValueError(f"{spec.name} differs between the fused parts {sorted(map(str, done))} and {shard_id!r}")
         dst.copy_(t)
-        param.loaded_parts.add(shard_id)  # type: ignore[attr-defined]
+        param.loaded_parts.add(key)  # type: ignore[attr-defined]
 
     return load
 

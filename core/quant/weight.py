@@ -85,15 +85,18 @@ class QuantWeight(nn.Module):
         return self.shape[1]
 
     def expert(self, e: int) -> QuantWeight:
-        """Expert e's weight of a stacked [E, N, ...] one (shares storage)."""
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None or t.dim() == 0 or (t is self.input_scale and t.numel() == 1) else t[e]
-
-        return QuantWeight(
-            self.kind, self.shape, self.qweight[e], bits=self.bits, scales=pick(self.scales), zeros=pick(self.zeros),
-            group_size=self.group_size, g_idx=pick(self.g_idx) if self.g_idx is not None and self.g_idx.dim() == 2 else self.g_idx,
-            ggml_type=self.ggml_type, act=self.act, input_scale=self.input_scale, method=self.method,
-        )
+        """Expert e's weight of a stacked [E, N, ...] one, sharing storage: every buffer with the
+        leading expert axis is sliced, a platform's own ones (`ModelOps.prepare_quantized` of a
+        stacked weight keeps the expert axis first) included; ``layout`` is carried over."""
+        view = QuantWeight(self.kind, self.shape, self.qweight[e], bits=self.bits, group_size=self.group_size,
+                           ggml_type=self.ggml_type, act=self.act, method=self.method)
+        experts = self.qweight.shape[0]
+        for name, t in self._buffers.items():
+            if name != "qweight":
+                stacked = t is not None and t.dim() > 0 and t.shape[0] == experts and name != "input_scale"
+                view.register_buffer(name, t[e] if stacked else t)
+        view.layout = self.layout
+        return view
 
     def extra_repr(self) -> str:
         what = f"{self.kind}{self.bits}" if self.kind != "gguf" else f"gguf type {self.ggml_type}"

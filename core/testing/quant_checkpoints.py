@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 __all__ = ["FORMATS", "write_quantized", "quantize_rtn", "gptq_pack", "awq_pack", "oracle_dir"]
 
 FORMATS = ("gptq", "awq", "ct-w4a16", "ct-w8a16", "ct-w8a8", "ct-fp8", "fp8")
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # w1-3: Mixtral experts
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_MAX = 448.0
 
