@@ -151,7 +151,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
     g.add_argument("--quantization", "-q", default=None, help="gptq, awq, compressed-tensors, fp8, gguf: the checkpoint's format (default: what its config.json says); int8 or fp8 on a full-precision checkpoint quantizes it per output channel while loading")
     g.add_argument("--quantized-activations", choices=["none", "int8", "fp8"], default=None, help="with --quantization int8: also quantize activations per token (W8A8, faster on VNNI/AMX CPUs, not bit-exact); fp8 checkpoints set their own")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, or int8 (cpu): 8-bit values with per-token scales")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer k/v scales from the checkpoint, else 1), or int8 (cpu; a scale per token and KV head); 8-bit caches hold about 2x (bf16) / 4x (fp32) the tokens and are not bit-exact")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
 
 

@@ -43,15 +43,18 @@ class PagedSequence:
     the block table is not the identity."""
 
     def __init__(
-        self, model: torch.nn.Module, backend: AttentionBackend, block_size: int = 4, max_tokens: int = 256
+        self, model: torch.nn.Module, backend: AttentionBackend, block_size: int = 4, max_tokens: int = 256,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`cache_dtype`: what the cache holds (an 8-bit `--kv-cache-dtype`; None: the model's dtype)."""
         self.model, self.backend, self.block_size = model, backend, block_size
         spec = model.kv_cache_spec()  # type: ignore[operator]
         num_blocks = -(-max_tokens // block_size)
         device = next(model.parameters()).device
         self.device = device
-        shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        dtype = cache_dtype or spec.dtype
+        shape = backend.cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size, dtype)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.block_table = [(7 * i + 3) % num_blocks for i in range(num_blocks)] if num_blocks % 7 else list(
             reversed(range(num_blocks))
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from portside.backend_api import AttentionMetadata, Platform
+from portside.backend_api import AttentionMetadata, Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
 from portside.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 Request = tuple[int, int]  # (num_cached, num_new)
@@ -66,12 +66,23 @@ class AttentionCase:
     num_heads: int
     num_kv_heads: int
     head_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's: queries, new K/V, output
+    kv_cache_dtype: str = "auto"  # `--kv-cache-dtype` (canonical name)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized_kv(self.cache_dtype)
 
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return f"bs{self.block_size}-h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{dt}"
+        kv = "" if self.kv_cache_dtype == "auto" else f"-kv_{self.kv_cache_dtype}"
+        return f"bs{self.block_size}-h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{dt}{kv}"
 
 
 def standard_cases(block_sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...], default_block_size: int) -> list[AttentionCase]:
@@ -102,10 +113,46 @@ def feature_cases(block_sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
     return cases
 
 
+def kv_cache_cases(
+    kv_cache_dtypes: tuple[str, ...], dtypes: tuple[torch.dtype, ...], default_block_size: int, features: bool = False
+) -> list[AttentionCase]:
+    """The 8-bit caches the platform declares (`Platform.kv_cache_dtypes`), each at the default
+    block size with the model in fp32 (when declared, else the first declared dtype): every GQA
+    ratio at head size 64 and GQA 4 at 128, or (`features`) one shape (GQA 4, head size 64).
+    PORTSIDE_CONFORMANCE_FULL=1 runs every declared dtype, GQA ratio and head size."""
+    full = os.environ.get(FULL_ENV) == "1"
+    models = dtypes if full else ((torch.float32,) if torch.float32 in dtypes else dtypes[:1])
+    shapes = [(h, kvh, d) for h, kvh in GQA_SHAPES for d in HEAD_SIZES if full or d == HEAD_SIZES[0] or h // kvh == 4]
+    if features:
+        shapes = [(8, 2, 64)]
+    return [
+        AttentionCase(default_block_size, h, kvh, d, dtype, name)
+        for name in kv_cache_dtypes if name != "auto"
+        for dtype in models
+        for h, kvh, d in shapes
+    ]
+
+
 def pool_size(needed: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
-    """A large pool (so block ids are big and scattered), bounded by POOL_BYTES."""
-    per_block = 2 * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+    """A large pool (so block ids are big and scattered), bounded by POOL_BYTES. `dtype`: the
+    cache's (an 8-bit one's rows are `kv_row_bytes`)."""
+    per_block = 2 * block_size * num_kv_heads * kv_row_bytes(head_size, dtype)
     return max(2 * needed + 1, min(MAX_POOL, POOL_BYTES // per_block))
+
+
+def unused_slots(requests: tuple[Request, ...], tables: list[list[int]], block_size: int, pool: int,
+                 gen: torch.Generator, extra_blocks: int = 4) -> torch.Tensor:
+    """Slots a batch never reads: each request's last block past its sequence, and every slot of
+    `extra_blocks` blocks no request holds (where an 8-bit case writes noise through write_kv)."""
+    slots: list[int] = []
+    held = {b for t in tables for b in t}
+    for (cached, new), table in zip(requests, tables):
+        end = cached + new
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(end, len(table) * block_size)]
+    free = [b for b in torch.randperm(pool, generator=gen).tolist() if b not in held][:extra_blocks]
+    for b in free:
+        slots += range(b * block_size, (b + 1) * block_size)
+    return torch.tensor(slots, dtype=torch.int64)
 
 
 def random_block_tables(requests: tuple[Request, ...], block_size: int, pool: int, gen: torch.Generator) -> list[list[int]]:
@@ -182,6 +229,7 @@ def engine_config(
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """A config for building a platform's parts outside an engine, adjusted by the platform.
     The limits (None: the engine's defaults) bound what a graph runner prepares for, so a check
@@ -194,5 +242,6 @@ def engine_config(
         scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=max_num_batched_tokens)
     if max_num_seqs is not None:
         scheduler = dataclasses.replace(scheduler, max_num_seqs=max_num_seqs)
-    config = EngineConfig(model=model, cache=CacheConfig(block_size=block_size), scheduler=scheduler, device=platform.name)
+    cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=platform.name)
     return platform.check_and_update_config(config)

@@ -1,5 +1,7 @@
 """KV-cache contract: the shape holds exactly K and V for every slot, and write/read round-trip
-(slot -1 skipped, nothing else touched)."""
+(slot -1 skipped, nothing else touched), for every declared dtype and block size and every 8-bit
+cache the platform declares (`Platform.kv_cache_dtypes`: quantized on write, so read back within
+`KV_ROUND_TRIP`, and sized by `kv_row_bytes`)."""
 
 from __future__ import annotations
 
@@ -7,34 +9,45 @@ import math
 
 import torch
 
-from portside.backend_api import Platform
+from portside.backend_api import Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
 from portside.testing.conformance.cases import contract_failure, engine_config
+from portside.testing.tolerances import kv_round_trip_bound
 
 NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 9, 2, 64
 
 
-def _params(platform: type[Platform]) -> list[tuple[int, torch.dtype]]:
-    return [(bs, dt) for dt in platform.supported_dtypes for bs in platform.block_sizes]
+def _params(platform: type[Platform]) -> list[tuple[int, torch.dtype, str]]:
+    """(block size, model dtype, --kv-cache-dtype): every dtype with its own cache, then each
+    declared 8-bit cache with an fp32 model (or the first declared dtype)."""
+    params = [(bs, dt, "auto") for dt in platform.supported_dtypes for bs in platform.block_sizes]
+    model = torch.float32 if torch.float32 in platform.supported_dtypes else platform.supported_dtypes[0]
+    kv = [name for name in getattr(platform, "kv_cache_dtypes", ("auto",)) if name != "auto"]
+    return params + [(bs, model, name) for name in kv for bs in platform.block_sizes]
 
 
 def test_kv_cache_round_trip(conformance_platform: type[Platform]) -> None:
     platform = conformance_platform
     device = platform.device(0)
     gen = torch.Generator().manual_seed(0)
-    for block_size, dtype in _params(platform):
-        where = f"block_size={block_size}, dtype={dtype}"
-        backend = platform.attention_backend(engine_config(platform, dtype, block_size))
+    for block_size, dtype, kv_name in _params(platform):
+        cdt = kv_cache_torch_dtype(kv_name, dtype)
+        quantized = is_quantized_kv(cdt)
+        where = f"block_size={block_size}, dtype={dtype}" + (f", --kv-cache-dtype {kv_name}" if quantized else "")
+        backend = platform.attention_backend(engine_config(platform, dtype, block_size, kv_cache_dtype=kv_name))
         if backend.supports(HEAD_SIZE, dtype, block_size) is not None:
             continue
-        shape = backend.kv_cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_SIZE)
+        shape = backend.cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_SIZE, cdt)
         if not (isinstance(shape, tuple) and all(isinstance(s, int) for s in shape)):
-            contract_failure("kv-cache", f"kv_cache_shape() must return a tuple of ints; got {shape!r}")
-        expected = 2 * NUM_BLOCKS * block_size * NUM_KV_HEADS * HEAD_SIZE
-        if math.prod(shape) != expected:
+            contract_failure("kv-cache", f"kv_cache_shape() must return a tuple of ints; got {shape!r} ({where})")
+        row = kv_row_bytes(HEAD_SIZE, cdt)
+        expected = 2 * NUM_BLOCKS * block_size * NUM_KV_HEADS * row
+        nbytes = math.prod(shape) * torch.empty((), dtype=cdt).element_size()
+        if nbytes != expected:
             contract_failure("kv-cache", f"kv_cache_shape{(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_SIZE)} = {shape} "
-                             f"holds {math.prod(shape)} elements, not 2 * blocks * block_size * kv_heads * head_size = "
-                             f"{expected}: core sizes the pool from KVCacheSpec and would over- or under-commit")  # fmt: skip
-        cache = torch.zeros(shape, dtype=dtype, device=device)
+                             f"holds {nbytes} bytes of {cdt}, not 2 * blocks * block_size * kv_heads * kv_row_bytes "
+                             f"(head_size, {cdt}) = {expected}: core sizes the pool from KVCacheSpec and would over- or "
+                             f"under-commit ({where})")  # fmt: skip
+        cache = torch.zeros(shape, dtype=cdt, device=device)
         total = NUM_BLOCKS * block_size
         slots = torch.randperm(total, generator=gen)[: min(total, 3 * block_size + 5)]
         n = slots.numel()
@@ -49,13 +62,23 @@ def test_kv_cache_round_trip(conformance_platform: type[Platform]) -> None:
         if k.shape != (written.numel(), NUM_KV_HEADS, HEAD_SIZE) or v.shape != k.shape:
             contract_failure("kv-cache", f"read_kv() returned shapes {tuple(k.shape)}, {tuple(v.shape)}; expected "
                              f"[{written.numel()}, {NUM_KV_HEADS}, {HEAD_SIZE}] ({where})")  # fmt: skip
-        if not (torch.equal(k.cpu(), key[~skip]) and torch.equal(v.cpu(), value[~skip])):
-            contract_failure("kv-cache", f"read_kv() does not return what write_kv() stored at the same slots ({where})")
+        if quantized:
+            same = all(bool(((back.cpu().float() - x.float()).abs() <= kv_round_trip_bound(x, cdt)).all())
+                       for back, x in ((k, key[~skip]), (v, value[~skip])))
+        else:
+            same = torch.equal(k.cpu(), key[~skip]) and torch.equal(v.cpu(), value[~skip])
+        if not same:
+            contract_failure("kv-cache", f"read_kv() does not return what write_kv() stored at the same slots ({where})"
+                             + (" within KV_ROUND_TRIP (one quantization step)" if quantized else ""))
         untouched = torch.ones(total, dtype=torch.bool)
         untouched[written] = False
         rest = torch.arange(total)[untouched]
         k_rest, v_rest = backend.read_kv(cache, rest.to(device))
         if k_rest.count_nonzero() or v_rest.count_nonzero():
             contract_failure("kv-cache", f"write_kv() wrote outside the given slots (slot -1 must be skipped) ({where})")
-        if int(cache.count_nonzero()) != int(k.count_nonzero() + v.count_nonzero()):
+        if quantized:  # values and scales are the backend's bytes: at most the written rows' are set
+            if int(cache.view(torch.uint8).count_nonzero()) > 2 * written.numel() * NUM_KV_HEADS * row:
+                contract_failure("kv-cache", f"the cache holds more bytes than the written rows take: K/V landed "
+                                 f"outside their slots ({where})")  # fmt: skip
+        elif int(cache.count_nonzero()) != int(k.count_nonzero() + v.count_nonzero()):
             contract_failure("kv-cache", f"the cache holds data read_kv() cannot see: K/V landed outside their slots ({where})")
