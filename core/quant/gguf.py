@@ -26,16 +26,20 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from portside.backend_api import ModelOps
-from portside.model.layers import LinearBase, VocabParallelEmbedding
+from portside.model.layers import LinearBase, VocabParallelEmbedding, default_weight_loader
 from portside.quant.config import QuantConfig
-from portside.quant.gguf_blocks import block_shape, dequantize_blocks, is_float_type, row_bytes, type_from_name, type_name
+from portside.quant.gguf_blocks import block_shape, dequantize_blocks, row_bytes, type_from_name, type_name
 from portside.quant.weight import QuantWeight
+
+if TYPE_CHECKING:
+    from portside.model.moe import MoEExperts
 
 __all__ = ["dequantize_blocks", "GGUFPart", "GGUFSplitLinear", "gguf_parts", "prepare_gguf_model", "finalize_gguf_model"]
 
@@ -74,6 +78,31 @@ def gguf_parts(model: nn.Module, qc: QuantConfig) -> dict[str, dict[object, GGUF
             for target, shard, part in model.checkpoint_tensors(hf, meta):  # type: ignore[operator]
                 out.setdefault(target, {})[shard] = GGUFPart(hf, ggml_type, int(part.shape[0]), cols)
     return out
+
+
+@dataclass
+class _Prepared:
+    """What `prepare_gguf_model` leaves on a module for `finalize_gguf_model` (attribute `_STATE`).
+
+    ``types``: a linear layer's GGML type per shard id (None: a part kept in float), the
+    embedding's under None, the experts' under "w13" / "w2"; ``cols``: the input features this
+    rank keeps, under the same keys where they are not the layer's own; ``split``: a fused layer
+    whose parts are kept apart (`GGUFSplitLinear`)."""
+
+    types: dict[object, int | None]
+    cols: dict[object, int] = field(default_factory=dict)
+    split: bool = False
+
+
+_STATE = "gguf_prepared"
+
+
+def _prepared(module: nn.Module) -> _Prepared | None:
+    return cast("_Prepared | None", getattr(module, _STATE, None))
+
+
+def _mark(module: nn.Module, state: _Prepared) -> None:
+    setattr(module, _STATE, state)
 
 
 # ---- loading one part ---------------------------------------------------------------------------
@@ -161,7 +190,6 @@ def _prepare_linear(layer: LinearBase, name: str, parts: dict[object, GGUFPart],
             _load_part(layer, param.data.narrow(0, d0, n), loaded, shard, parts[shard])
 
         p = _placeholder(weight, (layer.out_local, row_bytes(ggml_type, layer.in_local)), torch.uint8, load)
-        layer.gguf_split = None  # type: ignore[assignment]
     else:  # a buffer per part, in its own type (or the model's float dtype)
         buffers: dict[object, torch.Tensor] = {}
         for i, s in enumerate(shards):
@@ -175,12 +203,11 @@ def _prepare_linear(layer: LinearBase, name: str, parts: dict[object, GGUFPart],
             _load_part(layer, buffers[shard], loaded, shard, parts.get(shard))
 
         p = _placeholder(weight, (0,), torch.uint8, load)
-        layer.gguf_split = parts  # type: ignore[assignment]
     if layer.parts is not None:
         p.shard_ids = layer.parts  # type: ignore[attr-defined]
     del layer.weight
     layer.weight = p
-    layer.gguf_types = {s: parts[s].ggml_type if s in parts else None for s in shards}  # type: ignore[assignment]
+    _mark(layer, _Prepared({s: parts[s].ggml_type if s in parts else None for s in shards}, split=len(types) > 1))
 
 
 def _prepare_embedding(module: VocabParallelEmbedding, part: GGUFPart, ops: ModelOps) -> nn.Parameter:
@@ -200,12 +227,11 @@ def _prepare_embedding(module: VocabParallelEmbedding, part: GGUFPart, ops: Mode
     del module.weight
     module.weight = p
     module.ops = ops
-    module.gguf_type = part.ggml_type  # type: ignore[attr-defined]
-    module.gguf_cols = hidden  # type: ignore[attr-defined]
+    _mark(module, _Prepared({None: part.ggml_type}, {None: hidden}))
     return p
 
 
-def _prepare_experts(module: nn.Module, name: str, pname: str, parts: dict[object, GGUFPart]) -> None:
+def _prepare_experts(module: MoEExperts, name: str, pname: str, parts: dict[object, GGUFPart]) -> None:
     """experts.w13 [E, 2I/tp, hidden] / w2 [E, hidden, I/tp]: one uint8 [E, rows, row_bytes] when
     every part has one type, else the float weight, its quantized parts dequantized as they load."""
     dense = getattr(module, pname)
@@ -219,7 +245,7 @@ def _prepare_experts(module: nn.Module, name: str, pname: str, parts: dict[objec
     if len(types) != 1 or set(parts) != set(dense.shard_ids):
         logger.warning("%s.%s: the experts' parts are stored as %s; dequantized to %s at load", name, pname,
                        ", ".join(sorted({type_name(t) for t in types})), str(dense.dtype).removeprefix("torch."))
-        dense.weight_loader = _dequantizing(dense.weight_loader, parts)
+        dense.weight_loader = _dequantizing(dense.weight_loader, parts)  # type: ignore[attr-defined]
         return
     (ggml_type,) = types
     bs, ts = block_shape(ggml_type)
@@ -231,7 +257,7 @@ def _prepare_experts(module: nn.Module, name: str, pname: str, parts: dict[objec
     def load(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
         part = parts[shard]
         _check_rows(loaded, part)
-        e, which = shard  # type: ignore[misc]
+        e, which = cast(tuple[int, str], shard)
         if which == "down":  # [hidden, I]: this rank's whole blocks of I
             param.data[e].copy_(loaded.narrow(1, module.tp_rank * n // bs * ts, n // bs * ts))
         else:  # [I, hidden]: this rank's rows, gate then up
@@ -242,7 +268,9 @@ def _prepare_experts(module: nn.Module, name: str, pname: str, parts: dict[objec
     p.shard_ids = dense.shard_ids  # type: ignore[attr-defined]
     delattr(module, pname)
     module.register_parameter(pname, p)
-    module.gguf_types = {**getattr(module, "gguf_types", {}), pname: (ggml_type, k)}
+    state = _prepared(module) or _Prepared({})
+    state.types[pname], state.cols[pname] = ggml_type, k
+    _mark(module, state)
 
 
 def _dequantizing(loader: Callable[..., None], parts: dict[object, GGUFPart]) -> Callable[..., None]:
@@ -280,18 +308,12 @@ def prepare_gguf_model(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
                 del lm_head.weight
                 lm_head.weight = p  # the tied head shares the table
                 lm_head.ops = ops
-                lm_head.gguf_type, lm_head.gguf_cols = module.gguf_type, module.gguf_cols  # type: ignore[attr-defined]
+                _mark(lm_head, cast(_Prepared, _prepared(module)))
         elif isinstance(module, MoEExperts) and pname in ("w13", "w2"):
             _prepare_experts(module, mod_name, pname, parts)
         else:
             param = params[target]
-            param.weight_loader = _dequantizing(getattr(param, "weight_loader", _copy_whole), parts)  # type: ignore[attr-defined]
-
-
-def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
-    from portside.model.layers import default_weight_loader
-
-    default_weight_loader(param, loaded, shard)
+            param.weight_loader = _dequantizing(getattr(param, "weight_loader", default_weight_loader), parts)  # type: ignore[attr-defined]
 
 
 # ---- after loading ------------------------------------------------------------------------------
@@ -312,18 +334,18 @@ class GGUFSplitLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def _float_weight(w: torch.Tensor, method: str = "gguf") -> QuantWeight:
+def _float_weight(w: torch.Tensor) -> QuantWeight:
     """A float tensor [.., N, K] as a QuantWeight of GGML type F32/F16/BF16 (sharing its storage)."""
     return QuantWeight("gguf", (w.shape[-2], w.shape[-1]), w.detach().contiguous().view(torch.uint8),
-                       ggml_type=type_from_name(_FLOAT_TYPE[w.dtype]), method=method)
+                       ggml_type=type_from_name(_FLOAT_TYPE[w.dtype]), method="gguf")
 
 
-def _finalize_linear(model: nn.Module, name: str, layer: LinearBase, ops: ModelOps) -> tuple[str, nn.Module] | None:
+def _finalize_linear(name: str, layer: LinearBase, ops: ModelOps) -> tuple[str, nn.Module] | None:
     """The layer's QuantWeight (set in place), or for mixed parts the (name, GGUFSplitLinear) replacing it."""
-    split: dict[object, GGUFPart] | None = layer.gguf_split  # type: ignore[assignment]
+    state = cast(_Prepared, _prepared(layer))
     assert layer.weight is not None
-    if split is None:
-        (ggml_type,) = set(layer.gguf_types.values())  # type: ignore[attr-defined]
+    if not state.split:
+        (ggml_type,) = set(state.types.values())
         qw = QuantWeight("gguf", (layer.out_local, layer.in_local), layer.weight.data, ggml_type=ggml_type, method="gguf")
         del layer.weight
         layer.weight = None
@@ -333,11 +355,11 @@ def _finalize_linear(model: nn.Module, name: str, layer: LinearBase, ops: ModelO
     parts = []
     for s in shards:
         buf = layer.get_buffer(f"gguf_part{(layer.parts or [None]).index(s)}")
-        part = split.get(s)
-        if part is None:
+        ggml_type = state.types[s]
+        if ggml_type is None:
             qw = _float_weight(buf)
         else:
-            qw = QuantWeight("gguf", (buf.shape[0], layer.in_local), buf, ggml_type=part.ggml_type, method="gguf")
+            qw = QuantWeight("gguf", (buf.shape[0], layer.in_local), buf, ggml_type=ggml_type, method="gguf")
         parts.append(ops.prepare_quantized(qw))
     return name, GGUFSplitLinear(parts, layer.bias, ops)
 
@@ -350,35 +372,39 @@ def finalize_gguf_model(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> Non
     types: Counter[str] = Counter()
     embed_quant: dict[int, nn.Module] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, LinearBase) and hasattr(module, "gguf_types"):
-            for t in module.gguf_types.values():  # type: ignore[attr-defined]
+        state = _prepared(module)
+        if state is None:
+            continue
+        if isinstance(module, LinearBase):
+            for t in state.types.values():
                 types[type_name(t) if t is not None else "float"] += 1
-            swap = _finalize_linear(model, name, module, ops)
+            swap = _finalize_linear(name, module, ops)
             if swap is not None:
                 replaced.append(swap)
-        elif isinstance(module, VocabParallelEmbedding) and hasattr(module, "gguf_type"):
+        elif isinstance(module, VocabParallelEmbedding):
             weight = module.weight
             if id(weight) not in embed_quant:  # a tied LM head shares the embedding's QuantWeight
-                qw = QuantWeight("gguf", (weight.shape[0], module.gguf_cols), weight.data,  # type: ignore[attr-defined]
-                                 ggml_type=module.gguf_type, method="gguf")  # type: ignore[attr-defined]
+                qw = QuantWeight("gguf", (weight.shape[0], state.cols[None]), weight.data, ggml_type=state.types[None],
+                                 method="gguf")
                 embed_quant[id(weight)] = ops.prepare_quantized(qw)
-                types[type_name(module.gguf_type)] += 1  # type: ignore[attr-defined]
+                types[type_name(cast(int, state.types[None]))] += 1
             module.quant = embed_quant[id(weight)]
             del module.weight
             module.weight = None  # type: ignore[assignment]
-        elif isinstance(module, MoEExperts) and hasattr(module, "gguf_types"):
+        elif isinstance(module, MoEExperts):
             quant = {}
             for pname in ("w13", "w2"):
                 w = getattr(module, pname)
-                if pname in module.gguf_types:
-                    ggml_type, k = module.gguf_types[pname]
-                    qw = QuantWeight("gguf", (w.shape[1], k), w.data, ggml_type=ggml_type, method="gguf")
+                if pname in state.types:
+                    qw = QuantWeight("gguf", (w.shape[1], state.cols[pname]), w.data, ggml_type=state.types[pname],
+                                     method="gguf")
                 else:  # dequantized at load, or stored in float: the same contract, type F32/F16/BF16
                     qw = _float_weight(w)
                 types[type_name(qw.ggml_type)] += 1  # type: ignore[arg-type]
                 quant[pname] = ops.prepare_quantized(qw)
                 delattr(module, pname)
             module.quant13, module.quant2 = quant["w13"], quant["w2"]
+        delattr(module, _STATE)
     for name, new in replaced:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
