@@ -83,6 +83,14 @@ def test_example_plugin_unavailable_says_why(npu_example: str) -> None:
     assert proc.returncode == 2 and "NPU_EXAMPLE_VISIBLE_DEVICES is empty" in proc.stderr, proc.stderr
 
 
+def test_example_plugin_refuses_an_8bit_kv_cache(npu_example: str, tiny_llama: Path) -> None:
+    """Written before 8-bit KV caches, the example declares none: --kv-cache-dtype fp8 is refused
+    before loading, naming the flag (exit 2), never silently stored in the model's dtype."""
+    proc = _portside("generate", "hi", "--model", str(tiny_llama), "--device", "npu-example", "--kv-cache-dtype", "fp8")
+    assert proc.returncode == 2, proc.stderr
+    assert "--kv-cache-dtype fp8 is not supported by the npu-example platform; use one of ['auto']" in proc.stderr
+
+
 def test_example_plugin_serves_end_to_end(npu_example: str, tiny_llama: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

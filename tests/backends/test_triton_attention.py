@@ -400,3 +400,49 @@ def test_features_replay_in_a_cuda_graph(kernel_device) -> None:
     q.copy_(second.query), k.copy_(second.key), v.copy_(second.value)
     graph.replay()
     assert_close(out.cpu(), expected)
+
+
+# ---- fp8 KV caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) ----------------------------------------
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_batch(batch: Batch, cache_dtype: torch.dtype) -> Batch:
+    """`batch` over an fp8 cache holding its prefixes as `quantize_kv` stores them. Its empty
+    slots become fp8 NaN bytes (0x7f), which the kernel decodes to NaN (e5m2) or 480 (e4m3): read,
+    either shows."""
+    from portside.backend_api import quantize_kv
+
+    cache = quantize_kv(batch.kv_cache.cpu(), cache_dtype).to(batch.kv_cache.device)
+    return Batch(batch.query, batch.key, batch.value, cache, batch.metadata)
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_fp8_write_kv_stores_the_reference_bytes(fmt: str, kernel_device: torch.device) -> None:
+    cdt = FP8[fmt]
+    cache = torch.zeros(2, 9, 16, 2, 64, dtype=torch.uint8, device=kernel_device).view(cdt)
+    expected = torch.zeros(2, 9, 16, 2, 64, dtype=cdt)
+    key = torch.randn(6, 2, 64) * 100  # past e4m3's 448 too: saturated
+    value = torch.randn(6, 2, 64).bfloat16()
+    slots = torch.tensor([5, 143, -1, 16, 17, -1])
+    TritonAttentionBackend().write_kv(cache, key.to(kernel_device), value.to(kernel_device), slots.to(kernel_device))
+    reference.write_kv(expected, key, value, slots)
+    assert torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+    k, _ = TritonAttentionBackend().read_kv(cache, torch.tensor([143, 16], device=kernel_device))
+    assert k.dtype == torch.float32 and torch.equal(k.cpu(), expected.view(2, -1, 2, 64)[0, [143, 16]].float())
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_mixed_batch(fmt: str, dtype: torch.dtype, kernel_device) -> None:
+    batch = fp8_batch(make_batch(*MIXED, 8, 2, 64, 16, dtype, kernel_device, seed=40), FP8[fmt])
+    expected = expected_output(batch, 0.125)
+    assert_close(run_backend(batch, TritonAttentionBackend(), 0.125), expected.to(dtype), dtype=dtype)
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_fp8_cache_split_kv_decode_with_features(fmt: str, kernel_device) -> None:
+    batch = fp8_batch(make_batch([1, 1, 1], [17, 70, 129], 4, 2, 128, 16, torch.float32, kernel_device, seed=41), FP8[fmt])
+    for features in ({}, {"sliding_window": 20, "logit_softcap": 4.0}):
+        expected = expected_output(batch, 0.1, **features)
+        assert_close(run_backend(batch, TritonAttentionBackend(num_splits=3), 0.1, **features), expected)
