@@ -9,9 +9,10 @@ A decode step reads every cached key and value once, so bytes moved ~= the KV by
 On the cpu the kernel is `portside.backends.cpu.kernels.paged_decode` over fp32, int8, fp8_e4m3
 and fp8_e5m2 caches (`--kv-cache-dtype`), the default model's attention shape (9 query / 3 KV
 heads, head size 64) and a larger one; each call reads one of several layer caches in turn, so
-the caches are not served from the last-level cache. "ms" is the median of `--repeats` timed
-rounds (min in "ms_min": shared machines are noisy); "cpu_ms" the process's CPU time per call and
-thread, which other processes' load does not inflate (their memory traffic still does).
+the caches are not served from the last-level cache, and the dtypes' rounds are interleaved. "ms"
+is the median of `--repeats` timed rounds (min in "ms_min": shared machines are noisy); "cpu_ms"
+the process's CPU time per call and thread, which other processes' load does not inflate (their
+memory traffic still does).
 """
 
 from __future__ import annotations
@@ -66,12 +67,8 @@ def bench(batch: int, ctx: int, heads: int, kv_heads: int, head: int, block: int
 CPU_DTYPES = {"auto": torch.float32, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def bench_cpu(batch: int, ctx: int, heads: int, kv_heads: int, head: int, block: int, kv_dtype: str,
-              layers: int, repeats: int) -> dict:
-    """Median time of one decode call of the native cpu kernel, cycling over `layers` caches."""
-    import statistics
-    import time
-
+def _cpu_case(batch: int, ctx: int, heads: int, kv_heads: int, head: int, block: int, kv_dtype: str, layers: int):
+    """(one round: a decode call over each of `layers` caches of this dtype, KV bytes one call reads)."""
     from portside.backend_api import kv_row_bytes
     from portside.backends.cpu import kernels
     from portside.backends.cpu.attention import NativeAttentionBackend
@@ -100,38 +97,53 @@ def bench_cpu(batch: int, ctx: int, heads: int, kv_heads: int, head: int, block:
             kernels.paged_decode(out, q, cache, tables, lens, scale)
 
     run()  # warm-up (page faults, thread pool)
-    times, cpu_times = [], []
+    return run, 2 * batch * ctx * kv_heads * kv_row_bytes(head, dtype)
+
+
+def bench_cpu(shape: tuple[int, ...], kv_dtypes: list[str], layers: int, repeats: int) -> list[dict]:
+    """Per dtype: median wall and CPU time of one decode call of the native cpu kernel, the dtypes'
+    rounds interleaved (so a change in the machine's load hits every dtype alike)."""
+    import statistics
+    import time
+
+    cases = {kv: _cpu_case(*shape, kv_dtype=kv, layers=layers) for kv in kv_dtypes}
+    times: dict[str, list[float]] = {kv: [] for kv in kv_dtypes}
+    cpu_times: dict[str, list[float]] = {kv: [] for kv in kv_dtypes}
     for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        run()
-        times.append((time.perf_counter() - t0) / layers)
-        cpu_times.append((time.process_time() - c0) / layers)
-    ms, ms_min = statistics.median(times) * 1e3, min(times) * 1e3
-    # CPU seconds of the process per call, per thread: what a call costs when it has the cores to
-    # itself (robust to other processes, not to their memory traffic; spinning threads count too)
-    cpu_ms = statistics.median(cpu_times) * 1e3 / torch.get_num_threads()
-    moved = 2 * batch * ctx * kv_heads * kv_row_bytes(head, dtype)
-    return {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head": head, "block": block,
-            "kv_cache_dtype": kv_dtype, "ms": round(ms, 4), "ms_min": round(ms_min, 4), "cpu_ms": round(cpu_ms, 4),
-            "GB/s": round(moved / ms / 1e6, 2), "GB/s_cpu": round(moved / cpu_ms / 1e6, 2),
-            "threads": torch.get_num_threads()}
+        for kv, (run, _) in cases.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            run()
+            times[kv].append((time.perf_counter() - t0) / layers)
+            cpu_times[kv].append((time.process_time() - c0) / layers)
+    rows = []
+    batch, ctx, heads, kv_heads, head, block = shape
+    for kv, (_, moved) in cases.items():
+        ms, ms_min = statistics.median(times[kv]) * 1e3, min(times[kv]) * 1e3
+        # CPU seconds of the process per call, per thread: what a call costs when it has the
+        # cores to itself (robust to other processes, not to their memory traffic)
+        cpu_ms = statistics.median(cpu_times[kv]) * 1e3 / torch.get_num_threads()
+        rows.append({"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head": head, "block": block,
+                     "kv_cache_dtype": kv, "ms": round(ms, 4), "ms_min": round(ms_min, 4), "cpu_ms": round(cpu_ms, 4),
+                     "GB/s": round(moved / ms / 1e6, 2), "GB/s_cpu": round(moved / cpu_ms / 1e6, 2),
+                     "threads": torch.get_num_threads()})
+    return rows
 
 
 def main_cpu(args: argparse.Namespace) -> None:
+    import os
     import platform
 
     if args.threads:
         torch.set_num_threads(args.threads)
     from portside.backends.cpu.platform import CpuPlatform
 
-    name = CpuPlatform.device_info().name
+    name = f"{CpuPlatform.device_info().name}, load average {os.getloadavg()[0]:.1f}"
     shapes = [  # (batch, ctx, heads, kv_heads, head, block)
         (1, 1024, 9, 3, 64, 16), (16, 512, 9, 3, 64, 16), (64, 256, 9, 3, 64, 16),
         (64, 1024, 9, 3, 64, 16), (8, 2048, 32, 8, 128, 16),
     ]
     for shape in shapes:
-        for kv_dtype in args.kv_cache_dtype or list(CPU_DTYPES):
-            row = bench_cpu(*shape, kv_dtype=kv_dtype, layers=args.layers, repeats=args.repeats)
+        for row in bench_cpu(shape, args.kv_cache_dtype or list(CPU_DTYPES), args.layers, args.repeats):
             row["device"] = f"{name}, {platform.processor() or platform.machine()}"
             print(json.dumps(row), flush=True)
 
