@@ -191,7 +191,8 @@ def test_cpu_attention_features_over_8bit_cache(impl, name):
     for features in ({"sliding_window": 11}, {"logit_softcap": 1.5}, {"sliding_window": 20, "logit_softcap": 1.5}):
         for batch in ("decodes", "mixed", "long"):
             out, expected, _, _, _ = _run(backend, Q8[name], CASES[batch], 8, 2, 64, seed=3, **features)
-            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"{features} {batch}: {m}")
+            where = f"{features} {batch}"
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
 
 
 def test_bf16_queries_over_an_8bit_cache_take_the_torch_path():

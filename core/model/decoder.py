@@ -91,6 +91,9 @@ class DecoderAttention(nn.Module):
     whole q and k projection (OLMoE: under tensor parallelism the ranks' slices are gathered).
     """
 
+    k_scale: torch.Tensor  # registered buffers [KVH] fp32: an fp8 KV cache's scales (see __init__)
+    v_scale: torch.Tensor
+
     def __init__(
         self, args: ModelArgs, layer_idx: int, tp: TP, dtype: torch.dtype, qk_norm: str | None, norm: type[RMSNorm]
     ) -> None:
@@ -324,7 +327,7 @@ class DecoderForCausalLM(nn.Module):
         scaled = []
         for i in range(self.num_layers):
             attn = self._layer(i).self_attn
-            attn.kv_scaled = enabled and bool(((attn.k_scale != 1) | (attn.v_scale != 1)).any())
+            attn.kv_scaled = enabled and bool(torch.any((attn.k_scale != 1) | (attn.v_scale != 1)))
             if attn.kv_scaled:
                 scaled.append(i)
         if scaled:
