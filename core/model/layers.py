@@ -149,6 +149,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant is not None:
             return self.ops.quantized_linear(x, self.quant, bias)  # type: ignore[attr-defined]
+        assert self.weight is not None
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

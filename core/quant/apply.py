@@ -76,7 +76,7 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
                     delattr(module, pname)
             module.weight = None
             module.quant = ops.prepare_quantized(qw)
-            module.quant_format = None
+            module.quant_format = None  # type: ignore[assignment]
         elif isinstance(module, MoEExperts) and (qc.online or getattr(module, "quant_format", None) is not None):
             if qc.online:
                 w13 = quantize_per_channel(module.w13.detach(), qc.method, qc.act)
@@ -87,7 +87,7 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
                     w13, w2 = stacked_expert_weights(module, qc)
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
-                module.quant_format = None
+                module.quant_format = None  # type: ignore[assignment]
             module.quant13, module.quant2 = ops.prepare_quantized(w13), ops.prepare_quantized(w2)
     logger.info("quantized %s: %s", type(model).__name__, qc.describe())
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -174,7 +174,7 @@ def add_expert_params(experts: Any, qc: QuantConfig) -> None:
     for which in ("w13", "w2"):
         slot = ExpertSlot(experts, which)
         delattr(experts, which)
-        shard_ids = [(e, part) for e in range(experts.num_experts) for part in slot.parts]
+        shard_ids: list[object] = [(e, part) for e in range(experts.num_experts) for part in slot.parts]
         for spec in specs:
             name = which if spec.name == "weight" else f"{which}_{spec.name}"
             experts.register_parameter(name, _make_param(slot, spec, qc, shard_ids, experts.num_experts))
@@ -230,10 +230,12 @@ def _stack(weights: list[QuantWeight]) -> QuantWeight:
         ts = [getattr(w, name) for w in weights]
         return None if ts[0] is None else torch.stack(ts)
 
-    return QuantWeight(first.kind, first.shape, stack("qweight"), bits=first.bits, scales=stack("scales"),  # type: ignore[arg-type]
+    qweight = stack("qweight")
+    assert qweight is not None
+    input_scale = stack("input_scale")
+    return QuantWeight(first.kind, (first.shape[0], first.shape[1]), qweight, bits=first.bits, scales=stack("scales"),
                        zeros=stack("zeros"), group_size=first.group_size, g_idx=stack("g_idx"), act=first.act,
-                       input_scale=None if first.input_scale is None else torch.stack([w.input_scale for w in weights]).max().reshape(1),
-                       method=first.method)
+                       input_scale=None if input_scale is None else input_scale.max().reshape(1), method=first.method)
 
 
 def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: bool) -> Callable[..., None]:
@@ -245,7 +247,7 @@ def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: 
         key, dst, t = shard_id, param.data, loaded
         done = param.loaded_parts  # type: ignore[attr-defined]
         if getattr(layer, "stacked", False):  # an expert's part (e, part) of a stacked expert weight
-            e, shard_id = shard_id
+            e, shard_id = cast(tuple[int, str], shard_id)
             dst, done = dst[e], {p for ee, p in done if ee == e}
         if spec.per_part:
             dst = dst[layer.part_index(shard_id)]
@@ -292,8 +294,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     # as unsigned 32-bit values in int64: a right shift of a negative number is not the same
     # everywhere (XLA rounds it toward zero)
     x = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=packed.device)
-    codes = ((x.unsqueeze(-1) >> shifts) & mask).to(torch.int32)  # [..., words, pf]
+    codes = torch.stack([(x >> s) & mask for s in range(0, 32, bits)], dim=-1).to(torch.int32)  # [..., words, pf]
     if order is not None:
         codes = codes[..., [order.index(j) for j in range(pf)]]
     return codes.flatten(-2).movedim(-1, dim)
@@ -315,7 +316,7 @@ def to_quant_weight(layer: LinearBase, qc: QuantConfig) -> QuantWeight:
     method its dense weight); raises ValueError when the tensors contradict each other."""
     n, k = layer.out_local, layer.in_local
     gs = qc.group_size if qc.group_size > 0 else k
-    get = layer.get_parameter
+    get: Callable[[str], Any] = layer.get_parameter
 
     def codes(t: torch.Tensor) -> torch.Tensor:  # unsigned codes [N, K] -> canonical storage
         if t.min() < 0 or t.max() >= 1 << qc.bits:
@@ -336,38 +337,36 @@ def to_quant_weight(layer: LinearBase, qc: QuantConfig) -> QuantWeight:
             raise ValueError("g_idx is not in order but the config says desc_act: false")
         return g_idx.to(torch.int32).contiguous()  # under row parallelism it indexes every group (`_groups`)
 
-    common = dict(group_size=gs, method=qc.method, act=qc.act)
+    def weight(kind: str, qweight: torch.Tensor, **kw: Any) -> QuantWeight:
+        return QuantWeight(kind, (n, k), qweight, group_size=gs, method=qc.method, act=qc.act, **kw)
+
     if qc.method == "gptq":
         q = unpack_int32(get("qweight"), qc.bits, 0).T  # [N, K]
         z = unpack_int32(get("qzeros"), qc.bits, 1).T.float() + (1 if qc.gptq_v1_zeros else 0)  # [N, G]
         g_param = get("g_idx")
         g_idx = act_order(g_param) if g_param.loaded_parts else None  # type: ignore[attr-defined]
-        return QuantWeight("int", (n, k), codes(q), bits=qc.bits, scales=get("scales").T.contiguous(),
-                           zeros=z.contiguous(), g_idx=g_idx, **common)
+        return weight("int", codes(q), bits=qc.bits, scales=get("scales").T.contiguous(), zeros=z.contiguous(), g_idx=g_idx)
     if qc.method == "awq":
         q = unpack_int32(get("qweight"), 4, 1, AWQ_ORDER).T
         z = unpack_int32(get("qzeros"), 4, 1, AWQ_ORDER).T.float()
-        return QuantWeight("int", (n, k), codes(q), bits=4, scales=get("scales").T.contiguous(), zeros=z.contiguous(), **common)
+        return weight("int", codes(q), bits=4, scales=get("scales").T.contiguous(), zeros=z.contiguous())
     if qc.method == "compressed-tensors" and qc.ct_format == "pack-quantized":
         full_k = k * (getattr(layer, "tp_size", 1) if layer.in_partition() is not None else 1)
         for _, cols in get("weight_shape").tolist():
             if cols != full_k:
                 raise ValueError(f"weight_shape says {cols} input features, the model has {full_k}")
         q = unpack_int32(get("weight_packed"), qc.bits, 1)[:, :k]
-        z = None
-        if not qc.sym:
-            z = unpack_int32(get("weight_zero_point"), qc.bits, 0)[:n].float().contiguous()
-        g_idx = act_order(get("weight_g_idx")) if qc.desc_act else None
-        return QuantWeight("int", (n, k), codes(q), bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=z,
-                           g_idx=g_idx, **common)
+        zp = unpack_int32(get("weight_zero_point"), qc.bits, 0)[:n].float().contiguous() if not qc.sym else None
+        order = act_order(get("weight_g_idx")) if qc.desc_act else None
+        return weight("int", codes(q), bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=zp, g_idx=order)
     if qc.online:
         return quantize_per_channel(layer.weight.detach(), qc.method, qc.act)  # type: ignore[union-attr]
     # compressed-tensors int/float-quantized, fp8
-    w = get("weight")
-    scale = get("weight_scale")
+    w: torch.Tensor = get("weight")
+    scale: torch.Tensor = get("weight_scale")
     scale = _expand_parts(layer, scale) if qc.strategy == "tensor" else scale
     input_scale = get("input_scale").max().reshape(1) if qc.act_static else None
     if w.dtype == torch.float8_e4m3fn:
-        return QuantWeight("fp8", (n, k), w.detach(), scales=scale.contiguous(), input_scale=input_scale, **common)
+        return weight("fp8", w.detach(), scales=scale.contiguous(), input_scale=input_scale)
     q = (w.detach().to(torch.int16) + 128).to(torch.uint8)
-    return QuantWeight("int", (n, k), q, bits=8, scales=scale.contiguous(), input_scale=input_scale, **common)
+    return weight("int", q, bits=8, scales=scale.contiguous(), input_scale=input_scale)

@@ -54,32 +54,35 @@ def row_bytes(ggml_type: int, k: int) -> int:
     return k // size * nbytes
 
 
-# ---- one function per type: blocks uint8 [n, type_size] -> fp32 [n, block_size] -------------
+# ---- one function per type: blocks [n, type_size] (bytes as int16) -> fp32 [n, block_size] ---
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Little-endian float16 bytes [n, 2] -> fp32 [n, 1]."""
-    return b.contiguous().view(torch.float16).float()
+    return b.to(torch.uint8).contiguous().view(torch.float16).float()
 
 
-def _shifts(values: list[int], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+def _shr(x: torch.Tensor, amounts: list[int], dim: int) -> torch.Tensor:
+    """x (size 1 along `dim`) shifted right by each of `amounts`, concatenated along `dim`: what
+    ``x >> tensor(amounts)`` broadcasts to, with Python shift amounts (XLA mis-shifts some
+    broadcast tensor amounts)."""
+    return torch.cat([x >> a for a in amounts], dim=dim)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """[n, B] bytes -> [n, B / group, 2 * group]: each group of bytes' low nibbles, then high ones."""
     n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, group) >> _shifts([0, 4], qs, (1, 1, 2, 1))
+    q = _shr(qs.reshape(n, -1, 1, group), [0, 4], 2)
     return (q & 0x0F).reshape(n, -1, 2 * group)
 
 
 def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
     """[n, count / 8] bytes -> [n, count] single bits, little-endian (bit j of byte i is value 8i + j)."""
-    return ((b.unsqueeze(-1) >> _shifts(list(range(8)), b, (1, 1, 8))) & 1).reshape(b.shape[0], count)
+    return ((_shr(b.unsqueeze(-1), list(range(8)), 2)) & 1).reshape(b.shape[0], count)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+    return b[:, 2:].to(torch.uint8).contiguous().view(torch.int8).float() * _f16(b[:, :2])
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
@@ -113,19 +116,19 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
     dl = (d * (scales & 0x0F).float()).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
-    q = (qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))) & 3
+    q = (_shr(qs.reshape(n, -1, 1, 32), [0, 2, 4, 6], 2)) & 3
     return (dl * q.reshape(n, 16, 16).float() - ml).reshape(n, 256)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
-    low = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b, (1, 2, 1))).reshape(n, 16)
-    high = (scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b, (1, 4, 1))).reshape(n, 16)
+    low = (_shr(scales[:, :8].reshape(n, 1, 8), [0, 4], 1)).reshape(n, 16)
+    high = (_shr(scales[:, 8:].reshape(n, 1, 4), [0, 2, 4, 6], 1)).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 3) << 4)).to(torch.int8) - 32
     dl = (d * sc.float()).reshape(n, 16, 1)
-    ql = ((qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))).reshape(n, 16, 16)) & 3
-    qh = ((hmask.reshape(n, -1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))).reshape(n, 16, 16)) & 1
+    ql = ((_shr(qs.reshape(n, -1, 1, 32), [0, 2, 4, 6], 2)).reshape(n, 16, 16)) & 3
+    qh = ((_shr(hmask.reshape(n, -1, 1, 32), list(range(8)), 2)).reshape(n, 16, 16)) & 1
     q = ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)  # a set mask bit means no offset
     return (dl * q.float()).reshape(n, 256)
 
@@ -154,16 +157,16 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     d = (_f16(b[:, :2]) * sc.float()).reshape(n, 8, 1)
     dm = (_f16(b[:, 2:4]) * mn.float()).reshape(n, 8, 1)
     low = _nibbles(b[:, 48:], 32).reshape(n, 8, 32)
-    high = ((b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))) & 1).reshape(n, 8, 32)
+    high = ((_shr(b[:, 16:48].reshape(n, 1, 1, 32), list(range(8)), 2)) & 1).reshape(n, 8, 32)
     return (d * (low | (high << 4)).float() - dm).reshape(n, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql, qh, scales = b[:, :128], b[:, 128:192], b[:, 192:208]
-    d = (_f16(b[:, 208:210]) * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+    d = (_f16(b[:, 208:210]) * scales.to(torch.uint8).contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     low = _nibbles(ql, 64).reshape(n, 8, 32)
-    high = ((qh.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))) & 3).reshape(n, 8, 32)
+    high = ((_shr(qh.reshape(n, -1, 1, 32), [0, 2, 4, 6], 2)) & 3).reshape(n, 8, 32)
     q = (low | (high << 4)).to(torch.int8) - 32
     return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
 
@@ -189,5 +192,6 @@ def dequantize_blocks(data: torch.Tensor, ggml_type: int, k: int) -> torch.Tenso
     if name in _FLOATS:
         return data.contiguous().view(_FLOATS[name]).float().reshape(*lead, k)
     size, nbytes = block_shape(ggml_type)
-    blocks = data.contiguous().reshape(-1, nbytes)
+    # bytes widened to int16: the decoders shift them, and XLA shifts uint8 as if it were signed
+    blocks = data.contiguous().reshape(-1, nbytes).to(torch.int16)
     return _DECODERS[name](blocks).reshape(*lead, k)

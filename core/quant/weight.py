@@ -88,13 +88,13 @@ class QuantWeight(nn.Module):
         """Expert e's weight of a stacked [E, N, ...] one, sharing storage: every buffer with the
         leading expert axis is sliced, a platform's own ones (`ModelOps.prepare_quantized` of a
         stacked weight keeps the expert axis first) included; ``layout`` is carried over."""
-        view = QuantWeight(self.kind, self.shape, self.qweight[e], bits=self.bits, group_size=self.group_size,
+        view = QuantWeight(self.kind, (self.shape[0], self.shape[1]), self.qweight[e], bits=self.bits, group_size=self.group_size,
                            ggml_type=self.ggml_type, act=self.act, method=self.method)
         experts = self.qweight.shape[0]
         for name, t in self._buffers.items():
             if name != "qweight":
                 stacked = t is not None and t.dim() > 0 and t.shape[0] == experts and name != "input_scale"
-                view.register_buffer(name, t[e] if stacked else t)
+                view.register_buffer(name, t[e] if stacked and t is not None else t)
         view.layout = self.layout
         return view
 
@@ -125,6 +125,7 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
     if w.kind == "gguf":
         from portside.quant.gguf import dequantize_blocks
 
+        assert w.ggml_type is not None
         return dequantize_blocks(w.qweight, w.ggml_type, w.in_features).to(dtype)
     assert w.scales is not None
     if w.kind == "fp8":

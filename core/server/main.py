@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import os
 import signal
+import sys
 
 from portside.server.app import ServerConfig, build_app
 
