@@ -45,8 +45,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -105,25 +107,59 @@ inline float half_to_float(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// 16 unsigned bytes -> two vectors of 8 floats (bytes 0-7, 8-15).
-inline void u8x16_to_ps(__m128i v, __m256* w) {
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+// Codes to fp32 without a conversion instruction: an unsigned byte q as the low bits of the float
+// 0x4B0000qq is 2^23 + q exactly, so (2^23 + q) - (2^23 + zero) is q - zero, exact. The unpacks
+// work within 128-bit lanes, so the 32 bytes come out lane-interleaved: vector v holds bytes
+// 4v..4v+3 and 16+4v..16+4v+3 (`lane_order`); x is permuted the same way once per call (`run`),
+// and dot products do not care about the order. 15 vector ops per 32 codes and row with the
+// FMAs, against 20 for zero-extending 8 bytes at a time and converting.
+constexpr float MAGIC = 8388608.f;  // 2^23
+
+inline void bytes32_to_ps(__m256i b, __m256 zv, __m256* w) {
+  const __m256i zero = _mm256_setzero_si256(), magic = _mm256_set1_epi16(0x4B00);
+  const __m256i lo = _mm256_unpacklo_epi8(b, zero), hi = _mm256_unpackhi_epi8(b, zero);
+  w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(lo, magic)), zv);
+  w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(lo, magic)), zv);
+  w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(hi, magic)), zv);
+  w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(hi, magic)), zv);
 }
 
-inline __m128i nibbles(__m128i b, bool high) {
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, m);
+// 16 bytes: vector v holds bytes 4v..4v+3 and 8+4v..8+4v+3.
+inline void bytes16_to_ps(__m128i b, __m256 zv, __m256* w) {
+  const __m256i v = _mm256_cvtepu8_epi16(b), magic = _mm256_set1_epi16(0x4B00);
+  w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(v, magic)), zv);
+  w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(v, magic)), zv);
+}
+
+// Which byte of a CH-byte chunk float j of the decoded vectors comes from.
+constexpr int lane_order(int ch, int j) {
+  const int v = j / 8, i = j % 8;
+  return i < 4 ? 4 * v + i : ch / 2 + 4 * v + i - 4;
 }
 
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline __m256i nibbles256(__m256i b, bool high) {
+  return _mm256_and_si256(high ? _mm256_srli_epi16(b, 4) : b, _mm256_set1_epi8(0x0F));
+}
+
+// 16 bytes of two nibbles -> 32 bytes: the low nibbles, then the high ones.
+inline __m256i split_nibbles(__m128i b) {
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
 
 // ---- formats: W[n, k] = a * q + b per group; decode() gives q of one chunk as fp32 vectors -----
+// Each format says which element of its chunk float j of decode() is (`elem`); `run` permutes x
+// to match when that is not the identity.
 
 // Canonical int8: uint8 codes [N, K], W = scale * (q - zero), zero per group or 2^7.
 struct FmtInt8 {
   static constexpr int CH = 32, NV = 4;
   static constexpr bool HAS_B = false;
+  static constexpr bool CHUNK_SCALE = false;
+  static constexpr int elem(int j) { return lane_order(32, j); }
   const uint8_t* q;
   int64_t K, G, gs;
   const float *s, *z;
@@ -135,29 +171,22 @@ struct FmtInt8 {
   };
   int64_t groups() const { return G; }
   int64_t chunks() const { return gs / CH; }
+  int64_t row_bytes() const { return K; }
   Grp group(int64_t n, int64_t g) const {
-    return {q + n * K + g * gs, _mm256_set1_ps(z ? z[n * G + g] : zdef), s[n * G + g], 0.f};
+    return {q + n * K + g * gs, _mm256_set1_ps(MAGIC + (z ? z[n * G + g] : zdef)), s[n * G + g], 0.f};
   }
-  void decode(const Grp& gp, int64_t c, __m256* w) const {
-    const uint8_t* p = gp.p + c * CH;
-    u8x16_to_ps(load128(p), w);
-    u8x16_to_ps(load128(p + 16), w + 2);
-    for (int v = 0; v < NV; ++v) w[v] = _mm256_sub_ps(w[v], gp.zv);
-  }
+  void decode(const Grp& gp, int64_t c, __m256* w) const { bytes32_to_ps(load256(gp.p + c * CH), gp.zv, w); }
 };
 
 // Canonical int4: [N, K/2], column 2j in the low nibble of byte j, 2j + 1 in the high one.
 struct FmtInt4 : FmtInt8 {
+  // byte j of split_nibbles: column 2j (j < 16) or 2(j - 16) + 1
+  static constexpr int elem(int j) { return lane_order(32, j) < 16 ? 2 * lane_order(32, j) : 2 * (lane_order(32, j) - 16) + 1; }
+  int64_t row_bytes() const { return K / 2; }
   Grp group(int64_t n, int64_t g) const {
-    return {q + n * (K / 2) + g * (gs / 2), _mm256_set1_ps(z ? z[n * G + g] : zdef), s[n * G + g], 0.f};
+    return {q + n * (K / 2) + g * (gs / 2), _mm256_set1_ps(MAGIC + (z ? z[n * G + g] : zdef)), s[n * G + g], 0.f};
   }
-  void decode(const Grp& gp, int64_t c, __m256* w) const {
-    const __m128i b = load128(gp.p + c * (CH / 2));
-    const __m128i lo = nibbles(b, false), hi = nibbles(b, true);
-    u8x16_to_ps(_mm_unpacklo_epi8(lo, hi), w);  // columns 0-15 of the chunk, in order
-    u8x16_to_ps(_mm_unpackhi_epi8(lo, hi), w + 2);  // 16-31
-    for (int v = 0; v < NV; ++v) w[v] = _mm256_sub_ps(w[v], gp.zv);
-  }
+  void decode(const Grp& gp, int64_t c, __m256* w) const { bytes32_to_ps(split_nibbles(load128(gp.p + c * (CH / 2))), gp.zv, w); }
 };
 
 // fp8 e4m3fn [N, K], scale per row. A code's 7 magnitude bits placed at bits 7-13 of an fp16
@@ -165,6 +194,8 @@ struct FmtInt4 : FmtInt8 {
 struct FmtFp8 {
   static constexpr int CH = 32, NV = 4;
   static constexpr bool HAS_B = false;
+  static constexpr bool CHUNK_SCALE = false;
+  static constexpr int elem(int j) { return j; }
   const uint8_t* q;
   int64_t K;
   const float* s;
@@ -174,6 +205,7 @@ struct FmtFp8 {
   };
   int64_t groups() const { return 1; }
   int64_t chunks() const { return K / CH; }
+  int64_t row_bytes() const { return K; }
   Grp group(int64_t n, int64_t) const { return {q + n * K, s[n] * 256.f, 0.f}; }
   static void half16(__m128i b, __m256* w) {
     const __m256i v = _mm256_cvtepu8_epi16(b);
@@ -188,12 +220,15 @@ struct FmtFp8 {
   }
 };
 
-// GGUF Q8_0: blocks of 32, {fp16 d, int8 qs[32]}: W = d * q.
+// GGUF Q8_0: blocks of 32, {fp16 d, int8 qs[32]}: W = d * q (q ^ 0x80 = q + 128, unsigned).
 struct FmtQ8_0 {
   static constexpr int CH = 32, NV = 4;
   static constexpr bool HAS_B = false;
+  static constexpr bool CHUNK_SCALE = false;
+  static constexpr int elem(int j) { return lane_order(32, j); }
   const uint8_t* q;
   int64_t K, rb;
+  int64_t row_bytes() const { return rb; }
   struct Grp {
     const uint8_t* p;
     float a, b;
@@ -205,8 +240,7 @@ struct FmtQ8_0 {
     return {blk + 2, half_to_float(blk), 0.f};
   }
   void decode(const Grp& gp, int64_t, __m256* w) const {
-    for (int v = 0; v < NV; ++v)
-      w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp.p + 8 * v))));
+    bytes32_to_ps(_mm256_xor_si256(load256(gp.p), _mm256_set1_epi8(int8_t(0x80))), _mm256_set1_ps(MAGIC + 128.f), w);
   }
 };
 
@@ -215,8 +249,11 @@ struct FmtQ8_0 {
 struct FmtQ4_0 {
   static constexpr int CH = 32, NV = 4;
   static constexpr bool HAS_B = false;
+  static constexpr bool CHUNK_SCALE = false;
+  static constexpr int elem(int j) { return lane_order(32, j); }
   const uint8_t* q;
   int64_t K, rb;
+  int64_t row_bytes() const { return rb; }
   struct Grp {
     const uint8_t* p;
     float a, b;
@@ -228,11 +265,7 @@ struct FmtQ4_0 {
     return {blk + 2, half_to_float(blk), 0.f};
   }
   void decode(const Grp& gp, int64_t, __m256* w) const {
-    const __m128i b = load128(gp.p);
-    u8x16_to_ps(nibbles(b, false), w);
-    u8x16_to_ps(nibbles(b, true), w + 2);
-    const __m256 eight = _mm256_set1_ps(8.f);
-    for (int v = 0; v < NV; ++v) w[v] = _mm256_sub_ps(w[v], eight);
+    bytes32_to_ps(split_nibbles(load128(gp.p)), _mm256_set1_ps(MAGIC + 8.f), w);
   }
 };
 
@@ -247,92 +280,101 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
-// GGUF Q4_K: super-blocks of 256, {fp16 d, fp16 dmin, scales[12], qs[128]}; sub-block j (32
-// elements) is qs[32 * (j / 2) ..] low (j even) or high nibbles, W = d * sc_j * q - dmin * m_j.
+// K-quants: a group is a super-block of 256 (its scales decoded once), a chunk one of its
+// sub-blocks with its own scale and min (CHUNK_SCALE).
+
+// GGUF Q4_K: {fp16 d, fp16 dmin, scales[12], qs[128]}; sub-block j (32 elements) is
+// qs[32 * (j / 2) ..] low (j even) or high nibbles, W = d * sc_j * q - dmin * m_j.
 struct FmtQ4_K {
   static constexpr int CH = 32, NV = 4;
-  static constexpr bool HAS_B = true;
+  static constexpr bool HAS_B = true, CHUNK_SCALE = true;
+  static constexpr int elem(int j) { return lane_order(32, j); }
   const uint8_t* q;
   int64_t K, rb;
+  int64_t row_bytes() const { return rb; }
   struct Grp {
-    const uint8_t* p;
-    bool high;
-    float a, b;
+    const uint8_t* blk;
+    float a[8], b[8];
   };
-  int64_t groups() const { return K / 32; }
-  int64_t chunks() const { return 1; }
-  Grp group(int64_t n, int64_t g) const {
-    const uint8_t* blk = q + n * rb + (g / 8) * 144;
-    const int j = int(g % 8);
-    int sc, m;
-    scale_min_k4(j, blk + 4, &sc, &m);
-    return {blk + 16 + 32 * (j / 2), bool(j & 1), half_to_float(blk) * sc, -half_to_float(blk + 2) * m};
+  int64_t groups() const { return K / 256; }
+  int64_t chunks() const { return 8; }
+  // The 8 6-bit scales and mins unpacked 4 bytes at a time (llama.cpp's kmask trick), then
+  // converted 8 at a time: a super-block's scalar work would otherwise rival its codes'.
+  static void scales(const uint8_t* blk, Grp& gp) {
+    uint32_t u[4];
+    std::memcpy(u, blk + 4, 12);
+    constexpr uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+    const uint32_t mins_lo = u[1] & m1;
+    u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+    u[2] = mins_lo;
+    u[0] &= m1;  // bytes of u[0..1]: the 8 scales, of u[2..3]: the 8 mins
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    _mm256_storeu_ps(gp.a, _mm256_mul_ps(sc, _mm256_set1_ps(half_to_float(blk))));
+    _mm256_storeu_ps(gp.b, _mm256_mul_ps(mn, _mm256_set1_ps(-half_to_float(blk + 2))));
   }
-  void decode(const Grp& gp, int64_t, __m256* w) const {
-    u8x16_to_ps(nibbles(load128(gp.p), gp.high), w);
-    u8x16_to_ps(nibbles(load128(gp.p + 16), gp.high), w + 2);
+  Grp group(int64_t n, int64_t g) const {
+    Grp gp;
+    gp.blk = q + n * rb + g * 144;
+    scales(gp.blk, gp);
+    return gp;
+  }
+  void decode(const Grp& gp, int64_t c, __m256* w) const {
+    bytes32_to_ps(nibbles256(load256(gp.blk + 16 + 32 * (c / 2)), c & 1), _mm256_set1_ps(MAGIC), w);
   }
 };
 
-// GGUF Q5_K: super-blocks of 256, {fp16 d, fp16 dmin, scales[12], qh[32], qs[128]}: Q4_K's
-// nibbles plus bit j of qh[l] as bit 4 of element l of sub-block j.
-struct FmtQ5_K {
-  static constexpr int CH = 32, NV = 4;
-  static constexpr bool HAS_B = true;
-  const uint8_t* q;
-  int64_t K, rb;
-  struct Grp {
-    const uint8_t *p, *qh;
-    int j;
-    float a, b;
-  };
-  int64_t groups() const { return K / 32; }
-  int64_t chunks() const { return 1; }
+// GGUF Q5_K: {fp16 d, fp16 dmin, scales[12], qh[32], qs[128]}: Q4_K's nibbles plus bit j of
+// qh[l] as bit 4 of element l of sub-block j.
+struct FmtQ5_K : FmtQ4_K {
   Grp group(int64_t n, int64_t g) const {
-    const uint8_t* blk = q + n * rb + (g / 8) * 176;
-    const int j = int(g % 8);
-    int sc, m;
-    scale_min_k4(j, blk + 4, &sc, &m);
-    return {blk + 48 + 32 * (j / 2), blk + 16, j, half_to_float(blk) * sc, -half_to_float(blk + 2) * m};
+    Grp gp;
+    gp.blk = q + n * rb + g * 176;
+    scales(gp.blk, gp);
+    return gp;
   }
-  void decode(const Grp& gp, int64_t, __m256* w) const {
-    const __m128i one = _mm_set1_epi8(1);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i nib = nibbles(load128(gp.p + 16 * h), gp.j & 1);
-      const __m128i hb = _mm_and_si128(_mm_srl_epi16(load128(gp.qh + 16 * h), _mm_cvtsi32_si128(gp.j)), one);
-      u8x16_to_ps(_mm_or_si128(nib, _mm_slli_epi16(hb, 4)), w + 2 * h);
-    }
+  void decode(const Grp& gp, int64_t c, __m256* w) const {
+    const __m256i nib = nibbles256(load256(gp.blk + 48 + 32 * (c / 2)), c & 1);
+    const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(load256(gp.blk + 16), _mm_cvtsi32_si128(int(c))), _mm256_set1_epi8(1));
+    bytes32_to_ps(_mm256_or_si256(nib, _mm256_slli_epi16(hb, 4)), _mm256_set1_ps(MAGIC), w);
   }
 };
 
-// GGUF Q6_K: super-blocks of 256, {ql[128], qh[64], int8 scales[16], fp16 d}; sub-blocks of 16,
-// W = d * scale * (q - 32), q = 4 low bits from ql, 2 high bits from qh (llama.cpp's order).
+// GGUF Q6_K: {ql[128], qh[64], int8 scales[16], fp16 d}; sub-blocks of 16, W = d * scale *
+// (q - 32), q = 4 low bits from ql, 2 high bits from qh (llama.cpp's order): element e of the
+// super-block is in half e / 128, quarter (e % 128) / 32 of it, at l = e % 32.
 struct FmtQ6_K {
   static constexpr int CH = 16, NV = 2;
-  static constexpr bool HAS_B = false;
+  static constexpr bool HAS_B = false, CHUNK_SCALE = true;
+  static constexpr int elem(int j) { return lane_order(16, j); }
   const uint8_t* q;
   int64_t K, rb;
+  int64_t row_bytes() const { return rb; }
   struct Grp {
-    const uint8_t *ql, *qh;
-    int quad;
-    float a, b;
+    const uint8_t* blk;
+    float a[16];
   };
-  int64_t groups() const { return K / 16; }
-  int64_t chunks() const { return 1; }
+  int64_t groups() const { return K / 256; }
+  int64_t chunks() const { return 16; }
   Grp group(int64_t n, int64_t g) const {
-    const uint8_t* blk = q + n * rb + (g / 16) * 210;
-    const int e = int(g % 16) * 16;  // first element within the super-block
-    const int half = e / 128, quad = (e % 128) / 32, l0 = e % 32;
-    const int8_t sc = int8_t(blk[192 + 8 * half + l0 / 16 + 2 * quad]);
-    return {blk + 64 * half + 32 * (quad & 1) + l0, blk + 128 + 32 * half + l0, quad, half_to_float(blk + 208) * sc, 0.f};
+    Grp gp;
+    gp.blk = q + n * rb + g * 210;
+    // chunk c's scale is scales[8 * (c / 8) + (c % 2) + 2 * ((c % 8) / 2)] = scales[c]
+    const __m256 d = _mm256_set1_ps(half_to_float(gp.blk + 208));
+    const __m128i sc = load128(gp.blk + 192);
+    _mm256_storeu_ps(gp.a, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(gp.a + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    return gp;
   }
-  void decode(const Grp& gp, int64_t, __m256* w) const {
-    const __m128i lo = nibbles(load128(gp.ql), gp.quad >= 2);
-    const __m128i hb = _mm_and_si128(_mm_srl_epi16(load128(gp.qh), _mm_cvtsi32_si128(2 * gp.quad)), _mm_set1_epi8(3));
-    u8x16_to_ps(_mm_or_si128(lo, _mm_slli_epi16(hb, 4)), w);
-    const __m256 off = _mm256_set1_ps(32.f);
-    w[0] = _mm256_sub_ps(w[0], off);
-    w[1] = _mm256_sub_ps(w[1], off);
+  void decode(const Grp& gp, int64_t c, __m256* w) const {
+    const int half = int(c) / 8, quad = (int(c) % 8) / 2, l0 = (int(c) % 2) * 16;
+    const __m128i b = load128(gp.blk + 64 * half + 32 * (quad & 1) + l0);
+    const __m128i lo = _mm_and_si128(quad >= 2 ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
+    const __m128i hb = _mm_and_si128(_mm_srl_epi16(load128(gp.blk + 128 + 32 * half + l0), _mm_cvtsi32_si128(2 * quad)),
+                                     _mm_set1_epi8(3));
+    bytes16_to_ps(_mm_or_si128(lo, _mm_slli_epi16(hb, 4)), _mm256_set1_ps(MAGIC + 32.f), w);
   }
 };
 
@@ -340,8 +382,19 @@ struct FmtQ6_K {
 
 // y[r * ldy + n + i] = W[n + i] . x_r for NR weight rows and R token rows (x_r = x + r * K);
 // xc [R][K / 32]: each token's column sums per 32 (formats with b only).
+// Software prefetch of the codes `prefetch_rows()` rows after the last row a kernel is reading
+// (0: none; option for the benchmark: quant_set_prefetch). Measured in docs/cpu.md.
+std::atomic<int64_t> g_prefetch_rows{2};
+
+inline int64_t prefetch_rows() { return g_prefetch_rows.load(std::memory_order_relaxed); }
+
+int64_t quant_set_prefetch(int64_t rows) { return g_prefetch_rows.exchange(rows); }
+
 template <class F, int NR, int R>
 inline void dot_rows(const F& f, int64_t n, const float* x, int64_t K, const float* xc, float* y, int64_t ldy) {
+  const int64_t rb = f.row_bytes(), pf = prefetch_rows();
+  const uint8_t* ahead = f.q + (n + NR - 1 + pf) * rb;  // the same bytes, pf rows after the last row here
+  const int64_t step16 = (rb << 16) / (f.groups() * f.chunks());  // bytes per chunk, 16.16 fixed point
   __m256 tot[NR][R];
   float bs[NR][R];
   for (int i = 0; i < NR; ++i)
@@ -350,26 +403,43 @@ inline void dot_rows(const F& f, int64_t n, const float* x, int64_t K, const flo
   for (int64_t g = 0; g < G; ++g) {
     typename F::Grp gp[NR];
     for (int i = 0; i < NR; ++i) gp[i] = f.group(n + i, g);
-    __m256 acc[NR][R][2];
+    // one weight and token row: an accumulator per decoded vector (more spill out of the 16 ymm)
+    constexpr int NA = NR * R == 1 ? F::NV : 2;
+    __m256 acc[NR][R][NA];
     for (int i = 0; i < NR; ++i)
-      for (int r = 0; r < R; ++r) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r)
+        for (int a = 0; a < NA; ++a) acc[i][r][a] = _mm256_setzero_ps();
     const float* xg = x + g * C * F::CH;
     for (int64_t c = 0; c < C; ++c) {
-      __m256 w[NR][F::NV];
-      for (int i = 0; i < NR; ++i) f.decode(gp[i], c, w[i]);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(ahead + (((g * C + c) * step16) >> 16)), _MM_HINT_T0);
+      for (int i = 0; i < NR; ++i) {  // one row's codes decoded and used before the next's (16 ymm)
+        __m256 w[F::NV];
+        f.decode(gp[i], c, w);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < F::NV; ++v) {
-          const __m256 xv = _mm256_loadu_ps(xg + r * K + c * F::CH + 8 * v);
-          for (int i = 0; i < NR; ++i) acc[i][r][v & 1] = _mm256_fmadd_ps(xv, w[i][v], acc[i][r][v & 1]);
+          for (int v = 0; v < F::NV; ++v)
+            acc[i][r][v % NA] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + r * K + c * F::CH + 8 * v), w[v], acc[i][r][v % NA]);
+      }
+      if constexpr (F::CHUNK_SCALE) {  // each chunk its own scale (and min: times x's sum over the chunk)
+        for (int i = 0; i < NR; ++i)
+          for (int r = 0; r < R; ++r) {
+            __m256 sum = acc[i][r][0];
+            for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[i][r][a]);
+            tot[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(gp[i].a[c]), sum, tot[i][r]);
+            if constexpr (F::HAS_B) bs[i][r] += gp[i].b[c] * xc[r * (K / 32) + g * C + c];
+            for (int a = 0; a < NA; ++a) acc[i][r][a] = _mm256_setzero_ps();
+          }
+      }
+    }
+    if constexpr (!F::CHUNK_SCALE) {
+      for (int i = 0; i < NR; ++i)
+        for (int r = 0; r < R; ++r) {
+          __m256 sum = acc[i][r][0];
+          for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[i][r][a]);
+          tot[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(gp[i].a), sum, tot[i][r]);
         }
     }
-    for (int i = 0; i < NR; ++i)
-      for (int r = 0; r < R; ++r) {
-        tot[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(gp[i].a), _mm256_add_ps(acc[i][r][0], acc[i][r][1]), tot[i][r]);
-        if constexpr (F::HAS_B) bs[i][r] += gp[i].b * xc[r * (K / 32) + g];
-      }
   }
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < R; ++r) y[r * ldy + n + i] = hsum(tot[i][r]) + bs[i][r];
@@ -381,8 +451,11 @@ inline void dequant_row(const F& f, int64_t n, float* out) {
   const int64_t G = f.groups(), C = f.chunks();
   for (int64_t g = 0; g < G; ++g) {
     const typename F::Grp gp = f.group(n, g);
-    const __m256 a = _mm256_set1_ps(gp.a), b = _mm256_set1_ps(gp.b);
     for (int64_t c = 0; c < C; ++c) {
+      __m256 a, b = _mm256_setzero_ps();
+      if constexpr (F::CHUNK_SCALE) a = _mm256_set1_ps(gp.a[c]);
+      else a = _mm256_set1_ps(gp.a);
+      if constexpr (F::HAS_B) b = _mm256_set1_ps(gp.b[c]);
       __m256 w[F::NV];
       f.decode(gp, c, w);
       for (int v = 0; v < F::NV; ++v) _mm256_storeu_ps(out + (g * C + c) * F::CH + 8 * v, _mm256_fmadd_ps(a, w[v], b));
@@ -390,13 +463,22 @@ inline void dequant_row(const F& f, int64_t n, float* out) {
   }
 }
 
-template <class F, int R>
-inline void rows_range(const F& f, int64_t n0, int64_t n1, const float* x, int64_t K, const float* xc, float* y, int64_t N) {
-  for (int64_t n = n0; n < n1; ++n) dot_rows<F, 1, R>(f, n, x, K, xc, y, N);
-}
-
 template <class F>
-void run(const F& f, const float* x, int64_t T, int64_t K, int64_t N, const float* xc, float* y, int64_t path) {
+void run(const F& f, const float* x_in, int64_t T, int64_t K, int64_t N, const float* xc, float* y, int64_t path) {
+  // x in the order decode() yields each chunk's codes (F::elem)
+  std::vector<float> xperm;
+  const float* x = x_in;
+  bool identity = true;
+  for (int j = 0; j < F::CH; ++j) identity = identity && F::elem(j) == j;
+  if (!identity) {
+    int perm[F::CH];
+    for (int j = 0; j < F::CH; ++j) perm[j] = F::elem(j);
+    xperm.resize(T * K);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < K; c += F::CH)
+        for (int j = 0; j < F::CH; ++j) xperm[t * K + c + j] = x_in[t * K + c + perm[j]];
+    x = xperm.data();
+  }
   if (path & PATH_DENSE) {
     at::Tensor w = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
     float* wp = w.data_ptr<float>();
@@ -584,6 +666,8 @@ struct W8A8 {
 // (no saturation: |w| <= 128, |x| <= 127) -> int32. Zero points: sum x (c - (z - 128)).
 template <int NR, int R>
 inline void w8a8_rows_avx2(const W8A8& p, int64_t n, int64_t t) {
+  const int64_t pf = prefetch_rows();
+  const uint8_t* ahead = p.w + (n + NR - 1 + pf) * p.K;
   const __m256i flip = _mm256_set1_epi8(int8_t(0x80)), ones = _mm256_set1_epi16(1);
   __m256 tot[NR][R];
   float bs[NR][R];
@@ -595,6 +679,7 @@ inline void w8a8_rows_avx2(const W8A8& p, int64_t n, int64_t t) {
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_si256();
     const int64_t k0 = g * p.gs;
     for (int64_t k = k0; k < k0 + p.gs; k += 32) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
       __m256i wv[NR], wa[NR];
       for (int i = 0; i < NR; ++i) {
         wv[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.w + (n + i) * p.K + k)), flip);
@@ -625,6 +710,8 @@ inline void w8a8_rows_avx2(const W8A8& p, int64_t n, int64_t t) {
 // AVX512-VNNI: dpbusd(u8 codes, s8 x) = sum q x; minus zero * sum x per group.
 template <int NR, int R>
 inline void w8a8_rows_vnni(const W8A8& p, int64_t n, int64_t t) {
+  const int64_t pf = prefetch_rows();
+  const uint8_t* ahead = p.w + (n + NR - 1 + pf) * p.K;
   __m512 tot[NR][R];
   float bs[NR][R];
   for (int i = 0; i < NR; ++i)
@@ -635,6 +722,7 @@ inline void w8a8_rows_vnni(const W8A8& p, int64_t n, int64_t t) {
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_si512();
     const int64_t k0 = g * p.gs, k1 = k0 + p.gs;
     for (int64_t k = k0; k < k1; k += 64) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
       const __mmask64 m = k + 64 <= k1 ? ~__mmask64(0) : (__mmask64(1) << (k1 - k)) - 1;
       __m512i wv[NR];
       for (int i = 0; i < NR; ++i) wv[i] = _mm512_maskz_loadu_epi8(m, p.w + (n + i) * p.K + k);
@@ -815,6 +903,7 @@ TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
   m.def("quant_linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? input_scale, Tensor? bias, "
         "int group_size) -> Tensor");
   m.def("quant_isa() -> str", &quant_isa);
+  m.def("quant_set_prefetch(int rows) -> int", &quant_set_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(portside_cpu_native, CPU, m) {
