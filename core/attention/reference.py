@@ -41,16 +41,23 @@ def _stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     return quantize_kv(x, kv_cache.dtype) if is_quantized_kv(kv_cache.dtype) else x.to(kv_cache.dtype)
 
 
-def _values(rows: torch.Tensor) -> torch.Tensor:
-    """Cached rows as values: dequantized (fp32) from an 8-bit cache, else as they are."""
-    return dequantize_kv(rows) if is_quantized_kv(rows.dtype) else rows
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache (or rows) as uint8, else as it is: torch before 2.13 cannot index float8
+    tensors on the CPU, so the reference moves their bytes."""
+    return t.view(torch.uint8) if is_quantized_kv(t.dtype) else t
+
+
+def _values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows (bytes, for an 8-bit cache of `dtype`) as values: dequantized (fp32) from an
+    8-bit cache, else as they are."""
+    return dequantize_kv(rows.view(dtype)) if is_quantized_kv(dtype) else rows
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each token's key/value at its slot (slot -1: padding, skipped)."""
     _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, row)
-    k, v = _stored(key, kv_cache), _stored(value, kv_cache)
+    flat = _bytes(kv_cache).view(2, num_blocks * block_size, num_kv_heads, row)
+    k, v = _bytes(_stored(key, kv_cache)), _bytes(_stored(value, kv_cache))
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
             flat[0, slot] = k[i]
@@ -59,8 +66,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, row)
-    return _values(flat[0, slots.long()]), _values(flat[1, slots.long()])
+    flat = _bytes(kv_cache).view(2, num_blocks * block_size, num_kv_heads, row)
+    return _values(flat[0, slots.long()], kv_cache.dtype), _values(flat[1, slots.long()], kv_cache.dtype)
 
 
 def attend(
@@ -113,8 +120,9 @@ def paged_attention(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
-        k = _values(kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len])  # (S, kvh, D)
-        v = _values(kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[-1])[:seq_len])
+        cache = _bytes(kv_cache)
+        k = _values(cache[0, blocks].reshape(-1, num_kv_heads, cache.shape[-1])[:seq_len], kv_cache.dtype)  # (S, kvh, D)
+        v = _values(cache[1, blocks].reshape(-1, num_kv_heads, cache.shape[-1])[:seq_len], kv_cache.dtype)
         o = attend(query[start:end], k, v, scale, sliding_window, logit_softcap)
         out[start:end] = o.to(query.dtype)
     return out
