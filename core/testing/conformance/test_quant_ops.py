@@ -28,7 +28,7 @@ SHAPES = ((1, 128, 96), (5, 256, 40), (33, 128, 72))
 def _int_weight(n: int, k: int, bits: int, group: int, zeros: bool, act_order: bool, gen: torch.Generator) -> QuantWeight:
     groups = k // group
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.int32).to(torch.uint8)
-    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.005
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005) / (1 << (bits - 4))  # weights ~0.05 whatever the bits
     z = torch.randint(0, 1 << bits, (n, groups), generator=gen).float() if zeros else None
     g_idx = torch.randperm(k, generator=gen) // group if act_order else None
     return QuantWeight("int", (n, k), pack_int4(codes) if bits == 4 else codes, bits=bits, scales=scales, zeros=z,
@@ -54,8 +54,10 @@ def _gguf_weight(n: int, k: int, qtype: str, gen: torch.Generator) -> QuantWeigh
     return QuantWeight("gguf", (n, k), data, ggml_type=int(t), method="gguf")
 
 
-# where the fp16 super-block scales sit in a K-quant block (d, and dmin where there is one)
-_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
+# where the fp16 super-block scales sit in a K-quant block (d, and dmin where there is one), and a
+# d that makes the weights ~0.05 (random sub-block scales and codes multiply it by up to ~1000)
+_K_SCALES = {"Q4_K": ((0, 2), 2e-4), "Q5_K": ((0, 2), 1e-4), "Q6_K": ((208,), 5e-5), "Q3_K": ((108,), 4e-4),
+             "Q2_K": ((80, 82), 3e-3)}
 
 
 def _random_blocks(n: int, k: int, t, gen: torch.Generator) -> torch.Tensor:
@@ -64,8 +66,9 @@ def _random_blocks(n: int, k: int, t, gen: torch.Generator) -> torch.Tensor:
 
     block, size = gguf.GGML_QUANT_SIZES[t]
     blocks = torch.randint(0, 256, (n * k // block, size), generator=gen, dtype=torch.int32).to(torch.uint8)
-    for off in _K_SCALES[t.name]:
-        d = (torch.rand(blocks.shape[0], generator=gen) * 0.002 + 0.0005).half()
+    offsets, scale = _K_SCALES[t.name]
+    for off in offsets:
+        d = (torch.rand(blocks.shape[0], generator=gen) * scale + scale / 4).half()
         blocks[:, off : off + 2] = d.view(torch.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
 
