@@ -333,13 +333,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     ap.add_argument("--skip-row-paths", action="store_true")
+    ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers of the random model")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every peer (default: the usable cores)")
     ap.add_argument("--out", default=str(RESULTS / "quant"), help="output path without extension")
     args = ap.parse_args(argv)
 
     from portside.backends.cpu import quant
     from portside.backends.cpu.platform import configure_threads, has_native_bf16
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     threads = configure_threads()
+    SHAPE["num_hidden_layers"] = args.layers
     work = Path(tempfile.mkdtemp(prefix="portside-quant-bench-"))
     path = make_tiny_model(work / "hf", "llama", **SHAPE)
     peers = [p for p in args.peers.split(",") if p]
@@ -357,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_before": load_info(),
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                      "decode_tokens": args.decode_tokens},
-        "model": {"shape": SHAPE},
+        "model": {"shape": dict(SHAPE)},
         "runs": {},
     }
     print("machine:", json.dumps(result["machine"]), flush=True)
