@@ -262,7 +262,7 @@ def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_oned
         cases += [(torch.randn(5, 64), "mkldnn"), (torch.randn(300, 64), "mkldnn"),
                   (torch.randn(7, 64).bfloat16(), "mkldnn" if packs_bf16 else None)]
     for x, kernel in cases:
-        ww, bb = w.to(x.dtype), b.to(x.dtype)
+        ww, bb = torch.nn.Parameter(w.to(x.dtype), requires_grad=False), b.to(x.dtype)  # a model's weight
         for bias in (bb, None):
             with Record() as rec, EagerLinears(native=True, packed=packed):
                 out = F.linear(x, ww, bias=bias)
@@ -273,6 +273,8 @@ def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_oned
             torch.testing.assert_close(out, F.linear(x, ww, bias), **tol)
     if packed is not None:
         assert len(packed) == 1 + packs_bf16  # the fp32 and the bf16 weight, each packed once for all its calls
+        # a temporary weight (a dequantized one: its address is reused for the next) is never packed
+        assert packed.get(torch.randn(48, 64)) is None and len(packed) == 1 + packs_bf16
 
 
 def _onednn_packs_bf16() -> bool:
