@@ -46,7 +46,8 @@ from portside.testing.tiny import make_tiny_gguf, make_tiny_model
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, head_dim=128, max_position_embeddings=2048)
-PEERS = ("fp32", "bf16", "int8", "int8-w8a8", "gguf-q8_0", "gguf-q4_k", "llama.cpp-q8_0")
+PEERS = ("fp32", "bf16", "int8", "int8-w8a8", "int8-inductor", "int8-w8a8-inductor", "gguf-q8_0", "gguf-q4_k",
+         "llama.cpp-q8_0")
 
 
 def cpu_description() -> dict[str, str]:
@@ -374,6 +375,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        quantization="int8"),
         "int8-w8a8": lambda: bench_portside(str(path), prompts, args.gen_len, args.decode_tokens, dtype="float32",
                                             quantization="int8", quantized_activations="int8"),
+        "int8-inductor": lambda: bench_portside(str(path), prompts, args.gen_len, args.decode_tokens, dtype="float32",
+                                                quantization="int8", platform_options={"cpu_graph": "inductor"}),
+        "int8-w8a8-inductor": lambda: bench_portside(str(path), prompts, args.gen_len, args.decode_tokens,
+                                                     dtype="float32", quantization="int8", quantized_activations="int8",
+                                                     platform_options={"cpu_graph": "inductor"}),
         "gguf-q8_0": lambda: bench_portside(str(ggufs["Q8_0"]), prompts, args.gen_len, args.decode_tokens, dtype="float32"),
         "gguf-q4_k": lambda: bench_portside(str(ggufs["Q4_K"]), prompts, args.gen_len, args.decode_tokens, dtype="float32"),
         "llama.cpp-q8_0": lambda: bench_llama_cpp(str(ggufs["Q8_0"]), prompts, args.gen_len, args.decode_tokens, threads),
