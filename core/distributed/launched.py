@@ -48,6 +48,7 @@ class LaunchedExecutor:
             broadcast_message(WorkerSetup(config, eos_token_id), self._group)
             self.worker = Worker(config, platform, eos_token_id, 0, env.local_rank)
             self.vocab_size: int = self.worker.runner.vocab_size
+            self.weight_bytes: int = self.worker.runner.weight_bytes  # every rank's, once determine_num_blocks ran
         except BaseException:
             destroy_process_group_quietly()
             raise
@@ -55,9 +56,11 @@ class LaunchedExecutor:
     def determine_num_blocks(self) -> int:
         import torch.distributed as dist
 
-        gathered: list[Any] = [None] * self.world_size
-        self._guard(lambda: dist.all_gather_object(gathered, self.worker.ready().num_blocks, group=self._group))
-        return min(gathered)
+        gathered: list[Any] = [None] * self.world_size  # (blocks, weight bytes) of every rank
+        mine = (self.worker.ready().num_blocks, self.worker.runner.weight_bytes)
+        self._guard(lambda: dist.all_gather_object(gathered, mine, group=self._group))
+        self.weight_bytes = sum(b for _, b in gathered)
+        return min(n for n, _ in gathered)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         msg = InitKVCache(num_blocks)

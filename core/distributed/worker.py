@@ -158,7 +158,7 @@ def run_launched_worker(platform: type[Platform], rank: int, world_size: int, lo
             )
         worker = Worker(setup.config, platform, setup.eos_token_id, rank, local_rank)
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, worker.ready().num_blocks, group=group)
+        dist.all_gather_object(gathered, (worker.ready().num_blocks, worker.runner.weight_bytes), group=group)
         while True:
             msg = broadcast_message(None, group)
             if isinstance(msg, Shutdown):
