@@ -54,6 +54,11 @@ import triton.language as tl
 from portside.backend_api import ModelOps
 from portside.backends.triton.launch import ArchInfo, detect_arch
 
+# The interpreter of Triton before 3.8 asserts on an int8 x int8 -> int32 `tl.dot` (the CI leg's
+# pinned 3.7.1 does; 3.9 runs it): there the int8 scaled path upcasts to fp32, which is exact for
+# the tested K (127 * 127 * K < 2^24).
+INTERPRETER_INT8_DOT = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 8)
+
 __all__ = [
     "QuantLaunch",
     "TritonQuantLayout",
@@ -431,6 +436,8 @@ def choose_quant_launch(
     operand = "native"
     if scaled == "fp8" and not (arch.vendor == "nvidia" and arch.capability >= (8, 9)):
         operand = "fp32" if arch.vendor == "interpreter" else "fp16"  # no fp8 MMA (AMD: e4m3fnuz only)
+    if scaled == "int8" and arch.vendor == "interpreter" and not INTERPRETER_INT8_DOT:
+        operand = "fp32"
     upcast = arch.vendor == "interpreter" and dtype != torch.float32
     return QuantLaunch(bm, bn, bk, split, warps, stages, precision, upcast, operand, fp8_bytes)
 
