@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from portside.sampling_params import SamplingParams
 
@@ -50,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    structured: Any = None  # portside.structured.manager.StructuredState of a constrained sequence
 
     @property
     def all_token_ids(self) -> list[int]:

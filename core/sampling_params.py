@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from portside.structured.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
+
 
 @dataclass
 class SamplingParams:
@@ -23,9 +27,12 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return besides the sampled token
-    prompt_logprobs: int | None = None  # accepted for API compatibility; not computed
+    prompt_logprobs: int | None = None  # not computed yet: anything but None is refused
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # constrained decoding: JSON schema, regex, choice or grammar (`portside.structured`)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for the same
     stop_strings: list[str] = field(init=False, repr=False)  # normalised `stop`
 
     def __post_init__(self) -> None:
@@ -33,6 +40,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs: set it or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.validate()
 
     def validate(self) -> None:
@@ -55,6 +66,17 @@ class SamplingParams:
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
+            (self.prompt_logprobs is None, "prompt_logprobs", "is not supported yet (prompt logprobs are not computed)"),
+            (
+                self.structured_outputs is None or self.min_tokens == 0,
+                "min_tokens",
+                "cannot be combined with structured_outputs (the grammar decides where the output ends)",
+            ),
+            (
+                self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs",
+                "must be a StructuredOutputsParams",
+            ),
         ]
         for ok, name, why in checks:
             if not ok:

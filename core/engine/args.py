@@ -50,6 +50,8 @@ class EngineArgs:
     quantization: str | None = None  # None: what config.json's quantization_config says
     quantized_activations: str | None = None  # "int8" / "fp8": W8A8 with --quantization int8 / fp8
     kv_cache_dtype: str = "auto"
+    structured_outputs_backend: str = "auto"  # auto (= llguidance), llguidance or xgrammar
+    reasoning_parser: str | None = None  # e.g. qwen3, deepseek_r1: structured output starts after the reasoning
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -152,6 +154,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, help="gptq, awq, compressed-tensors, fp8, gguf: the checkpoint's format (default: what its config.json says); int8 or fp8 on a full-precision checkpoint quantizes it per output channel while loading")
     g.add_argument("--quantized-activations", choices=["none", "int8", "fp8"], default=None, help="with --quantization int8: also quantize activations per token (W8A8, faster on VNNI/AMX CPUs, not bit-exact); fp8 checkpoints set their own")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer k/v scales from the checkpoint, else 1), or int8 (cpu; a scale per token and KV head); 8-bit caches hold about 2x (bf16) / 4x (fp32) the tokens and are not bit-exact")
+    g.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
+                   choices=["auto", "llguidance", "guidance", "xgrammar"], default="auto",
+                   help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")
+    g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning from the answer (qwen3, deepseek_r1): reasoning_content in responses, and structured output applies after the reasoning")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
 
 

@@ -85,6 +85,12 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
+        self.reasoning_parser = _reasoning_parser(args.reasoning_parser, self.tokenizer)
+        from portside.structured.manager import StructuredOutputManager
+
+        eos = [t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None]
+        self.structured = StructuredOutputManager(args.structured_outputs_backend, self.tokenizer, self.vocab_size, eos,
+                                                  self.reasoning_parser)
         self.weight_bytes: int = self.executor.weight_bytes
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -125,6 +131,7 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = None, list(prompt)
         self._validate(prompt_ids, params)
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -145,6 +152,7 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     priority=priority,
                     parent_id=None if k == 0 else f"{request_id}#0",
+                    structured=None if grammar is None else self.structured.new_state(grammar, prompt_ids),
                 )
             )
             samples[rid] = SampleState(
@@ -202,13 +210,26 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
+        scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
         runner_output: ModelRunnerOutput = self.executor.execute_model(scheduler_output)
+        if scheduler_output.grammar is not None:
+            scheduler_output.grammar.get()  # filled before any matcher advances
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids.values())
         outputs, stopped = self.outputs.process(updated, runner_output.logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _grammar_bitmask(self, so: Any) -> Any:
+        """Start filling the masks of the constrained requests that sample this step (it runs
+        while the model computes; the sampler waits for it)."""
+        rows = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            if req.structured is not None and req.num_computed_tokens + n >= req.num_tokens:
+                rows.append((rid, req.structured))
+        return self.structured.grammar_bitmask(rows) if rows else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -241,6 +262,7 @@ class LLMEngine:
         return cast(str, text)  # tokenize=False: the rendered prompt text
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 
@@ -253,6 +275,14 @@ def _blocks_per_request(block_size: int, max_model_len: int, max_batched: int, w
         return whole
     chunk = min(max_batched, max_model_len)
     return min(whole, -(-(window - 1 + chunk) // block_size) + 1)
+
+
+def _reasoning_parser(name: str | None, tokenizer: Any) -> Any:
+    if name is None:
+        return None
+    from portside.reasoning import get_reasoning_parser
+
+    return get_reasoning_parser(name)(tokenizer)
 
 
 def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:

@@ -25,6 +25,7 @@ from portside.backend_api import (
     kv_cache_torch_dtype,
 )
 from portside.config import EngineConfig
+from portside.sample.bitmask import TokenBitmask
 from portside.sample.metadata import SamplingMetadata
 from portside.sampling_params import SamplingParams
 from portside.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -204,7 +205,7 @@ class ModelRunner:
                 logits = self.graph_runner.logits(hidden, batch.logits_indices)
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
                 meta = self._sampling_metadata(batch.sampled_req_ids, states)
-                out = self.sampler(logits, meta)
+                out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch.sampled_req_ids))
                 token_ids = out.sampled_token_ids  # [num_sampled]
                 if self.comm.world_size > 1:
                     # Every rank continues from rank 0's tokens, whatever its own sampler drew.
@@ -220,6 +221,14 @@ class ModelRunner:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _token_bitmask(self, so: SchedulerOutput, sampled_req_ids: list[str]) -> TokenBitmask | None:
+        """The step's grammar masks (waiting for them here, after the forward) on the device."""
+        if so.grammar is None:
+            return None
+        index = {rid: i for i, rid in enumerate(sampled_req_ids)}
+        rows = torch.tensor([index[rid] for rid in so.grammar.req_ids], dtype=torch.int64, device=self.device)
+        return TokenBitmask(rows=rows, bitmask=so.grammar.get().to(self.device))
 
     def _sampling_metadata(self, req_ids: list[str], states: list[CachedRequestState]) -> SamplingMetadata:
         """The step's sampling metadata: last step's when it samples the same requests in the same

@@ -2,6 +2,8 @@
 
 Order of operations, per row:
 
+0. structured output: tokens a row's grammar does not allow become -inf (`bitmask.py`), so
+   everything after (logprobs included) sees the constrained distribution;
 1. raw logprobs = log_softmax(logits), kept only when some row asked for logprobs;
 2. logit_bias, then min_tokens (eos / stop ids -> -inf), then repetition, frequency and presence
    penalties (`portside.sample.penalties`);
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from portside.sample.bitmask import TokenBitmask, apply_token_bitmask
 from portside.sample.metadata import SamplingMetadata
 from portside.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from portside.sample.truncation import apply_min_p, apply_top_k_top_p
@@ -74,21 +77,27 @@ class Sampler:
 
     `generator=None` uses torch's default generator of the logits' device (seeded by the
     platform's `seed(n)`). `argmax`: [N, V] -> [N] int64, the first index of each row's maximum
-    (NaN counting as the largest), as `torch.argmax(x, dim=-1)`; a platform passes a faster one
+    (NaN counting as the largest), as `torch.argmax(x, dim=-1)`; `apply_token_bitmask`: as
+    `portside.sample.bitmask.apply_token_bitmask`. A platform passes faster ones
     (`Platform.sampler`).
     """
 
     def __init__(self, generator: torch.Generator | None = None,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax,
+                 apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_token_bitmask) -> None:
         self.generator = generator
         self.argmax = argmax
+        self.apply_token_bitmask = apply_token_bitmask
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Samples one token per row of `logits` [N, V] (left unmodified)."""
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
+        """Samples one token per row of `logits` [N, V] (left unmodified); rows under a grammar
+        (`token_bitmask`) only among the tokens it allows."""
         md = metadata
         if logits.shape[0] != md.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, metadata {md.num_rows}")
         logits = logits.float()
+        if token_bitmask is not None:
+            logits = self.apply_token_bitmask(logits, token_bitmask.bitmask, token_bitmask.rows)
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None  # [N, V]
 
         if md.needs_logits_processing:

@@ -9,8 +9,12 @@ tensor parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from portside.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch-free here: the scheduler imports this module
+    from portside.structured.manager import GrammarBitmask
 
 
 @dataclass
@@ -39,6 +43,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # requests the runner must forget (finished, aborted, or preempted since the last step)
     finished_req_ids: set[str] = field(default_factory=set)
+    # structured output: the grammar masks of the requests that sample under one this step
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

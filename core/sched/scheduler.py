@@ -236,6 +236,9 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 if self._check_stop(request, token):
                     break
+                if request.structured is not None and request.structured.accept(token):
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None  # output complete
+                    break
             if request.is_finished:
                 self._free_finished(request)
             if new_tokens or request.is_finished:

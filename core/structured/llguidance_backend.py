@@ -1,0 +1,85 @@
+"""llguidance (Microsoft's Rust grammar engine) behind the backend contract: JSON schemas,
+regexes, choices and Lark / GBNF grammars, with its per-step resource limits (a mask step never
+runs away on a pathological grammar: the matcher errors instead)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from portside.structured.params import StructuredOutputsParams
+
+
+@dataclass
+class LLGuidanceMatcher:
+    m: llguidance.LLMatcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.m.consume_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.m, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.m.is_stopped()
+
+    def error(self) -> str | None:
+        return self.m.get_error() or None
+
+
+@dataclass
+class LLGuidanceGrammar:
+    template: llguidance.LLMatcher  # in its start state; each sequence gets a copy
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.template.deep_copy())
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos_token_ids or None)
+        self._executor: llguidance.LLExecutor | None = None
+
+    def grammar_text(self, params: StructuredOutputsParams) -> str:
+        kind = params.kind
+        if kind in ("json", "json_object"):
+            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+            if params.whitespace_pattern is not None:
+                options["whitespace_pattern"] = params.whitespace_pattern
+            return llguidance.LLMatcher.grammar_from_json_schema(params.schema(), overrides=options)  # type: ignore[arg-type]
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(params.spec)
+        if kind == "choice":
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))
+        try:
+            return llguidance.grammar_from("grammar", params.spec)  # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: grammar: {e}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
+        try:
+            text = self.grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {params.kind}: {e}") from None
+        problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if problem:
+            raise ValueError(f"structured_outputs: invalid {params.kind}: {problem}")
+        template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs: invalid {params.kind}: {template.get_error()}")
+        return LLGuidanceGrammar(template)
+
+    def fill_batch(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Every row's mask at once, on llguidance's own thread pool (outside the GIL)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.m, r) for m, r in rows], bitmask)

@@ -1,0 +1,180 @@
+"""The engine's side of structured output: compiled grammars (cached by constraint), one
+`StructuredState` per constrained sequence, and each step's token bitmask.
+
+The bitmask of a step is filled on a worker thread while the model runs its forward pass (the
+grammar engines release the GIL), and the sampler waits for it only when it needs it. Pickling a
+`GrammarBitmask` (to send it to other tensor-parallel ranks) waits for it first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from portside.structured.backend import CompiledGrammar, Matcher, allocate_bitmask, make_backend
+from portside.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_SPEC_BYTES = 256 * 1024  # a schema / grammar / regex larger than this is refused
+
+
+@dataclass
+class StructuredState:
+    """One sequence's grammar state, and where it stands with respect to reasoning.
+
+    With a reasoning parser, the grammar applies to the answer after the reasoning: a sequence
+    whose prompt opens a think block is unconstrained until the end marker; one whose prompt does
+    not may start with the start marker (its bit is added to the first mask) and is then free
+    until the end marker too."""
+
+    matcher: Matcher
+    start_token_id: int | None = None  # set with a reasoning parser
+    end_token_id: int | None = None
+    in_reasoning: bool = False
+    started: bool = False  # the grammar has accepted a token
+
+    @property
+    def wants_mask(self) -> bool:
+        return not self.in_reasoning
+
+    def allow_reasoning_start(self, bitmask: torch.Tensor, row: int) -> None:
+        """Before the answer starts, the reasoning start marker is allowed too."""
+        if self.start_token_id is not None and not self.started:
+            _set_bit(bitmask, row, self.start_token_id)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; True when the sequence must end here (output complete,
+        or a token the grammar refused)."""
+        if self.in_reasoning:
+            if token_id == self.end_token_id:
+                self.in_reasoning = False
+            return False
+        if not self.started and token_id == self.start_token_id:
+            self.in_reasoning = True
+            return False
+        self.started = True
+        if not self.matcher.accept_token(token_id):
+            logger.warning("structured output: the grammar refused token %d (%s)", token_id, self.matcher.error() or "not allowed")
+            return True
+        return self.matcher.is_terminated()
+
+
+def _set_bit(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    b = token_id % 32
+    bitmask[row, token_id // 32] |= (1 << b) if b < 31 else -(1 << 31)  # int32: bit 31 is the sign
+
+
+@dataclass
+class GrammarBitmask:
+    """The packed masks of one step: row i ([ceil(V / 32)] int32) belongs to `req_ids[i]`."""
+
+    req_ids: list[str]
+    _future: Future[torch.Tensor] | None = None
+    _bitmask: torch.Tensor | None = field(default=None)
+
+    def get(self) -> torch.Tensor:
+        if self._bitmask is None:
+            assert self._future is not None
+            self._bitmask = self._future.result()
+            self._future = None
+        return self._bitmask
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"req_ids": self.req_ids, "_future": None, "_bitmask": self.get()}
+
+
+class StructuredOutputManager:
+    """Compiles constraints with one grammar engine and builds each step's bitmask."""
+
+    def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 reasoning_parser: Any | None = None, cache_size: int = 256) -> None:
+        self.backend_name = backend
+        self._args = (tokenizer, vocab_size, eos_token_ids)
+        self._backend: Any = None  # built on first use: ~1 s for a large vocabulary
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.reasoning = reasoning_parser
+        self._cache: OrderedDict[tuple[Any, ...], CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def backend(self) -> Any:
+        with self._lock:
+            if self._backend is None:
+                self._backend = make_backend(self.backend_name, *self._args)
+                self.vocab_size = self._backend.vocab_size
+            return self._backend
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of a constraint (cached); ValueError naming the problem when it is
+        invalid, too large, or can never be satisfied. Thread-safe: the server compiles off the
+        event loop before it submits, and the engine then finds the result here."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        if len(params.spec.encode()) > MAX_SPEC_BYTES:
+            raise ValueError(f"structured_outputs: the {params.kind} is larger than {MAX_SPEC_BYTES // 1024} KiB; simplify it")
+        backend = self.backend
+        grammar = backend.compile(params)
+        probe = grammar.matcher()
+        mask = allocate_bitmask(1, backend.vocab_size)
+        probe.fill_bitmask(mask, 0)
+        if not bool((mask != 0).any()):
+            raise ValueError(f"structured_outputs: the {params.kind} can never be satisfied: no output matches it"
+                             + (f" ({probe.error()})" if probe.error() else ""))
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def new_state(self, grammar: CompiledGrammar, prompt_token_ids: list[int]) -> StructuredState:
+        state = StructuredState(grammar.matcher())
+        if self.reasoning is not None:
+            state.start_token_id = self.reasoning.start_token_id
+            state.end_token_id = self.reasoning.end_token_id
+            state.in_reasoning = bool(self.reasoning.prompt_opens_reasoning(prompt_token_ids))
+        return state
+
+    def grammar_bitmask(self, rows: list[tuple[str, StructuredState]]) -> GrammarBitmask | None:
+        """Start filling the masks of the sequences that sample this step under a grammar."""
+        rows = [(rid, s) for rid, s in rows if s.wants_mask]
+        if not rows:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portside-grammar")
+        states = [s for _, s in rows]
+        return GrammarBitmask([rid for rid, _ in rows], self._pool.submit(self._fill, states))
+
+    def _fill(self, states: list[StructuredState]) -> torch.Tensor:
+        bitmask = allocate_bitmask(len(states), self.vocab_size)
+        fill_batch = getattr(self.backend, "fill_batch", None)
+        if fill_batch is not None and len(states) > 1:
+            fill_batch([(s.matcher, i) for i, s in enumerate(states)], bitmask)
+        else:
+            for i, s in enumerate(states):
+                s.matcher.fill_bitmask(bitmask, i)
+        for i, s in enumerate(states):
+            s.allow_reasoning_start(bitmask, i)
+        for i in (~(bitmask != 0).any(dim=1)).nonzero().flatten().tolist():
+            # a matcher that failed (a resource limit) allows nothing: let that sequence end
+            logger.warning("structured output: no token is allowed (%s); ending the sequence",
+                           states[i].matcher.error() or "grammar exhausted")
+            for eos in self.eos_token_ids[:1]:
+                _set_bit(bitmask, i, eos)
+        return bitmask
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
