@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from portside.sample.bitmask import TokenBitmask, apply_token_bitmask  # the reference a sampler may replace
 from portside.sample.sampler import Sampler  # what `Platform.sampler` returns
 
 if TYPE_CHECKING:  # config imports nothing from here; this only names the type.
@@ -61,6 +62,8 @@ __all__ = [
     "SingleRankCommunicator",
     "TorchDistributedCommunicator",
     "Sampler",
+    "TokenBitmask",
+    "apply_token_bitmask",
     "Platform",
 ]
 

@@ -9,6 +9,8 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
   Llama-family fp32 model in one call (`csrc/fused_decode.cpp`, `fused_decode.py`);
 - `portside_cpu_native::argmax_rows`: row-wise argmax of fp32 logits for the sampler
   (`csrc/argmax.cpp`, `CpuPlatform.sampler`);
+- `portside_cpu_native::apply_token_bitmask`: structured output's grammar mask on fp32 logits
+  (`csrc/token_bitmask.cpp`, `CpuPlatform.sampler`);
 - `portside_cpu_native::moe_experts`: fp32 mixture-of-experts grouped by expert (`csrc/moe.cpp`,
   `moe.CpuModelOps`);
 - `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
@@ -36,6 +38,7 @@ SOURCES = (
     CSRC / "fused_decode.cpp",
     CSRC / "cpu_allocator.cpp",
     CSRC / "argmax.cpp",
+    CSRC / "token_bitmask.cpp",
     CSRC / "moe.cpp",
     CSRC / "quant_gemm.cpp",
 )
@@ -71,6 +74,7 @@ def load() -> Path:
             torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
             torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
             torch.library.register_fake("portside_cpu_native::argmax_rows", _argmax_rows_fake),
+            torch.library.register_fake("portside_cpu_native::apply_token_bitmask", _apply_token_bitmask_fake),
             torch.library.register_fake("portside_cpu_native::moe_experts", _moe_experts_fake),
             torch.library.register_fake("portside_cpu_native::quant_linear", _quant_linear_fake),
             torch.library.register_fake("portside_cpu_native::quant_linear_w8a8", _quant_linear_w8a8_fake),
@@ -80,6 +84,10 @@ def load() -> Path:
 
 def _linear_row_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _apply_token_bitmask_fake(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
 
 
 def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:

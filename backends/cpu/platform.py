@@ -226,13 +226,15 @@ class CpuPlatform(Platform):
 
     @classmethod
     def sampler(cls, config) -> Sampler:
-        """Core's sampler with the native row argmax (`csrc/argmax.cpp`) when the operators build:
-        torch's CPU argmax reads a row one element at a time (~40 us for one 49k-token row, 1.3 ms
-        for 64 rows here; 8 us and 0.41 ms native)."""
+        """Core's sampler with the native row argmax (`csrc/argmax.cpp`) and grammar mask
+        (`csrc/token_bitmask.cpp`) when the operators build: torch's CPU argmax reads a row one
+        element at a time (~40 us for one 49k-token row, 1.3 ms for 64 rows here; 8 us and 0.41 ms
+        native)."""
         from portside.backends.cpu import native_ops
 
         if native_ops.unavailable_reason() is None:
-            return Sampler(argmax=torch.ops.portside_cpu_native.argmax_rows)
+            ops = torch.ops.portside_cpu_native
+            return Sampler(argmax=ops.argmax_rows, apply_token_bitmask=ops.apply_token_bitmask)
         return Sampler()
 
     @classmethod

@@ -23,6 +23,7 @@ from portside.backend_api import (
     ModelFn,
     ModelOps,
     Platform,
+    Sampler,
     SingleRankCommunicator,
     TorchDistributedCommunicator,
 )
@@ -140,6 +141,13 @@ class TorchGpuPlatform(Platform):
         from portside.backends.triton.moe import TritonModelOps  # imports triton
 
         return TritonModelOps()
+
+    @classmethod
+    def sampler(cls, config: EngineConfig) -> Sampler:
+        """Core's sampler with the Triton grammar mask (`sampling.py`) for structured output."""
+        from portside.backends.triton.sampling import apply_token_bitmask  # imports triton
+
+        return Sampler(apply_token_bitmask=apply_token_bitmask)
 
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config: EngineConfig) -> GraphRunner:

@@ -50,6 +50,7 @@ class LLMEngine:
         self.platform.seed(config.model.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
         self.eos_token_id, self.extra_eos_ids = _eos_ids(config.model.path, self.tokenizer)
+        self.reasoning_parser = _reasoning_parser(args.reasoning_parser, self.tokenizer)  # before the model loads: fail fast
         self.max_model_len = config.model.max_model_len
         self.executor = make_executor(config, self.platform, self.eos_token_id)
         block_size = config.cache.block_size
@@ -85,7 +86,6 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
-        self.reasoning_parser = _reasoning_parser(args.reasoning_parser, self.tokenizer)
         from portside.structured.manager import StructuredOutputManager
 
         eos = [t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None]

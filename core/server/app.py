@@ -40,6 +40,7 @@ class ServerConfig:
     max_request_body_bytes: int = 8 << 20
     shutdown_timeout: float = 60.0  # seconds in-flight requests get to finish at shutdown
     root_path: str | None = None
+    tool_parser: Any = None  # a ToolParser class: tool_choice "auto" parses the model's own calls
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -53,7 +54,8 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        holder["ctx"] = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template)
+        holder["ctx"] = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
+                                               config.tool_parser)
         try:
             yield
         finally:

@@ -39,4 +39,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout", type=float, default=60.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted (default 60)",
     )  # fmt: skip
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )  # fmt: skip
+    g.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), mistral, or a plugin's",
+    )  # fmt: skip
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level, including its access log (default info)")

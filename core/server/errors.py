@@ -99,6 +99,8 @@ def from_validation_error(err: ValidationError) -> APIError:
             param, msg = m.group(1), m.group(2)
     if kind == "missing":
         return APIError(400, f"'{param}' is a required property", param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(400, f"{param}: unrecognized request field; portside does not support it", param=param, code="unknown_parameter")
     text = f"{param}: {msg}" if param else msg
     return APIError(400, text, param=param, code="invalid_type" if kind.endswith("_type") else "invalid_value")
 
@@ -118,7 +120,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "logit_bias", "prompt", "messages",
+    "logit_bias", "prompt", "messages", "structured_outputs", "prompt_logprobs",
 }  # fmt: skip
 
 

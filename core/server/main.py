@@ -31,8 +31,18 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or [args.model if args.model else DEFAULT_MODEL_NAME]
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be non-negative")
+    tool_parser = None
+    if args.enable_auto_tool_choice:
+        if not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
+        from portside.tool_parsers import get_tool_parser
+
+        tool_parser = get_tool_parser(args.tool_call_parser)
+    elif args.tool_call_parser:
+        raise ValueError("--tool-call-parser is used by tool_choice \"auto\": add --enable-auto-tool-choice")
     return ServerConfig(
         served_model_names=list(names),
+        tool_parser=tool_parser,
         chat_template=read_chat_template(args.chat_template),
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic models, validated in JSON mode).
 
-Validation is strict about types (``"max_tokens": "5"`` is a 400, not a silent cast) and about
-ranges the API documents; unknown fields are ignored, as vLLM does, so clients that send newer
-OpenAI fields keep working. Range checks that `SamplingParams` already makes are left to it.
+Validation is strict about types (``"max_tokens": "5"`` is a 400, not a silent cast), about
+ranges the API documents, and about fields: a field portside does not act on is a 400 naming it,
+never silently ignored (the `openai` client sends only the fields a caller sets). Range checks
+that `SamplingParams` already makes are left to it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,40 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no bound)
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema: required when type is 'json_schema'")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError("response_format.json_schema: only allowed when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputsBody(OpenAIModel):
+    """vLLM's `structured_outputs` request field (as `portside.StructuredOutputsParams`)."""
+
+    json_: Any = Field(None, alias="json")  # a JSON schema object (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
 
 
 class StreamOptions(OpenAIModel):
@@ -50,6 +84,19 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # decoding strategies portside does not have yet: accepted only at their no-op values
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -80,6 +127,12 @@ class SamplingFields(OpenAIModel):
     def _check_stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported yet")
+        if self.length_penalty != 1.0:
+            raise ValueError("length_penalty: only used by beam search, which is not supported yet")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported yet (prompt logprobs are not computed)")
         return self
 
 
@@ -127,11 +180,24 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the API returns it
+
+
+class MessageToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | list[TextPart] | None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # role "tool": the call this message answers
+    tool_calls: list[MessageToolCall] | None = None  # role "assistant": the calls it made
+    refusal: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -151,15 +217,25 @@ class ChatMessage(OpenAIModel):
         raise ValueError("must be a string or a list of content parts")
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"only 'text' is supported, got {v!r}")
-        return v
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -170,21 +246,40 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template: str | None = None  # vLLM extra
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True  # vLLM extra
+    continue_final_message: bool = False  # vLLM extra
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: tool calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {self.tool_choice.function.name!r} is not among the tools")
+        if self.tool_choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice: {self.tool_choice!r} needs tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it false)")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ValueError(f"messages[{i}].tool_call_id: required for role 'tool'")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise ValueError(f"messages[{i}].tool_calls: only assistant messages have tool calls")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

@@ -24,6 +24,8 @@ from portside.sampling_params import SamplingParams
 from portside.server.errors import APIError, bad_request, from_validation_error, from_value_error
 from portside.server.metrics import ServerMetrics
 from portside.server.protocol import SamplingFields
+from portside.server.structured import compile_constraint, request_constraint
+from portside.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +46,41 @@ class ServingContext:
     vocab_size: int = 0
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+    structured: Any = None  # the engine's StructuredOutputManager (compiles are thread-safe)
+    reasoning_parser: Any = None  # a portside.reasoning.ReasoningParser (--reasoning-parser)
+    tool_parser: Any = None  # a portside.tool_parsers.ToolParser class (--enable-auto-tool-choice)
 
     @classmethod
-    def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None) -> ServingContext:
+    def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None,
+               tool_parser: Any = None) -> ServingContext:
         tok = engine.engine.tokenizer
         try:  # a copy keeps tokenization on the event loop apart from the engine thread's detokenizer
             tok = copy.deepcopy(tok)
         except Exception:  # pragma: no cover - tokenizers that cannot be copied are shared
             logger.warning("could not copy the tokenizer; sharing the engine's")
         vocab = int(getattr(engine.engine, "vocab_size", 0) or len(tok))
-        return cls(engine, tok, served_model_names, engine.engine.max_model_len, metrics, chat_template, vocab)
+        reasoning = getattr(engine.engine, "reasoning_parser", None)
+        return cls(engine, tok, served_model_names, engine.engine.max_model_len, metrics, chat_template, vocab,
+                   structured=getattr(engine.engine, "structured", None), reasoning_parser=reasoning, tool_parser=tool_parser)
+
+    async def constraint(self, req: SamplingFields, extra: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+        """The request's compiled output constraint (`extra`: one that tool_choice imposes)."""
+        params, field_name = request_constraint(req)
+        if req.guided_decoding_backend not in (None, "auto") and self.structured is not None and \
+                req.guided_decoding_backend != self.structured.backend_name:
+            raise bad_request(f"guided_decoding_backend: this server uses {self.structured.backend_name!r} "
+                              "(--structured-outputs-backend); per-request backends are not supported", "guided_decoding_backend")
+        if extra is not None:
+            if params is not None:
+                raise bad_request(f"{field_name}: cannot be combined with tool_choice 'required' or a named function", field_name)
+            params, field_name = extra, "tools"
+        if params is None:
+            return None
+        if self.structured is None:
+            raise bad_request(f"{field_name}: structured output is not available on this server", field_name)
+        assert field_name is not None
+        await compile_constraint(self.structured, params, field_name)
+        return params
 
     def check_model(self, name: str) -> None:
         if name not in self.served_model_names:
@@ -98,7 +125,8 @@ def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, p
     return requested
 
 
-def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None,
+                    structured: StructuredOutputsParams | None = None, skip_special_tokens: bool | None = None) -> SamplingParams:
     """SamplingParams from request fields (OpenAI defaults for fields left unset)."""
     kwargs: dict[str, Any] = dict(
         n=req.n,
@@ -118,7 +146,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+        structured_outputs=structured,
     )
     try:
         return SamplingParams(**kwargs)

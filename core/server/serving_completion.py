@@ -38,10 +38,11 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
     ctx.check_model(req.model)
     prompts_ids, echo = _tokenize(ctx, req.prompt, req.echo)
     explicit = "max_tokens" in req.model_fields_set
+    structured = await ctx.constraint(req)
     params = []
     for ids in prompts_ids:
         max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", explicit, len(ids), ctx.max_model_len, "prompt")
-        params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs))
+        params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured))
     request_id = new_id("cmpl")
     streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt")
     created = int(time.time())

@@ -1,6 +1,6 @@
 """xgrammar (vLLM's default grammar engine) behind the backend contract, the alternative to
 llguidance (`--structured-outputs-backend xgrammar`). JSON is compiled compact and in strict mode
-(no properties or items the schema does not name)."""
+(no properties the schema does not name) only with `disable_additional_properties`, as llguidance."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class XGrammarBackend:
                     params.schema(),  # type: ignore[arg-type]
                     any_whitespace=not compact,
                     separators=(",", ":") if compact else None,
-                    strict_mode=True,
+                    strict_mode=params.disable_additional_properties,
                 )
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(params.spec)

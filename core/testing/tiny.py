@@ -108,11 +108,34 @@ _TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 400) -> Any:
+# Qwen-style markers a tokenizer may add (`added_tokens=`): reasoning and hermes tool calls
+QWEN_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+# ChatML with hermes-style tools, as Qwen2.5 / Qwen3 templates render them (tools listed in the
+# system turn, calls as <tool_call> JSON, results as tool turns)
+HERMES_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call functions. Signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Reply with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> to call one.<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>\n' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson) + '\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
+)
+
+
+def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 400, added_tokens: tuple[str, ...] = (),
+                        chat_template: str = CHATML_TEMPLATE) -> Any:
     """Train a byte-level BPE on the built-in corpus, save it as a HF tokenizer at `path`.
 
     Special tokens: ``<|endoftext|>`` (pad, id 0), ``<|im_start|>`` (id 1), ``<|im_end|>``
-    (eos, id 2); ChatML chat template; no BOS. Returns the `PreTrainedTokenizerFast`.
+    (eos, id 2); ChatML chat template; no BOS. `added_tokens` (e.g. `QWEN_MARKERS`) are added
+    as single, non-special tokens after the trained ones. Returns the `PreTrainedTokenizerFast`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -135,7 +158,9 @@ def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 400) -> Any:
         model_max_length=512,
         clean_up_tokenization_spaces=False,
     )
-    hf_tok.chat_template = CHATML_TEMPLATE
+    if added_tokens:
+        hf_tok.add_tokens(list(added_tokens))
+    hf_tok.chat_template = chat_template
     Path(path).mkdir(parents=True, exist_ok=True)
     hf_tok.save_pretrained(str(path))
     return hf_tok
@@ -193,6 +218,8 @@ def make_tiny_model(
     seed: int = 0,
     init_std: float = 0.25,
     max_shard_size: int | str | None = None,
+    added_tokens: tuple[str, ...] = (),
+    chat_template: str = CHATML_TEMPLATE,
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny random-weight HF model folder at `path` and return it.
@@ -202,12 +229,13 @@ def make_tiny_model(
     (explicit head_dim, no sliding window) or "qwen2" (qkv bias). `config_overrides` go to the
     transformers config class (e.g. ``tie_word_embeddings=True``, ``head_dim=32``,
     ``num_hidden_layers=4``, ``rope_parameters={...}``). `max_shard_size` (e.g. ``"100KB"``)
-    writes sharded safetensors with an index.
+    writes sharded safetensors with an index. `added_tokens` / `chat_template`: as
+    `make_tiny_tokenizer` (the vocabulary grows by the added tokens).
     """
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    tok = make_tiny_tokenizer(path)
+    tok = make_tiny_tokenizer(path, added_tokens=added_tokens, chat_template=chat_template)
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
     config = _hf_config(arch, len(tok), eos_id, pad_id, config_overrides)
