@@ -92,11 +92,10 @@ def from_validation_error(err: ValidationError) -> APIError:
     msg = msg.removeprefix("Value error, ")
     if not loc and kind == "model_type":
         return APIError(400, "request body must be a JSON object", code="invalid_json")
-    if param is None:
-        # a model-level check names its parameter as "name: why"
-        m = re.match(r"([A-Za-z_][\w.\[\]]*): (.*)", msg, re.S)
-        if m:
-            param, msg = m.group(1), m.group(2)
+    # a model-level check names its parameter as "name: why" (relative to the model it checks)
+    m = re.match(r"([A-Za-z_][\w.\[\]]*): (.*)", msg, re.S)
+    if m and (param is None or kind == "value_error"):
+        param, msg = (m.group(1) if param is None else f"{param}.{m.group(1)}"), m.group(2)
     if kind == "missing":
         return APIError(400, f"'{param}' is a required property", param=param, code="missing_required_parameter")
     if kind == "extra_forbidden":

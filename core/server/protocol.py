@@ -34,9 +34,9 @@ class ResponseFormat(OpenAIModel):
     @model_validator(mode="after")
     def _check(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format.json_schema: required when type is 'json_schema'")
+            raise ValueError("json_schema: required when type is 'json_schema'")
         if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError("response_format.json_schema: only allowed when type is 'json_schema'")
+            raise ValueError("json_schema: only allowed when type is 'json_schema'")
         return self
 
 

@@ -22,7 +22,13 @@ from portside.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-MAX_SPEC_BYTES = 256 * 1024  # a schema / grammar / regex larger than this is refused
+MAX_SPEC_BYTES = 128 * 1024  # a schema / grammar / regex larger than this is refused
+# Grammar engines compile recursively: a chain of ~1000 nested `$ref`s (70 KiB of schema)
+# overflows an 8 MiB thread stack (a segfault, measured with llguidance 1.9). Compiles run on
+# threads with this much stack (address space; only what is touched is committed).
+COMPILE_STACK_BYTES = 512 << 20
+COMPILE_THREADS = 2
+_STACK_LOCK = threading.Lock()
 
 
 @dataclass
@@ -38,15 +44,15 @@ class StructuredState:
     start_token_id: int | None = None  # set with a reasoning parser
     end_token_id: int | None = None
     in_reasoning: bool = False
-    started: bool = False  # the grammar has accepted a token
+    may_open: bool = False  # the next token may open a think block (nothing sampled yet)
 
     @property
     def wants_mask(self) -> bool:
         return not self.in_reasoning
 
     def allow_reasoning_start(self, bitmask: torch.Tensor, row: int) -> None:
-        """Before the answer starts, the reasoning start marker is allowed too."""
-        if self.start_token_id is not None and not self.started:
+        """On the first token of an output that may think, the start marker is allowed too."""
+        if self.may_open and self.start_token_id is not None:
             _set_bit(bitmask, row, self.start_token_id)
 
     def accept(self, token_id: int) -> bool:
@@ -56,10 +62,11 @@ class StructuredState:
             if token_id == self.end_token_id:
                 self.in_reasoning = False
             return False
-        if not self.started and token_id == self.start_token_id:
-            self.in_reasoning = True
-            return False
-        self.started = True
+        if self.may_open:
+            self.may_open = False
+            if token_id == self.start_token_id:
+                self.in_reasoning = True
+                return False
         if not self.matcher.accept_token(token_id):
             logger.warning("structured output: the grammar refused token %d (%s)", token_id, self.matcher.error() or "not allowed")
             return True
@@ -104,7 +111,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[Any, ...], CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # mask filling
+        self._compile_pool: ThreadPoolExecutor | None = None
 
     @property
     def backend(self) -> Any:
@@ -125,12 +133,31 @@ class StructuredOutputManager:
                 return self._cache[key]
         if len(params.spec.encode()) > MAX_SPEC_BYTES:
             raise ValueError(f"structured_outputs: the {params.kind} is larger than {MAX_SPEC_BYTES // 1024} KiB; simplify it")
+        return self._compile_threads().submit(self._compile, key, params).result()
+
+    def _compile_threads(self) -> ThreadPoolExecutor:
+        """The compile threads, created at once with a deep stack (`COMPILE_STACK_BYTES`)."""
+        with self._lock:
+            if self._compile_pool is None:
+                with _STACK_LOCK:
+                    old = threading.stack_size(COMPILE_STACK_BYTES)
+                    try:
+                        pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="portside-grammar-compile")
+                        barrier = threading.Barrier(COMPILE_THREADS)  # every task waits: one thread each
+                        for f in [pool.submit(barrier.wait) for _ in range(COMPILE_THREADS)]:
+                            f.result()
+                    finally:
+                        threading.stack_size(old)
+                self._compile_pool = pool
+            return self._compile_pool
+
+    def _compile(self, key: tuple[Any, ...], params: StructuredOutputsParams) -> CompiledGrammar:
         backend = self.backend
         grammar = backend.compile(params)
         probe = grammar.matcher()
         mask = allocate_bitmask(1, backend.vocab_size)
-        probe.fill_bitmask(mask, 0)
-        if not bool((mask != 0).any()):
+        probe.fill_bitmask(mask, 0)  # a matcher fails on its first step when nothing can match
+        if probe.error() is not None or not bool((mask != 0).any()):
             raise ValueError(f"structured_outputs: the {params.kind} can never be satisfied: no output matches it"
                              + (f" ({probe.error()})" if probe.error() else ""))
         with self._lock:
@@ -145,6 +172,7 @@ class StructuredOutputManager:
             state.start_token_id = self.reasoning.start_token_id
             state.end_token_id = self.reasoning.end_token_id
             state.in_reasoning = bool(self.reasoning.prompt_opens_reasoning(prompt_token_ids))
+            state.may_open = not state.in_reasoning
         return state
 
     def grammar_bitmask(self, rows: list[tuple[str, StructuredState]]) -> GrammarBitmask | None:
@@ -176,5 +204,6 @@ class StructuredOutputManager:
         return bitmask
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._compile_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
