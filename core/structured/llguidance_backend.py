@@ -19,8 +19,14 @@ from portside.structured.params import StructuredOutputsParams
 @dataclass
 class LLGuidanceMatcher:
     m: llguidance.LLMatcher
+    spelled: dict[int, list[int]]  # added token -> ordinary tokens of its text
 
     def accept_token(self, token_id: int) -> bool:
+        # llguidance counts every added token (Qwen's <tool_call>, <think>) as special: a mask that
+        # reaches one through its text allows it, then consuming it fails. Feed its text instead.
+        alt = self.spelled.get(token_id)
+        if alt is not None and self.m.validate_tokens([token_id]) == 0:
+            return self.m.consume_tokens(alt)
         return self.m.consume_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -36,9 +42,10 @@ class LLGuidanceMatcher:
 @dataclass
 class LLGuidanceGrammar:
     template: llguidance.LLMatcher  # in its start state; each sequence gets a copy
+    spelled: dict[int, list[int]]
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self.template.deep_copy())
+        return LLGuidanceMatcher(self.template.deep_copy(), self.spelled)
 
 
 class LLGuidanceBackend:
@@ -48,6 +55,9 @@ class LLGuidanceBackend:
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos_token_ids or None)
         self._executor: llguidance.LLExecutor | None = None
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.spelled = {t: self.tokenizer.greedy_tokenize(a.content) for t, a in added.items()
+                        if not a.special and a.content and t not in eos_token_ids}  # fmt: skip
 
     def grammar_text(self, params: StructuredOutputsParams) -> str:
         kind = params.kind
@@ -76,7 +86,7 @@ class LLGuidanceBackend:
         template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if template.is_error():
             raise ValueError(f"structured_outputs: invalid {params.kind}: {template.get_error()}")
-        return LLGuidanceGrammar(template)
+        return LLGuidanceGrammar(template, self.spelled)
 
     def fill_batch(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
         """Every row's mask at once, on llguidance's own thread pool (outside the GIL)."""

@@ -172,7 +172,9 @@ class StructuredOutputManager:
             state.start_token_id = self.reasoning.start_token_id
             state.end_token_id = self.reasoning.end_token_id
             state.in_reasoning = bool(self.reasoning.prompt_opens_reasoning(prompt_token_ids))
-            state.may_open = not state.in_reasoning
+            # a prompt that already holds a think block (Qwen3 with enable_thinking=False renders
+            # an empty one) answers at once; one without any may still open one
+            state.may_open = not state.in_reasoning and self.reasoning.start_token_id not in prompt_token_ids
         return state
 
     def grammar_bitmask(self, rows: list[tuple[str, StructuredState]]) -> GrammarBitmask | None:
