@@ -56,7 +56,13 @@ class StructuredOutputsBody(OpenAIModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     include_obfuscation: bool = False  # accepted; portside never adds obfuscation padding
-    continuous_usage_stats: bool = False  # vLLM extra: usage on every chunk
+    continuous_usage_stats: bool = False  # vLLM extra (usage on every chunk): not supported, refused
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats: not supported; use include_usage (usage in the last chunk)")
+        return self
 
 
 class SamplingFields(OpenAIModel):
@@ -197,7 +203,12 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_call_id: str | None = None  # role "tool": the call this message answers
     tool_calls: list[MessageToolCall] | None = None  # role "assistant": the calls it made
-    refusal: str | None = None
+    refusal: str | None = None  # an assistant's refusal: its content for the template
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it
+    # what the openai client echoes back from a response message: accepted only when null
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
     @field_validator("content")
     @classmethod

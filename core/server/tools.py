@@ -34,6 +34,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     parser: Any = None  # "auto": a portside.tool_parsers.ToolParser
     constraint: StructuredOutputsParams | None = None  # "required" / "named"
+    parallel: bool = True  # parallel_tool_calls: False keeps only the first call the model made
 
     @property
     def skip_special_tokens(self) -> bool | None:
@@ -69,7 +70,7 @@ def plan_tools(req: ChatCompletionRequest, parser_cls: Any, tokenizer: Any) -> T
             "--tool-call-parser (hermes, llama3_json, mistral); or use tool_choice \"required\" or a named function",
             "tool_choice",
         )
-    return ToolPlan("auto", tools, parser=parser_cls(tokenizer))
+    return ToolPlan("auto", tools, parser=parser_cls(tokenizer), parallel=req.parallel_tool_calls)
 
 
 def _call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
@@ -88,7 +89,8 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, 
         return (None, calls) if calls else (text, [])
     if plan.choice == "auto":
         out = plan.parser.extract(text)
-        return out.content, [_call(c.name, c.arguments, c.id) for c in out.tool_calls]
+        calls = [_call(c.name, c.arguments, c.id) for c in out.tool_calls]
+        return out.content, calls if plan.parallel else calls[:1]
     return text, []
 
 
@@ -161,6 +163,8 @@ class ToolStream:
         out: list[dict[str, Any]] = []
         for d in deltas:
             if d.call is not None:
+                if self.num_calls and not self.plan.parallel:
+                    continue
                 self.num_calls += 1
                 call = _call(d.call.name, d.call.arguments, d.call.id)
                 out.append({"tool_calls": [{"index": d.index} | call]})
@@ -171,7 +175,7 @@ class ToolStream:
     def _required_elements(self) -> list[dict[str, Any]]:
         """Each element of the JSON array as soon as it is complete (the grammar guarantees the
         compact `[{...},{...}]` shape)."""
-        out = []
+        out: list[dict[str, Any]] = []
         decoder = json.JSONDecoder()
         while True:
             start = self._pos if self._pos else 1  # past the "["
@@ -191,7 +195,10 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as chat templates expect them: tool-call arguments as objects."""
     out = []
     for m in req.messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        content = m.content or (m.refusal if m.role == "assistant" else None) or m.content
+        msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id is not None:
