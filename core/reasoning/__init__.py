@@ -8,8 +8,8 @@ names a `ReasoningParser` subclass; it is imported only when asked for by name.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from portside.named_plugins import load_named
 from portside.reasoning.base import ReasoningParser, ReasoningStreamer
 
 __all__ = [
@@ -52,27 +52,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class for `--reasoning-parser name`: built in, else from an entry point."""
-    if name in REASONING_PARSERS:
-        return REASONING_PARSERS[name]
-    from stevedore import NamedExtensionManager
-
-    errors: list[str] = []
-
-    def on_load_failure(_manager: Any, entry_point: Any, exc: BaseException) -> None:
-        errors.append(f"{entry_point.name} ({entry_point.value}): {type(exc).__name__}: {exc}")
-
-    manager: NamedExtensionManager[Any] = NamedExtensionManager(
-        namespace=ENTRY_POINT_GROUP,
-        names=[name],
-        on_load_failure_callback=on_load_failure,
-        on_missing_entrypoints_callback=None,
-    )
-    if errors:
-        raise ValueError(f"reasoning parser {name!r} failed to load: {errors[0]}")
-    if name not in manager.names():
-        known = sorted({*REASONING_PARSERS, *manager.entry_points_names()})
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(known)}")
-    cls = manager[name].plugin
-    if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
-        raise ValueError(f"reasoning parser {name!r} ({manager[name].entry_point.value}) is not a ReasoningParser")
-    return cls
+    return load_named(ENTRY_POINT_GROUP, name, ReasoningParser, REASONING_PARSERS, "reasoning parser")

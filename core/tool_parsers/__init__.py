@@ -7,8 +7,7 @@ subclass; it is imported only when asked for by name.
 
 from __future__ import annotations
 
-from typing import Any
-
+from portside.named_plugins import load_named
 from portside.tool_parsers.base import (
     ExtractedToolCalls,
     ToolCall,
@@ -43,27 +42,4 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class for `--tool-call-parser name`: built in, else from an entry point."""
-    if name in TOOL_PARSERS:
-        return TOOL_PARSERS[name]
-    from stevedore import NamedExtensionManager
-
-    errors: list[str] = []
-
-    def on_load_failure(_manager: Any, entry_point: Any, exc: BaseException) -> None:
-        errors.append(f"{entry_point.name} ({entry_point.value}): {type(exc).__name__}: {exc}")
-
-    manager: NamedExtensionManager[Any] = NamedExtensionManager(
-        namespace=ENTRY_POINT_GROUP,
-        names=[name],
-        on_load_failure_callback=on_load_failure,
-        on_missing_entrypoints_callback=None,
-    )
-    if errors:
-        raise ValueError(f"tool parser {name!r} failed to load: {errors[0]}")
-    if name not in manager.names():
-        known = sorted({*TOOL_PARSERS, *manager.entry_points_names()})
-        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(known)}")
-    cls = manager[name].plugin
-    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
-        raise ValueError(f"tool parser {name!r} ({manager[name].entry_point.value}) is not a ToolParser")
-    return cls
+    return load_named(ENTRY_POINT_GROUP, name, ToolParser, TOOL_PARSERS, "tool parser")
