@@ -175,8 +175,8 @@ async def _stream(
                     cur.finished = True
                     completion_tokens += len(c.token_ids)
                     finish = _finish_reason(c, plan, ch.tools.called)
-                if not deltas:  # tokens that only fed a parser: their logprobs still go out
-                    deltas = [{} if finish else {"content": ""}] if (logprobs or finish) else []
+                if not deltas:  # tokens whose text is held back (a partial character, a parser's buffer)
+                    deltas = [{} if finish else {"content": ""}]
                 for j, delta in enumerate(deltas):
                     last = j == len(deltas) - 1
                     yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs if j == 0 else None,
