@@ -299,21 +299,33 @@ def test_openvino_refuses_quantized_models(tmp_path):
 MAX_TOKENS = 10
 
 
-def _generate(path, mode: str, act: str | None, prompts, monkeypatch=None, reference: bool = False):
-    from portside import LLM, SamplingParams
+def _engine(path, mode: str, act: str | None, monkeypatch=None, reference: bool = False):
+    """An engine and the kernels its quantized weights took (`reference`: every layer kept on
+    core's reference ModelOps, until the caller undoes `monkeypatch`)."""
+    from portside import LLM
 
     if reference:
         monkeypatch.setattr(quant, "isa", lambda: "")  # prepare_quantized keeps every layer on the reference
     llm = LLM(model=str(path), device="cpu", quantization="int8", quantized_activations=act, max_model_len=128,
               block_size=8, max_num_batched_tokens=24, platform_options={"cpu_graph": mode})
     model = llm.engine.executor.runner.model
-    kernels = {getattr(m.layout, "kernel", None) for m in model.modules() if isinstance(m, QuantWeight)}
+    return llm, {getattr(m.layout, "kernel", None) for m in model.modules() if isinstance(m, QuantWeight)}
+
+
+def _tokens(llm, prompts):
+    from portside import SamplingParams
+
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+
+def _generate(path, mode: str, act: str | None, prompts, monkeypatch=None, reference: bool = False):
+    llm, kernels = _engine(path, mode, act, monkeypatch, reference)
+    tokens = _tokens(llm, prompts)
     llm.shutdown()
     if reference:
         monkeypatch.undo()
-    return [o.outputs[0].token_ids for o in outs], kernels
+    return tokens, kernels
 
 
 @pytest.fixture(scope="module")
@@ -329,12 +341,14 @@ PROMPTS = [[1, 5, 9, 33, 70, 2], [7, 8], list(range(40, 57)), [300, 301, 302, 30
 def _engine_parity(tiny_llama, mode, act, monkeypatch):
     expected, ref_kernels = _generate(tiny_llama, "eager", act, PROMPTS, monkeypatch, reference=True)
     assert ref_kernels == {None}
-    tokens, kernels = _generate(tiny_llama, mode, act, PROMPTS)
+    llm, kernels = _engine(tiny_llama, mode, act)
     assert kernels == {"w8a8" if act else "int8"}
-    assert tokens == expected, f"{mode} act={act}"
-    # one sequence at a time: every decode step a one-row batch
+    assert _tokens(llm, PROMPTS) == expected, f"{mode} act={act}"
+    # one sequence at a time: every decode step a one-row batch (the same engine: these prompts
+    # are shorter than a block, so nothing of them is a prefix-cache hit)
     for p in PROMPTS[:2]:
-        assert _generate(tiny_llama, mode, act, [p])[0] == [expected[PROMPTS.index(p)]]
+        assert _tokens(llm, [p]) == [expected[PROMPTS.index(p)]]
+    llm.shutdown()
 
 
 def test_engine_int8_eager_matches_the_reference(tiny_llama, monkeypatch):
