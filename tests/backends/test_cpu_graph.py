@@ -4,6 +4,8 @@ inductor mode does not recompile after its warm-up.
 
 One engine per mode runs a ragged batch across block boundaries with a small token budget, so
 steps mix decodes with prefill chunks and the token count changes every step (dynamic shapes).
+Engines are built once per model, mode and attention and shared by the tests of this module
+(an inductor engine compiles its graphs for ~10 s, more with a cold compile cache).
 """
 
 from __future__ import annotations
@@ -23,7 +25,22 @@ PROMPT_LENGTHS = [3, 9, 17, 30]
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_path(request, tmp_path_factory) -> Path:
+    if request.param == "llama":  # the session's tiny Llama (the same defaults): its engines serve both
+        return request.getfixturevalue("tiny_llama")
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+_ENGINES: dict[tuple[str, str, str], LLM] = {}
+_GRAPHS_AT_BUILD: dict[int, int] = {}  # id(engine) -> graphs dynamo compiled while building it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_engines():
+    yield
+    for llm in _ENGINES.values():
+        llm.shutdown()
+    _ENGINES.clear()
+    _GRAPHS_AT_BUILD.clear()
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
@@ -33,12 +50,20 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 
 def _engine(model_path: Path, mode: str, attention: str = "torch") -> LLM:
+    """The module's engine for this model, mode and attention (built on first use)."""
+    from torch._dynamo.utils import counters
+
     if mode == "openvino":
         pytest.importorskip("openvino", reason="openvino is not installed (pip install 'portside[openvino]')")
-    return LLM(
-        model=str(model_path), device="cpu", max_model_len=128, block_size=8, max_num_batched_tokens=24,
-        platform_options={"cpu_graph": mode, "cpu_attention": attention},
-    )  # fmt: skip
+    key = (str(model_path), mode, attention)
+    if key not in _ENGINES:
+        before = counters["stats"]["unique_graphs"]
+        _ENGINES[key] = llm = LLM(
+            model=str(model_path), device="cpu", max_model_len=128, block_size=8, max_num_batched_tokens=24,
+            platform_options={"cpu_graph": mode, "cpu_attention": attention},
+        )  # fmt: skip
+        _GRAPHS_AT_BUILD[id(llm)] = counters["stats"]["unique_graphs"] - before
+    return _ENGINES[key]
 
 
 def _runner(llm: LLM):
@@ -114,12 +139,11 @@ def test_inductor_does_not_recompile_after_warmup(tiny_llama):
     of several sizes) reuse them: dynamo compiles no new graph and hits no recompile limit."""
     from torch._dynamo.utils import counters
 
-    before = counters["stats"]["unique_graphs"]
     llm = _engine(tiny_llama, "inductor")
     assert _runner(llm).name == "inductor"
     # compiled in capture: the body and the LM head, 1 row and >= 2 rows each (a graph break
     # would add more)
-    assert counters["stats"]["unique_graphs"] - before == 4
+    assert _GRAPHS_AT_BUILD[id(llm)] == 4
     warm_graphs, warm_frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     for lengths in ([5], [3, 9, 17, 30], [2, 2, 2, 2, 2, 40], [7, 1]):
