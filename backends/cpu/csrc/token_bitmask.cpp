@@ -6,11 +6,13 @@
 // bitmask[i] ([M, W] int32, bit t % 32 of word t // 32), and every token past 32 * W is -inf.
 // The reference expands the mask to [M, 32 * W] booleans and scatters them (several passes over
 // 32x the mask's bytes); this reads each word once and writes -inf only where a bit is clear,
-// skipping all-ones words, one row per thread. Other dtypes and layouts are converted first.
+// skipping all-ones words and filling all-zero ones (most, under a grammar) in one go, one row
+// per thread. Other dtypes and layouts are converted first.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -37,6 +39,10 @@ at::Tensor apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitma
         const uint32_t word = static_cast<uint32_t>(mask[w]);
         if (word == 0xFFFFFFFFu) continue;
         const int64_t stop = std::min<int64_t>(32, covered - w * 32);
+        if (word == 0) {  // the common case under a grammar: nothing in these 32 tokens
+          std::fill_n(dst + w * 32, stop, neg_inf);
+          continue;
+        }
         for (int64_t b = 0; b < stop; ++b)
           if (!((word >> b) & 1u)) dst[w * 32 + b] = neg_inf;
       }
