@@ -1,11 +1,21 @@
 """portside: a hardware-portable LLM inference and serving engine."""
 
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
-from portside.sampling_params import SamplingParams
+from portside.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

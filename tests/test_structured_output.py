@@ -87,6 +87,9 @@ def test_params_need_exactly_one_constraint() -> None:
         SamplingParams(prompt_logprobs=1)
     old = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a"]))  # vLLM's older name
     assert old.structured_outputs == StructuredOutputsParams(choice=["a"]) and old.guided_decoding is None
+    import portside
+
+    assert portside.StructuredOutputsParams is StructuredOutputsParams and portside.GuidedDecodingParams is GuidedDecodingParams
     # the same constraint written two ways shares one compiled grammar
     assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
 
