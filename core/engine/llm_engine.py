@@ -152,7 +152,8 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     priority=priority,
                     parent_id=None if k == 0 else f"{request_id}#0",
-                    structured=None if grammar is None else self.structured.new_state(grammar, prompt_ids),
+                    structured=None if grammar is None else self.structured.new_state(
+                        grammar, prompt_ids, params.structured_outputs.after_reasoning),  # type: ignore[union-attr]
                 )
             )
             samples[rid] = SampleState(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
     prompts_ids, echo = _tokenize(ctx, req.prompt, req.echo)
     explicit = "max_tokens" in req.model_fields_set
     structured = await ctx.constraint(req)
+    if structured is not None:  # raw text comes back, with no reasoning split off: constrain all of it
+        structured = dataclasses.replace(structured, after_reasoning=False)
     params = []
     for ids in prompts_ids:
         max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", explicit, len(ids), ctx.max_model_len, "prompt")

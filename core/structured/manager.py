@@ -166,9 +166,9 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return grammar
 
-    def new_state(self, grammar: CompiledGrammar, prompt_token_ids: list[int]) -> StructuredState:
+    def new_state(self, grammar: CompiledGrammar, prompt_token_ids: list[int], after_reasoning: bool = True) -> StructuredState:
         state = StructuredState(grammar.matcher())
-        if self.reasoning is not None:
+        if self.reasoning is not None and after_reasoning:
             state.start_token_id = self.reasoning.start_token_id
             state.end_token_id = self.reasoning.end_token_id
             state.in_reasoning = bool(self.reasoning.prompt_opens_reasoning(prompt_token_ids))

@@ -26,6 +26,9 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     # a JSON schema without `additionalProperties` allows none (OpenAI strict mode does the same)
     disable_additional_properties: bool = False
+    # with a --reasoning-parser: the constraint applies to the answer after the reasoning (False:
+    # from the first token, as the completions endpoint, which returns raw text, asks)
+    after_reasoning: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

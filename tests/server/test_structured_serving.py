@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from helpers import post, sse_events
-from openai_schemas import validate
+from openai_schemas import validate, validate_completion_chunk
 from server_process import ServerProcess
 
 from portside.testing.tiny import HERMES_TOOLS_TEMPLATE, QWEN_MARKERS, make_tiny_model
@@ -139,6 +139,17 @@ def test_choice_regex_json_object_and_completions(srv: ServerProcess, client: op
             for c in chunk.choices:
                 texts[c.index] += c.text
         assert all(re.fullmatch(rx, t) for t in texts), texts
+    body = {"model": "tiny", "prompt": "Pick:", "n": 2, "max_tokens": 20, "structured_outputs": {"choice": ["up", "down"]}}
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    validate("CreateCompletionResponse", r.json())
+    assert {c["text"] for c in r.json()["choices"]} <= {"up", "down"}
+    texts = ["", ""]
+    for e in sse_events(srv, "/v1/completions", body | {"stream": True}):
+        validate_completion_chunk(e)
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert set(texts) <= {"up", "down"}, texts
     srv.wait_idle()
 
 
