@@ -93,7 +93,8 @@ def test_auto_falls_back_to_torch_without_compiler(fresh, monkeypatch):
     assert type(backend) is CpuAttentionBackend and backend.name == "torch-sdpa"
 
 
-def test_auto_picks_native_for_fp32_only(fresh):
+def test_auto_picks_native_for_fp32_only():
+    # the session's kernels (built once): building them into an empty cache is test_second_load_uses_the_cache's
     if kernels.native_unavailable_reason() is not None:
         pytest.skip("no working C compiler here")
     fp32 = EngineConfig(model=ModelConfig(path="unused"))
