@@ -24,8 +24,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     whose bit is clear in `bitmask[i]`, and every token past the mask's 32 * W bits, is -inf.
     Rows not listed are unchanged."""
     n, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [M, 32 * W]
+    # bit tests with Python-int masks, bit 31 as the sign: XLA lowers shifts by a tensor of
+    # amounts, and constants of 2^31, wrongly
+    bits = [(bitmask & (1 << b)) != 0 for b in range(31)] + [bitmask < 0]
+    allowed = torch.stack(bits, dim=-1).flatten(1)  # [M, 32 * W]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     keep = torch.ones((n, vocab), dtype=torch.bool, device=logits.device)
