@@ -10,8 +10,9 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
+from portside.chat_template import render_chat
 from portside.engine.args import EngineArgs
 from portside.engine.detokenizer import IncrementalDetokenizer
 from portside.engine.executor import make_executor
@@ -115,13 +116,17 @@ class LLMEngine:
         add_special_tokens: bool = True,
     ) -> None:
         """Queue a request: text, token ids, or a {"prompt": ...} / {"prompt_token_ids": [...]}
-        dict. Raises ValueError naming the problem for bad input. A chat prompt rendered by the
-        template already has its special tokens: pass add_special_tokens=False."""
+        dict (with both, as `apply_chat_template` returns, the ids are the prompt and the text is
+        what outputs show). Raises ValueError naming the problem for bad input. A chat prompt
+        rendered as text already has its special tokens: pass add_special_tokens=False."""
         params = params or SamplingParams()
+        shown: str | None = None
         if isinstance(prompt, dict):
             value = prompt.get("prompt_token_ids", prompt.get("prompt"))
             if value is None:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            if not isinstance(value, str) and isinstance(prompt.get("prompt"), str):
+                shown = prompt["prompt"]
             prompt = value
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -129,7 +134,7 @@ class LLMEngine:
             prompt_text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
-            prompt_text, prompt_ids = None, list(prompt)
+            prompt_text, prompt_ids = shown, list(prompt)
         self._validate(prompt_ids, params)
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = self.max_model_len - len(prompt_ids)
@@ -254,13 +259,14 @@ class LLMEngine:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
-    ) -> str:
+    ) -> dict[str, Any]:
+        """The conversation as a prompt: {"prompt": rendered text, "prompt_token_ids": ids}, with
+        special tokens in user and tool contents tokenized as plain text (`portside.chat_template`)."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass one (--chat-template)")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-        )
-        return cast(str, text)  # tokenize=False: the rendered prompt text
+        text, ids = render_chat(self.tokenizer, messages, chat_template=chat_template,
+                                add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": ids}
 
     def shutdown(self) -> None:
         self.structured.shutdown()
