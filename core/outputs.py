@@ -39,3 +39,24 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold a later DELTA output of the same request into this one (a slow consumer then
+        reads one output holding everything it missed)."""
+        mine = {c.index: c for c in self.outputs}
+        for c in delta.outputs:
+            cur = mine.get(c.index)
+            if cur is None:
+                self.outputs.append(c)
+                mine[c.index] = c
+                continue
+            cur.text += c.text
+            cur.token_ids.extend(c.token_ids)  # the lists of a delta are its own: extend in place
+            if cur.logprobs is not None and c.logprobs is not None:
+                cur.logprobs.extend(c.logprobs)
+            cur.cumulative_logprob = c.cumulative_logprob
+            cur.finish_reason, cur.stop_reason = c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.metrics = delta.metrics

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from portside.structured.params import GuidedDecodingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams"]
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a running request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output (a stream's consumer concatenates)
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
 @dataclass
@@ -33,6 +42,7 @@ class SamplingParams:
     # constrained decoding: JSON schema, regex, choice or grammar (`portside.structured`)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for the same
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)  # normalised `stop`
 
     def __post_init__(self) -> None:

@@ -5,9 +5,9 @@ while there is work, and hands each step's outputs to the event loop with
 `loop.call_soon_threadsafe`. The event loop never blocks on model compute, and the engine (not
 thread-safe) is only ever touched from that thread.
 
-Each request gets a `RequestStream`: an async iterator of cumulative `RequestOutput`s that ends
-after the finished one. Closing a stream before it finishes aborts the request; the engine frees
-its KV blocks on the next step.
+Each request gets a `RequestStream`: an async iterator of `RequestOutput`s (of the request's
+`output_kind`; unread ones coalesced) that ends after the finished one. Closing a stream before
+it finishes aborts the request; the engine frees its KV blocks on the next step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from portside.outputs import RequestOutput
-from portside.sampling_params import SamplingParams
+from portside.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -76,33 +76,63 @@ class RequestRecord:
         return (self.finish_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
 
-_END = object()
-
-
 class RequestStream:
-    """Cumulative outputs of one request, in order; ends after the finished output."""
+    """The outputs of one request, in order; ends after the finished output.
 
-    def __init__(self, owner: AsyncLLMEngine, request_id: str) -> None:
+    Outputs a consumer has not taken yet are coalesced into one pending output (DELTA outputs
+    folded together, others replaced by the newer), so a consumer that reads slowly, or not at
+    all, holds at most one output's worth of memory rather than a copy per engine step.
+    """
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, params: SamplingParams) -> None:
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._delta = params.output_kind is RequestOutputKind.DELTA
+        self.num_seqs = params.n
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ended = False  # nothing will be added any more
+        self._wake = asyncio.Event()
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finished = False
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
-        self.last: RequestOutput | None = None
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.length_only = True  # every sample finished by length (the metrics' outcome)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while True:
-            item = await self._queue.get()
-            if item is _END:
+            out = self.take()
+            if out is not None:
+                yield out
+            elif self._ended:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+
+    def take(self) -> RequestOutput | None:
+        """What arrived since the last take, as one output (None: nothing yet, or the end);
+        raises the failure that ended the stream once everything before it was taken."""
+        out, self._pending = self._pending, None
+        if out is None and self._error is not None:
+            raise self._error
+        return out
+
+    @property
+    def exhausted(self) -> bool:
+        """Ended, and everything taken."""
+        return self._ended and self._pending is None and self._error is None
+
+    def bind(self, wake: asyncio.Event) -> None:
+        """Signal `wake` (shared by the streams of one HTTP request) instead of the stream's own."""
+        self._wake = wake
+        if self._pending is not None or self._ended:
+            wake.set()
 
     def close(self) -> None:
         """Abort the request unless it already finished (idempotent)."""
@@ -110,8 +140,21 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
     # called on the event loop by the owner
-    def _put(self, item: Any) -> None:
-        self._queue.put_nowait(item)
+    def _put(self, out: RequestOutput) -> None:
+        if self.num_prompt_tokens == 0:
+            self.num_prompt_tokens = len(out.prompt_token_ids)
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.num_generation_tokens = self.num_generation_tokens + new_tokens if self._delta else new_tokens
+        if self._pending is not None and self._delta:
+            self._pending.add(out)
+        else:
+            self._pending = out
+        self._wake.set()
+
+    def _end(self, error: BaseException | None = None) -> None:
+        self._ended = True
+        self._error = error
+        self._wake.set()
 
 
 class AsyncLLMEngine:
@@ -167,8 +210,20 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Accepted requests that have not produced a token yet."""
-        return sum(1 for s in self._streams.values() if s.first_token_time is None)
+        """Sequences (a request's n samples each) accepted that have not produced a token yet."""
+        return sum(s.num_seqs for s in self._streams.values() if s.first_token_time is None)
+
+    def check_capacity(self, num_seqs: int) -> None:
+        """Raise `QueueFullError` unless `num_seqs` more sequences may wait now, or ValueError
+        when that many could never wait at once."""
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise ValueError(f"the request has {num_seqs} sequences (prompts x n), more than the {limit} this server "
+                             "lets wait at once (--max-waiting-requests); send fewer prompts or a smaller n")
+        if self.num_waiting + num_seqs > limit:
+            raise QueueFullError(f"too many waiting requests ({self.num_waiting} sequences of at most {limit}); retry later")
 
     def stats(self) -> Any:
         """The engine's `EngineStats` after the latest step (never calls into the engine)."""
@@ -197,19 +252,21 @@ class AsyncLLMEngine:
     # ---- requests --------------------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+        check_capacity: bool = True,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
-        Raises `QueueFullError`, `EngineStoppedError`, or the engine's `ValueError` for a bad request.
+        Raises `QueueFullError`, `EngineStoppedError`, or the engine's `ValueError` for a bad
+        request. `check_capacity=False`: the caller checked the waiting limit for a batch of requests.
         """
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down" if self.is_running else "the engine stopped")
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"too many waiting requests ({self.max_waiting_requests}); retry later")
+        if check_capacity:
+            self.check_capacity(params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, params)
         self._streams[request_id] = stream
         self._command("add", (request_id, prompt, params, priority))
         try:
@@ -222,7 +279,7 @@ class AsyncLLMEngine:
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs; leaving early aborts it."""
+        """Add a request and yield its outputs; leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority=priority)
         try:
             async for out in stream:
@@ -240,7 +297,7 @@ class AsyncLLMEngine:
             stream.accepted.cancel()
         stream.finished = True
         self._record(stream, "abort")
-        stream._put(_END)
+        stream._end()
 
     # ---- event-loop side of the hand-off -----------------------------------------------------
 
@@ -269,14 +326,14 @@ class AsyncLLMEngine:
                 continue
             if stream.first_token_time is None and any(c.token_ids for c in out.outputs):
                 stream.first_token_time = now
-            stream.last = out
+            reasons = {c.finish_reason for c in out.outputs}  # a delta holds the samples that finished now
+            stream.length_only = stream.length_only and reasons <= {"length", None}
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
                 stream.finished = True
-                reasons = {c.finish_reason for c in out.outputs}
-                self._record(stream, "length" if reasons == {"length"} else "stop")
-                stream._put(_END)
+                self._record(stream, "length" if stream.length_only else "stop")
+                stream._end()
 
     def _on_dead(self, error: BaseException) -> None:
         self._error = error
@@ -287,20 +344,19 @@ class AsyncLLMEngine:
             if not stream.accepted.done():
                 stream.accepted.set_exception(failure)
             self._record(stream, "error")
-            stream._put(failure)
+            stream._end(failure)
 
     def _record(self, stream: RequestStream, outcome: str) -> None:
         if self.on_request_done is None:
             return
-        last = stream.last
         record = RequestRecord(
             request_id=stream.request_id,
             outcome=outcome,
             arrival_time=stream.arrival_time,
             first_token_time=stream.first_token_time,
             finish_time=time.monotonic(),
-            num_prompt_tokens=len(last.prompt_token_ids) if last else 0,
-            num_generation_tokens=sum(len(c.token_ids) for c in last.outputs) if last else 0,
+            num_prompt_tokens=stream.num_prompt_tokens,
+            num_generation_tokens=stream.num_generation_tokens,
         )
         try:
             self.on_request_done(record)

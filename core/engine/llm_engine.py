@@ -175,6 +175,7 @@ class LLMEngine:
                 stops=params.stop_strings,
                 include_stop=params.include_stop_str_in_output,
                 want_logprobs=params.logprobs is not None,
+                kind=params.output_kind,
             )
         )
         for req in requests:

@@ -1,5 +1,7 @@
 """Turns scheduler requests into `RequestOutput`s: detokenizes, applies stop strings, collects
-logprobs, and groups the samples of an n>1 request."""
+logprobs, and groups the samples of an n>1 request. Each request gets outputs of its
+`SamplingParams.output_kind`: cumulative, deltas (what is new since the last one: a stream's
+consumer never receives a copy of everything at every step) or the final one only."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 from portside.engine.detokenizer import IncrementalDetokenizer, find_stop
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
 from portside.request import Request
+from portside.sampling_params import RequestOutputKind
 from portside.sched.output import LogprobsLists
 
 
@@ -22,6 +25,9 @@ class SampleState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sent_chars: int = 0  # DELTA: text, tokens and finish already handed out
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -38,6 +44,7 @@ class RequestGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:
@@ -47,20 +54,33 @@ class RequestGroup:
         """Characters withheld from unfinished text: a stop string may still be forming there."""
         return max((len(s) for s in self.stops), default=1) - 1
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self) -> RequestOutput | None:
+        """The output to hand out now, of this request's kind (None: nothing to hand out)."""
+        if self.kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        delta = self.kind is RequestOutputKind.DELTA
         outs = []
         hb = self.hold_back()
         for s in sorted(self.samples.values(), key=lambda s: s.index):
             text = s.detok.text
             if s.finish_reason is None and hb:
                 text = text[: max(0, len(text) - hb)]
+            start = 0
+            if delta:
+                if s.sent_finish:
+                    continue
+                start, text = s.sent_tokens, text[s.sent_chars :]
+                if not text and start == len(s.token_ids) and s.finish_reason is None:
+                    continue  # nothing new for this sample
+                s.sent_chars += len(text)
+                s.sent_tokens, s.sent_finish = len(s.token_ids), s.finish_reason is not None
             outs.append(
                 CompletionOutput(
                     index=s.index,
                     text=text,
-                    token_ids=list(s.token_ids),
+                    token_ids=s.token_ids[start:],
                     cumulative_logprob=s.cumulative_logprob if self.want_logprobs else None,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    logprobs=s.logprobs[start:] if s.logprobs is not None else None,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                 )
@@ -128,7 +148,9 @@ class OutputProcessor:
                 sample.stop_reason = req.stop_reason
         outputs = []
         for gid, group in touched.items():
-            outputs.append(group.to_output())
+            out = group.to_output()
+            if out is not None:
+                outputs.append(out)
             if group.finished:
                 self.remove(gid)
         return outputs, stopped

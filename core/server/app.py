@@ -41,6 +41,11 @@ class ServerConfig:
     shutdown_timeout: float = 60.0  # seconds in-flight requests get to finish at shutdown
     root_path: str | None = None
     tool_parser: Any = None  # a ToolParser class: tool_choice "auto" parses the model's own calls
+    trust_request_chat_template: bool = False  # render templates sent with a request (a client's code)
+    # connection guards (`portside.server.connections`), applied when served through `run_server`
+    read_timeout: float = 60.0
+    stream_stall_timeout: float = 60.0
+    max_connections: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,11 +60,12 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         holder["ctx"] = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
-                                               config.tool_parser)
+                                               config.tool_parser, config.trust_request_chat_template)
         try:
             yield
         finally:
             await async_engine.shutdown(config.shutdown_timeout)
+            holder["ctx"].offload.shutdown()
 
     app = FastAPI(title="portside", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = async_engine

@@ -47,4 +47,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser", default=None, metavar="NAME",
         help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), mistral, or a plugin's",
     )  # fmt: skip
+    g.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="render chat templates that requests send (`chat_template`): code from clients, run under a time and size "
+             "budget; refused by default",
+    )  # fmt: skip
+    g.add_argument(
+        "--read-timeout", type=float, default=60.0,
+        help="seconds a client has to send a whole request (headers and body) after connecting or starting it; "
+             "slower connections are closed (default 60)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stream-stall-timeout", type=float, default=60.0,
+        help="seconds a client may leave its response unread (its socket buffers full) before the connection is closed "
+             "and its requests aborted (default 60)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-connections", type=int, default=None,
+        help="open connections accepted at once; past it a connection gets 503 and is closed "
+             "(default: half the process's open-file limit)",
+    )  # fmt: skip
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level, including its access log (default info)")

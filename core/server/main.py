@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 
 from portside.server.app import ServerConfig, build_app
+from portside.server.connections import guarded_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_parser = get_tool_parser(args.tool_call_parser)
     elif args.tool_call_parser:
         raise ValueError("--tool-call-parser is used by tool_choice \"auto\": add --enable-auto-tool-choice")
+    for flag in ("read_timeout", "stream_stall_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1")
     return ServerConfig(
         served_model_names=list(names),
         tool_parser=tool_parser,
@@ -48,7 +55,30 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
+        read_timeout=args.read_timeout,
+        stream_stall_timeout=args.stream_stall_timeout,
+        max_connections=args.max_connections if args.max_connections is not None else default_max_connections(),
     )
+
+
+def default_max_connections() -> int:
+    """Half the process's open-file limit: the rest stays for the model's files, logs and workers."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, soft // 2) if soft != resource.RLIM_INFINITY else 4096
+
+
+class RedactSecrets(logging.Filter):
+    """Blank query-string values that look like credentials in uvicorn's access log."""
+
+    _SECRET = re.compile(r"([?&](?:[^=&]*(?:key|token|secret|password|auth)[^=&]*)=)[^&\s]*", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._SECRET.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+        return True
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -58,6 +88,7 @@ def run_server(args: argparse.Namespace) -> int:
     from portside.engine.args import engine_kwargs
     from portside.engine.llm_engine import LLMEngine
 
+    __import__("portside.server.debug_memory", fromlist=["_"]).install_from_env()  # PORTSIDE_TRACEMALLOC=1: soak bench
     config = server_config(args)
     engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
     quant = engine.config.model.quantization
@@ -74,8 +105,10 @@ def run_server(args: argparse.Namespace) -> int:
             # uvicorn annotates int but only hands it to asyncio.wait_for(timeout=), which takes a float
             timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]
             lifespan="on",
+            http=guarded_protocol(config.read_timeout, config.stream_stall_timeout, config.max_connections),
         )
     )
+    logging.getLogger("uvicorn.access").addFilter(RedactSecrets())
     # uvicorn re-raises the signal it shut down on once it is done; with these handlers in place
     # that is a no-op, so a SIGTERM'd server exits 0 after its graceful shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

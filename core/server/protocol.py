@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_N = 128  # OpenAI's documented upper bound for `n`
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no bound)
@@ -199,7 +199,7 @@ class MessageToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None  # str | list[TextPart] | None
+    content: Any = Field(default=None, validate_default=True)  # str | list[TextPart]; None: an assistant's tool calls
     name: str | None = None
     tool_call_id: str | None = None  # role "tool": the call this message answers
     tool_calls: list[MessageToolCall] | None = None  # role "assistant": the calls it made
@@ -212,10 +212,13 @@ class ChatMessage(OpenAIModel):
 
     @field_validator("content")
     @classmethod
-    def _check_content(cls, v: Any) -> str:
-        """Flatten text parts into one string; any other part type is a 400."""
+    def _check_content(cls, v: Any, info: ValidationInfo) -> str | None:
+        """Flatten text parts into one string; any other part type is a 400. Only an assistant's
+        content may be null or missing (as OpenAI's: when it made tool calls or refused)."""
         if v is None:
-            return ""
+            if info.data.get("role") == "assistant":
+                return None
+            raise ValueError("is required for this role (a string or a list of content parts), got null or nothing")
         if isinstance(v, str):
             return v
         if isinstance(v, list):
@@ -226,6 +229,12 @@ class ChatMessage(OpenAIModel):
                 texts.append(part["text"])
             return "".join(texts)
         raise ValueError("must be a string or a list of content parts")
+
+    @model_validator(mode="after")
+    def _assistant_says_something(self) -> ChatMessage:
+        if self.role == "assistant" and self.content is None and not self.tool_calls and self.refusal is None:
+            raise ValueError("content: an assistant message needs content, tool_calls or refusal")
+        return self
 
 
 class FunctionDefinition(OpenAIModel):

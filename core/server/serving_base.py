@@ -5,24 +5,27 @@ logprob formatting and SSE framing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestStream
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
-from portside.sampling_params import SamplingParams
+from portside.sampling_params import RequestOutputKind, SamplingParams
 from portside.server.errors import APIError, bad_request, from_validation_error, from_value_error
 from portside.server.metrics import ServerMetrics
+from portside.server.offload import SMALL_BYTES, Offload
 from portside.server.protocol import SamplingFields
 from portside.server.structured import compile_constraint, request_constraint
 from portside.structured.params import StructuredOutputsParams
@@ -39,6 +42,7 @@ class ServingContext:
 
     engine: AsyncLLMEngine
     tokenizer: Any  # a private copy of the engine's tokenizer, used on the event loop only
+    offload: Offload  # where request-sized work runs (its workers have their own tokenizers)
     served_model_names: list[str]
     max_model_len: int
     metrics: ServerMetrics
@@ -49,19 +53,18 @@ class ServingContext:
     structured: Any = None  # the engine's StructuredOutputManager (compiles are thread-safe)
     reasoning_parser: Any = None  # a portside.reasoning.ReasoningParser (--reasoning-parser)
     tool_parser: Any = None  # a portside.tool_parsers.ToolParser class (--enable-auto-tool-choice)
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None,
-               tool_parser: Any = None) -> ServingContext:
-        tok = engine.engine.tokenizer
-        try:  # a copy keeps tokenization on the event loop apart from the engine thread's detokenizer
-            tok = copy.deepcopy(tok)
-        except Exception:  # pragma: no cover - tokenizers that cannot be copied are shared
-            logger.warning("could not copy the tokenizer; sharing the engine's")
+               tool_parser: Any = None, trust_request_chat_template: bool = False) -> ServingContext:
+        # copies keep the event loop's and the workers' tokenizers apart from the engine thread's detokenizer
+        tok = copy.deepcopy(engine.engine.tokenizer)
         vocab = int(getattr(engine.engine, "vocab_size", 0) or len(tok))
         reasoning = getattr(engine.engine, "reasoning_parser", None)
-        return cls(engine, tok, served_model_names, engine.engine.max_model_len, metrics, chat_template, vocab,
-                   structured=getattr(engine.engine, "structured", None), reasoning_parser=reasoning, tool_parser=tool_parser)
+        return cls(engine, tok, Offload(tok), served_model_names, engine.engine.max_model_len, metrics, chat_template, vocab,
+                   structured=getattr(engine.engine, "structured", None), reasoning_parser=reasoning, tool_parser=tool_parser,
+                   trust_request_chat_template=trust_request_chat_template)
 
     async def constraint(self, req: SamplingFields, extra: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
         """The request's compiled output constraint (`extra`: one that tool_choice imposes)."""
@@ -92,11 +95,19 @@ class ServingContext:
         return self.tokenizer.decode([token_id])
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Read and validate a JSON body; any problem is a 400 naming the parameter."""
-    raw = await request.body()
+async def parse_body(ctx: ServingContext, request: Request, model: type[M]) -> tuple[M, bool]:
+    """Read and validate a JSON body; any problem is a 400 naming the parameter. Also says
+    whether the request is large (its body over `SMALL_BYTES`: its work goes to the large lane)."""
     try:
-        return model.model_validate_json(raw or b"")
+        raw = await request.body()
+    except ClientDisconnect:  # hung up mid-body: an abort, before the engine saw anything
+        ctx.metrics.requests.labels("abort").inc()
+        raise APIError(499, "client disconnected") from None
+    large = len(raw) > SMALL_BYTES
+    try:
+        if large:
+            return await ctx.offload.run(model.model_validate_json, raw, large=True), True
+        return model.model_validate_json(raw or b""), False
     except ValidationError as e:
         raise from_validation_error(e) from None
 
@@ -127,7 +138,8 @@ def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, p
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None,
                     structured: StructuredOutputsParams | None = None, skip_special_tokens: bool | None = None) -> SamplingParams:
-    """SamplingParams from request fields (OpenAI defaults for fields left unset)."""
+    """SamplingParams from request fields (OpenAI defaults for fields left unset). A stream gets
+    deltas (coalesced while its client is slow); any other request only its final output."""
     kwargs: dict[str, Any] = dict(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -148,6 +160,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
     )
     try:
         return SamplingParams(**kwargs)
@@ -155,25 +168,30 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         raise from_value_error(e, renames=renames) from None
 
 
-async def submit(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int, prompt_param: str) -> RequestStream:
-    """Hand a request to the engine; map its refusals to HTTP errors."""
+@contextlib.contextmanager
+def engine_errors(ctx: ServingContext, param: str) -> Iterator[None]:
+    """Map the async engine's refusals to HTTP errors."""
     try:
-        return await ctx.engine.add_request(request_id, prompt_ids, params, priority=priority)
+        yield
     except QueueFullError as e:
         raise APIError(503, str(e), code="queue_full", headers={"Retry-After": str(ctx.retry_after_s)}) from None
     except EngineStoppedError as e:
         raise APIError(503, str(e), code="unavailable", headers={"Retry-After": str(ctx.retry_after_s)}) from None
     except ValueError as e:  # the engine's own validation
-        raise from_value_error(e, default_param=prompt_param) from None
+        raise from_value_error(e, default_param=param) from None
 
 
 async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]], params: list[SamplingParams], priority: int, prompt_param: str) -> list[RequestStream]:
-    """Submit one request per prompt; if any is refused, abort those already accepted."""
+    """Submit one request per prompt, all or none: the waiting limit counts every sequence of
+    the batch (prompts x n) up front, and if one is refused those already accepted are aborted."""
+    with engine_errors(ctx, "n"):
+        ctx.engine.check_capacity(sum(p.n for p in params))
     streams: list[RequestStream] = []
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await submit(ctx, rid, ids, sp, priority, prompt_param))
+            with engine_errors(ctx, prompt_param):
+                streams.append(await ctx.engine.add_request(rid, ids, sp, priority=priority, check_capacity=False))
     except BaseException:
         close_all(streams)
         raise
@@ -181,38 +199,28 @@ async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]]
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as (prompt index, output); leaving early aborts them all."""
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                queue.put_nowait((i, out))
-        except BaseException as e:  # hand the failure to the consumer
-            queue.put_nowait(e)
-        finally:
-            queue.put_nowait(done)
-
-    tasks: list[asyncio.Task[None]] = []
+    """Interleave several request streams as (prompt index, output); leaving early aborts them
+    all. Nothing is buffered here: what a slow consumer has not taken stays coalesced in its stream."""
+    wake = asyncio.Event()
+    for s in streams:
+        s.bind(wake)
+    live = list(enumerate(streams))
     try:
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        while live:
+            wake.clear()
+            progressed = False
+            for entry in list(live):
+                i, s = entry
+                out = s.take()
+                if out is not None:
+                    progressed = True
+                    yield i, out
+                elif s.exhausted:
+                    live.remove(entry)
+                    progressed = True
+            if not progressed:
+                await wake.wait()
     finally:
-        for t in tasks:
-            t.cancel()
         close_all(streams)
 
 
@@ -266,7 +274,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 @dataclass
 class ChoiceCursor:
-    """What has been sent of one choice so far (for streaming deltas)."""
+    """What has been sent of one streamed choice so far (its outputs are deltas)."""
 
     text_len: int = 0
     num_tokens: int = 0
@@ -274,13 +282,9 @@ class ChoiceCursor:
     finished: bool = False
     started: bool = False
 
-    def delta(self, c: CompletionOutput) -> tuple[str, list[int], int]:
-        """New text, new token ids, and the index of the first new token."""
-        text = c.text[self.text_len :]
-        start = self.num_tokens
-        tokens = c.token_ids[start:]
-        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
-        return text, tokens, start
+    def advance(self, c: CompletionOutput) -> None:
+        self.text_len += len(c.text)
+        self.num_tokens += len(c.token_ids)
 
 
 def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -289,10 +293,10 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def chat_logprobs(ctx: ServingContext, c: CompletionOutput, start: int, k: int) -> list[dict[str, Any]]:
-    """Chat `logprobs.content` entries for c's tokens from `start` on."""
+def chat_logprobs(ctx: ServingContext, c: CompletionOutput, k: int) -> list[dict[str, Any]]:
+    """Chat `logprobs.content` entries for c's tokens."""
     items = []
-    for pos in range(start, len(c.token_ids)):
+    for pos in range(len(c.token_ids)):
         tid = c.token_ids[pos]
         entry = c.logprobs[pos] if c.logprobs and pos < len(c.logprobs) else {}
         lp = entry.get(tid)
@@ -311,11 +315,11 @@ def chat_logprobs(ctx: ServingContext, c: CompletionOutput, start: int, k: int) 
     return items
 
 
-def completion_logprobs(ctx: ServingContext, c: CompletionOutput, start: int, k: int, text_offset: int) -> dict[str, Any]:
-    """Legacy completions `logprobs` for c's tokens from `start` on; offsets start at text_offset."""
+def completion_logprobs(ctx: ServingContext, c: CompletionOutput, k: int, text_offset: int) -> dict[str, Any]:
+    """Legacy completions `logprobs` for c's tokens; offsets start at text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
-    for pos in range(start, len(c.token_ids)):
+    for pos in range(len(c.token_ids)):
         tid = c.token_ids[pos]
         entry = c.logprobs[pos] if c.logprobs and pos < len(c.logprobs) else {}
         lp = entry.get(tid)

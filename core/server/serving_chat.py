@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from portside.chat_template import render_chat_ids
 from portside.outputs import CompletionOutput, RequestOutput
 from portside.server.errors import bad_request
 from portside.server.protocol import ChatCompletionRequest
@@ -36,12 +37,28 @@ from portside.server.serving_base import (
 )
 from portside.server.tools import ToolPlan, ToolStream, parse_output, plan_tools, template_messages
 
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not set them
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})  # fmt: skip
+REQUEST_TEMPLATE_BUDGET_S = 2.0  # render time a template sent with a request may take
+REQUEST_TEMPLATE_MAX_CHARS = 8 << 20  # and the most text it may render
+
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
-    req = await parse_body(request, ChatCompletionRequest)
+    req, large = await parse_body(ctx, request, ChatCompletionRequest)
     ctx.check_model(req.model)
+    if req.chat_template is not None and not ctx.trust_request_chat_template:
+        raise bad_request("chat_template: this server does not render templates sent with a request; its operator "
+                          "can allow them with --trust-request-chat-template", "chat_template")
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {}))
+    if bad:
+        raise bad_request(f"chat_template_kwargs: {bad[0]!r} is a parameter of the template call itself, not a "
+                          "template variable", "chat_template_kwargs")
     plan = plan_tools(req, ctx.tool_parser, ctx.tokenizer)
-    prompt_ids = _render(ctx, req, plan)
+    prompt_ids = await ctx.offload.run(_render, ctx, req, plan, large=large or req.chat_template is not None)
     requested, field_name = req.requested_max_tokens
     max_tokens = resolve_max_tokens(requested, field_name, True, len(prompt_ids), ctx.max_model_len, "messages")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -60,18 +77,21 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
 
 
 def _render(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-    """Apply the chat template; the rendered text already holds its special tokens."""
+    """The prompt's token ids through the chat template (on an offload worker). Special tokens
+    written in user and tool messages are plain text: a user cannot forge a turn."""
     template = req.chat_template or ctx.chat_template
-    if template is None and not getattr(ctx.tokenizer, "chat_template", None):
+    tok = ctx.offload.tokenizer()
+    if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with --chat-template", "messages")
+    untrusted = req.chat_template is not None
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            template_messages(req), tools=plan.tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template=template, **(req.chat_template_kwargs or {}),
+        return render_chat_ids(
+            tok, template_messages(req), chat_template=template, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
+            budget_s=REQUEST_TEMPLATE_BUDGET_S if untrusted else None, max_chars=REQUEST_TEMPLATE_MAX_CHARS if untrusted else None,
         )  # fmt: skip
     except Exception as e:  # template errors (e.g. a template that enforces role order) are the request's fault
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-    return ctx.tokenizer(text, add_special_tokens=False).input_ids
 
 
 def _finish_reason(c: CompletionOutput, plan: ToolPlan, called: bool) -> str | None:
@@ -86,7 +106,7 @@ def _response(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, t
     choices = []
     k = req.top_logprobs or 0
     for c in out.outputs:
-        logprobs = {"content": chat_logprobs(ctx, c, 0, k), "refusal": None} if req.logprobs else None
+        logprobs = {"content": chat_logprobs(ctx, c, k), "refusal": None} if req.logprobs else None
         reasoning, text = (None, c.text)
         if ctx.reasoning_parser is not None:
             reasoning, text = ctx.reasoning_parser.extract(c.text, thinking)
@@ -165,15 +185,15 @@ async def _stream(
                 cur = ch.cursor
                 if cur.finished:
                     continue
-                text, tokens, start = cur.delta(c)
+                cur.advance(c)
                 finish = openai_finish_reason(c.finish_reason)
-                if not (text or tokens or finish):
+                if not (c.text or c.token_ids or finish):
                     continue
-                logprobs = {"content": chat_logprobs(ctx, c, start, k), "refusal": None} if req.logprobs else None
-                deltas = ch.deltas(text, final=finish is not None)
+                logprobs = {"content": chat_logprobs(ctx, c, k), "refusal": None} if req.logprobs else None
+                deltas = ch.deltas(c.text, final=finish is not None)
                 if finish:
                     cur.finished = True
-                    completion_tokens += len(c.token_ids)
+                    completion_tokens += cur.num_tokens
                     finish = _finish_reason(c, plan, ch.tools.called)
                 if not deltas:  # tokens whose text is held back (a partial character, a parser's buffer)
                     deltas = [{} if finish else {"content": ""}]

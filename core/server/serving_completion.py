@@ -35,9 +35,9 @@ from portside.server.serving_base import (
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Any:
-    req = await parse_body(request, CompletionRequest)
+    req, large = await parse_body(ctx, request, CompletionRequest)
     ctx.check_model(req.model)
-    prompts_ids, echo = _tokenize(ctx, req.prompt, req.echo)
+    prompts_ids, echo = await ctx.offload.run(_tokenize, ctx, req.prompt, req.echo, large=large)
     explicit = "max_tokens" in req.model_fields_set
     structured = await ctx.constraint(req)
     if structured is not None:  # raw text comes back, with no reasoning split off: constrain all of it
@@ -57,15 +57,31 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
 
 def _tokenize(ctx: ServingContext, prompt: list[Any], echo: bool) -> tuple[list[list[int]], list[str] | None]:
     """Token ids of each prompt (text prompts get the tokenizer's special tokens), and their
-    text when it is to be echoed."""
+    text when it is to be echoed. Runs on an offload worker, with its tokenizer."""
+    tok = ctx.offload.tokenizer()
     if isinstance(prompt[0], str):
-        return [ctx.tokenizer(p).input_ids for p in prompt], list(prompt) if echo else None
+        return [_encode(tok, p, ctx.max_model_len) for p in prompt], list(prompt) if echo else None
     ids = [list(p) for p in prompt]
     for p in ids:
         bad = [t for t in p if not 0 <= t < ctx.vocab_size]
         if bad:
             raise bad_request(f"prompt token id {bad[0]} is out of range for vocabulary size {ctx.vocab_size}", "prompt")
-    return ids, [ctx.tokenizer.decode(p) for p in ids] if echo else None
+    return ids, [tok.decode(p) for p in ids] if echo else None
+
+
+def _encode(tok: Any, text: str, max_model_len: int) -> list[int]:
+    """A text prompt's ids; a prompt whose first `max_model_len * _HEAD_CHARS_PER_TOKEN`
+    characters alone overflow the context is refused without tokenizing the rest."""
+    head = max_model_len * _HEAD_CHARS_PER_TOKEN
+    if len(text) > head:
+        n = len(tok(text[:head]).input_ids)
+        if n > max_model_len + 1:  # (+1: the cut may split one token in two)
+            raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt has more "
+                              f"than {n - 1} tokens ({len(text)} characters); shorten the prompt", "prompt")
+    return tok(text).input_ids
+
+
+_HEAD_CHARS_PER_TOKEN = 32
 
 
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput], echo: list[str] | None) -> dict[str, Any]:
@@ -77,7 +93,7 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, crea
         prefix = echo[i] if echo is not None else ""
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            logprobs = completion_logprobs(ctx, c, 0, req.logprobs, len(prefix)) if req.logprobs is not None else None
+            logprobs = completion_logprobs(ctx, c, req.logprobs, len(prefix)) if req.logprobs is not None else None
             choices.append(
                 {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": openai_finish_reason(c.finish_reason)}
             )
@@ -122,15 +138,15 @@ async def _stream(
                     prefix = echo[i] if echo is not None else ""
                     cur.echo_len = len(prefix)
                 offset = cur.echo_len + cur.text_len
-                text, tokens, start = cur.delta(c)
+                cur.advance(c)
                 finish = openai_finish_reason(c.finish_reason)
-                if not (prefix or text or tokens or finish):
+                if not (prefix or c.text or c.token_ids or finish):
                     continue
-                logprobs = completion_logprobs(ctx, c, start, req.logprobs, offset) if req.logprobs is not None else None
+                logprobs = completion_logprobs(ctx, c, req.logprobs, offset) if req.logprobs is not None else None
                 if finish:
                     cur.finished = True
-                    completion_tokens += len(c.token_ids)
-                yield chunk(index, prefix + text, logprobs, finish)
+                    completion_tokens += cur.num_tokens
+                yield chunk(index, prefix + c.text, logprobs, finish)
             if out.finished:
                 cached += out.num_cached_tokens
         if include_usage:

@@ -195,7 +195,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as chat templates expect them: tool-call arguments as objects."""
     out = []
     for m in req.messages:
-        content = m.content or (m.refusal if m.role == "assistant" else None) or m.content
+        content = m.content or (m.refusal if m.role == "assistant" else None) or m.content or ""
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.reasoning_content is not None:
             msg["reasoning_content"] = m.reasoning_content

@@ -10,7 +10,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from portside.structured.params import StructuredOutputsParams
@@ -30,7 +29,8 @@ class LLGuidanceMatcher:
         return self.m.consume_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self.m, bitmask, row)
+        v = bitmask[row]  # a contiguous int32 row of a CPU tensor
+        self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
 
     def is_terminated(self) -> bool:
         return self.m.is_stopped()
@@ -92,4 +92,8 @@ class LLGuidanceBackend:
         """Every row's mask at once, on llguidance's own thread pool (outside the GIL)."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.m, r) for m, r in rows], bitmask)
+        # what llguidance.torch does, without importing it: that module torch.compiles at import,
+        # pulling in Dynamo (seconds, holding the GIL) on the first constrained request
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        self._executor.unsafe_compute_mask_ptr([(m.m, r) for m, r in rows], bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                               bitmask.shape[0])

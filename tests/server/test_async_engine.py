@@ -72,6 +72,40 @@ def test_stream_abort_queue_bound_and_shutdown(sync_engine) -> None:  # type: ig
     assert "bad" not in by_id and "c2" not in by_id
 
 
+def test_delta_outputs_and_a_slow_reader(sync_engine) -> None:  # type: ignore[no-untyped-def]
+    """DELTA outputs concatenate to the CUMULATIVE result; what a reader has not taken is folded
+    into one pending output (not one copy per step); FINAL_ONLY hands out one output."""
+    from portside.sampling_params import RequestOutputKind
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(sync_engine)
+        engine.start()
+        base = dict(n=2, max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, stop=["never appears"])
+        cumulative = [o async for o in engine.generate("c", [5, 6, 7], SamplingParams(**base))][-1]  # type: ignore[arg-type]
+
+        deltas = [o async for o in engine.generate("d", [5, 6, 7], SamplingParams(**base, output_kind=RequestOutputKind.DELTA))]  # type: ignore[arg-type]
+        assert len(deltas) > 2 and deltas[-1].finished
+        for c in cumulative.outputs:
+            mine = [x for o in deltas for x in o.outputs if x.index == c.index]
+            assert "".join(x.text for x in mine) == c.text
+            assert [t for x in mine for t in x.token_ids] == c.token_ids
+            assert [e for x in mine for e in x.logprobs or []] == c.logprobs
+            assert mine[-1].finish_reason == "length" and all(x.finish_reason is None for x in mine[:-1])
+
+        slow = await engine.add_request("s", [5, 6, 7], SamplingParams(**base, output_kind=RequestOutputKind.DELTA))  # type: ignore[arg-type]
+        while not slow.finished:  # the reader sleeps through the whole request
+            await asyncio.sleep(0.01)
+        (only,) = [o async for o in slow]
+        assert only.finished
+        assert [(c.text, c.token_ids, c.logprobs) for c in only.outputs] == [(c.text, c.token_ids, c.logprobs) for c in cumulative.outputs]
+
+        final = [o async for o in engine.generate("f", [5, 6, 7], SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY))]  # type: ignore[arg-type]
+        assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == [c.token_ids for c in cumulative.outputs]
+        await engine.shutdown(timeout=5)
+
+    asyncio.run(main())
+
+
 def test_serve_help_documents_every_flag() -> None:
     import argparse
 

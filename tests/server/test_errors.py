@@ -97,6 +97,17 @@ CASES = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": {"type": "string"}, "min_tokens": 3}, 400, "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_decoding_backend": "outlines", "guided_regex": "a"}, 400, "guided_decoding_backend"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "stream": True, "n": 0}, 400, "n"),
+    # content is required but for an assistant that made tool calls (or refused), as OpenAI's
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [*MSG, {"role": "tool", "content": None, "tool_call_id": "c"}]}, 400, "messages[1].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [*MSG, {"role": "assistant", "content": None}]}, 400, "messages[1].content"),
+    # a request's own template is code from the client: refused without --trust-request-chat-template
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "chat_template": "{{ messages[0].content }}"}, 400, "chat_template"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs"),
+    # the waiting limit (256 here) counts sequences: 15 prompts x n=128 could never wait at once
+    ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 15, "n": 128, "max_tokens": 1}, 400, "n"),
 ]
 
 

@@ -1,0 +1,62 @@
+"""Where the work a request controls runs: never on the event loop.
+
+Parsing a large body, tokenizing a prompt, rendering a chat template and decoding an echoed
+prompt take time proportional to what the client sent (a 5 MB prompt: seconds). They run on
+two bounded lanes of worker threads: requests with a small body use the `small` lane and
+everything else (large bodies, templates the client supplied) the `large` one, so a client
+sending huge or expensive requests delays only others like it, never /health or a short
+request. Each worker thread tokenizes with its own copy of the tokenizer (a Hugging Face fast
+tokenizer must not be used by threads that may change its settings concurrently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from portside.server.errors import APIError
+
+T = TypeVar("T")
+
+SMALL_BYTES = 64 << 10  # a body up to this size is a small request
+
+
+class Offload:
+    """Two single-thread lanes, each taking at most `max_queued` jobs; past it a 503."""
+
+    def __init__(self, tokenizer: Any, max_queued: int = 64, retry_after_s: int = 1) -> None:
+        self._base = tokenizer
+        self._copy_lock = threading.Lock()
+        self._local = threading.local()
+        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"portside-{name}") for name in ("small", "large")}
+        self._queued = dict.fromkeys(self._lanes, 0)
+        self.max_queued = max_queued
+        self.retry_after_s = retry_after_s
+
+    def tokenizer(self) -> Any:
+        """This worker thread's own tokenizer."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._copy_lock:
+                tok = self._local.tokenizer = copy.deepcopy(self._base)
+        return tok
+
+    async def run(self, fn: Callable[..., T], *args: Any, large: bool) -> T:
+        """`fn(*args)` on a worker of the lane; a client that leaves first cancels it if it has not started."""
+        lane = "large" if large else "small"
+        if self._queued[lane] >= self.max_queued:
+            raise APIError(503, "the server is busy preparing other requests; retry later", code="server_busy",
+                           headers={"Retry-After": str(self.retry_after_s)})
+        self._queued[lane] += 1
+        try:
+            return await asyncio.wrap_future(self._lanes[lane].submit(fn, *args))
+        finally:
+            self._queued[lane] -= 1
+
+    def shutdown(self) -> None:
+        for pool in self._lanes.values():
+            pool.shutdown(wait=False, cancel_futures=True)
