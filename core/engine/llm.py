@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any, cast
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 from portside.engine.args import EngineArgs
 from portside.engine.llm_engine import LLMEngine
 from portside.outputs import RequestOutput
-from portside.sampling_params import SamplingParams
+from portside.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
 
@@ -88,6 +89,8 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # only the finished outputs are returned: the engine need not build one per step
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):

@@ -29,7 +29,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--max-waiting-requests", type=int, default=256,
-        help="requests that may wait for a batch slot; past it requests get 503 with Retry-After (default 256)",
+        help="sequences (prompts x n) that may wait for a batch slot; past it requests get 503 with Retry-After, and one "
+             "request with more sequences than this gets 400 (default 256)",
     )  # fmt: skip
     g.add_argument(
         "--max-request-body-bytes", type=int, default=8 << 20,
