@@ -1,5 +1,6 @@
 """portside: a hardware-portable LLM inference and serving engine."""
 
+from portside.lora.request import LoRARequest
 from portside.outputs import CompletionOutput, Logprob, RequestOutput
 from portside.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
@@ -14,6 +15,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
     "__version__",
 ]
 

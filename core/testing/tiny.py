@@ -8,6 +8,8 @@ Everything here is built in a second or two, deterministically, without a networ
   whose weights `transformers` itself initialises (then re-drawn wider so that greedy decoding
   does not collapse onto one token).
 - `hf_greedy(path, prompt_ids, n)`: the oracle: transformers' greedy `generate` in fp32.
+- `make_tiny_lora(model_dir, out_dir)`: a random LoRA adapter for such a model, made and saved
+  by `peft` itself.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "hf_greedy",
     "hf_logits",
     "make_tiny_gguf",
+    "make_tiny_lora",
 ]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -298,6 +301,55 @@ def hf_logits(path: str | os.PathLike, prompt_ids: list[int]) -> torch.Tensor:
     """transformers' fp32 logits [len(prompt_ids), vocab] for a single prompt."""
     model = _hf_model(path)
     return model(torch.tensor([prompt_ids], dtype=torch.long)).logits[0].float()
+
+
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHI3_LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's fused projections
+
+
+def make_tiny_lora(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    r: int = 8,
+    alpha: int = 16,
+    target_modules: tuple[str, ...] = LLAMA_LORA_TARGETS,
+    seed: int = 0,
+    use_rslora: bool = False,
+    safe_serialization: bool = True,
+    **extra_config: Any,
+) -> Path:
+    """Write a random PEFT LoRA adapter for the tiny model at `model_dir` into `out_dir`; return it.
+
+    `peft` builds it (`LoraConfig(r=r, lora_alpha=alpha, target_modules=..., use_rslora=...,
+    **extra_config)`, e.g. ``rank_pattern=``, ``alpha_pattern=``, ``modules_to_save=``) and saves
+    it with `save_pretrained` (``adapter_model.bin`` when `safe_serialization` is false). A and B
+    are then re-drawn from `seed`: A ~ N(0, 1/in), B ~ N(0, 0.25/r), so that the update
+    scaling * B A is about half the size of the base weights at the default r and alpha (greedy
+    tokens change within a few steps, logits stay finite). Every name in `target_modules` must
+    name a module of the model (Phi-3 fuses its projections: use `PHI3_LORA_TARGETS`).
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # not cached: peft edits it
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    absent = [t for t in target_modules if t.rsplit(".", 1)[-1] not in present]
+    if absent:
+        raise ValueError(f"{model.config.model_type} has no module named {absent}")
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+                        lora_dropout=0.0, init_lora_weights=False, **extra_config)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_A." in name or ".lora_embedding_A." in name:  # [r, in]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            elif ".lora_B." in name or ".lora_embedding_B." in name:  # [out, r]
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / math.sqrt(p.shape[1]))
+    out = Path(out_dir)
+    peft_model.save_pretrained(str(out), safe_serialization=safe_serialization)
+    return out
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
