@@ -12,6 +12,13 @@
   tok/s. The copies double the memory the weights take (option ``cpu_prepack=off`` keeps only
   the dense weights).
 
+oneDNN builds a primitive (JIT kernels) for every input row count it sees and keeps it in two
+1024-entry caches (its primitive cache and ideep's), about 0.6 MiB per (rows, weight shape): fed
+the raw row counts of a server's steps (every prefill and decode batch size), resident memory
+grew by megabytes a round for hours. So rows are padded to a bucket (`padded_rows`: at most 24
+sizes, at most 25% padding) and inputs over `CHUNK_ROWS` rows run in chunks of that many;
+the caches then stop growing once the buckets a workload uses have been seen.
+
 Both are hooks of one `TorchFunctionMode`, entered only around the steps that can use them: a
 mode's Python hook on every torch call costs a few percent of a step.
 """
@@ -28,6 +35,29 @@ logger = logging.getLogger(__name__)
 
 PREPACK_MODES = ("on", "off")
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+CHUNK_ROWS = 512  # longer inputs run through oneDNN in chunks of this many rows
+
+
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN runs `rows` (1..CHUNK_ROWS) rows as: the next power of two from 2
+    to 16, then the next of 4 steps per octave (20, 24, 28, 32, 40, .., 448, 512)."""
+    if rows <= 16:
+        return max(2, 1 << (rows - 1).bit_length())
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a 2-D `x` through oneDNN's prepacked linear, with the
+    rows padded to `padded_rows` (and chunked past `CHUNK_ROWS`) so that oneDNN only ever sees
+    a bounded set of shapes."""
+    rows = x.shape[0]
+    if rows > CHUNK_ROWS:
+        return torch.cat([packed_linear(x[i : i + CHUNK_ROWS], packed, bias) for i in range(0, rows, CHUNK_ROWS)])
+    pad = padded_rows(rows) - rows
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
 def prepack_unavailable_reason() -> str | None:
@@ -85,7 +115,7 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
                 if x.shape[0] > 1 and self.packed is not None:
                     packed = self.packed.get(weight)
                     if packed is not None:
-                        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                        return packed_linear(x, packed, bias)
         return func(*args, **kwargs)
 
 
