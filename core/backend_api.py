@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from portside.ops.lora import LoRAMapping  # what `ModelOps.lora_shrink` / `lora_expand` receive
 from portside.sample.bitmask import TokenBitmask, apply_token_bitmask  # the reference a sampler may replace
 from portside.sample.sampler import Sampler  # what `Platform.sampler` returns
 
@@ -54,6 +55,7 @@ __all__ = [
     "ATTENTION_FEATURES",
     "AttentionBackend",
     "ModelOps",
+    "LoRAMapping",
     "GraphRunner",
     "EagerGraphRunner",
     "ModelFn",
@@ -601,6 +603,11 @@ class ModelOps:
     Quantized weights (`portside.quant.weight.QuantWeight`): `prepare_quantized` re-lays a
     loaded weight once, `quantized_linear` multiplies by it; a backend overrides the formats it
     has kernels for and hands the rest to ``super()``.
+
+    Batched multi-LoRA (shapes in `portside.ops.lora`): `lora_shrink` multiplies each token by
+    its adapter slot's A, `lora_expand` adds its product with the slot's B into a column range of
+    the layer's output; the `LoRAMapping` (token -> slot) is shared by every layer of a step. On
+    a platform with ``supports_lora = False`` neither is called.
     """
 
     name: ClassVar[str] = "reference"
@@ -674,6 +681,24 @@ class ModelOps:
     def _expert_linear(self, x: torch.Tensor, w: QuantWeight, e: int) -> torch.Tensor:
         return self.quantized_linear(x, w.expert(e))
 
+    # ---- batched multi-LoRA (`portside.ops.lora`) -------------------------------------------
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """x [T, in], a [S, R, in] -> y [T, R] in x's dtype: y[t] = x[t] @ a[slot[t]].T (fp32
+        accumulation); 0 for tokens without an adapter."""
+        from portside.ops.lora import lora_shrink
+
+        return lora_shrink(x, a, mapping)
+
+    def lora_expand(
+        self, y: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping, out: torch.Tensor, out_offset: int = 0
+    ) -> None:
+        """In place: out[t, out_offset : out_offset + N] += y[t] @ b[slot[t]].T for tokens with an
+        adapter; y [T, R] (possibly a column slice of a wider tensor), b [S, N, R], out [T, M]."""
+        from portside.ops.lora import lora_expand
+
+        lora_expand(y, b, mapping, out, out_offset)
+
     def fused_moe(
         self,
         x: torch.Tensor,
@@ -711,6 +736,9 @@ class Platform(ABC):
     # `--kv-cache-dtype` values accepted (canonical `KV_CACHE_DTYPES` names); the attention
     # backend built for one must list it in its own `kv_cache_dtypes`
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    # batched multi-LoRA (`enable_lora`): the model calls `ModelOps.lora_shrink` / `lora_expand`
+    # (the defaults are core's references); False makes the engine refuse LoRA, naming it
+    supports_lora: ClassVar[bool] = True
 
     # ---- probe and device ------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from portside.backend_api import ModelOps
+from portside.backends.cpu.lora import CpuLoRAOps
 from portside.backends.cpu.quant import CpuQuantOps
 
 
@@ -70,9 +71,10 @@ def _moe_experts_fake(x, w13, w2, topk_weights, topk_ids, activation="silu"):  #
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-class CpuModelOps(CpuQuantOps, ModelOps):
-    """`ModelOps` with `moe_experts` grouped by expert (above) and the quantized linears of
-    `quant.CpuQuantOps`; routing stays core's reference."""
+class CpuModelOps(CpuLoRAOps, CpuQuantOps, ModelOps):
+    """`ModelOps` with `moe_experts` grouped by expert (above), the quantized linears of
+    `quant.CpuQuantOps` and the multi-LoRA kernels of `lora.CpuLoRAOps`; routing stays core's
+    reference."""
 
     name = "cpu"
 

@@ -239,7 +239,8 @@ class CpuPlatform(Platform):
 
     @classmethod
     def model_ops(cls, config) -> ModelOps:
-        """Core's references, but mixture-of-experts grouped by expert (`moe.CpuModelOps`)."""
+        """Core's references, but mixture-of-experts grouped by expert, native quantized linears and
+        multi-LoRA grouped by adapter (`moe.CpuModelOps`)."""
         from portside.backends.cpu.moe import CpuModelOps
 
         return CpuModelOps()

@@ -7,6 +7,7 @@ A kernel library, not a platform. Modules:
 - `paged_attention`: mixed prefill/decode paged attention with a split-KV (flash-decoding) path,
   sliding windows and logit softcaps;
 - `moe`: fused mixture-of-experts (grouped GEMMs over expert-sorted tokens), `TritonModelOps`;
+- `lora`: batched multi-LoRA shrink and expand (grouped GEMMs over slot-sorted tokens);
 - `attention`: `TritonAttentionBackend`, the kernels behind the `AttentionBackend` contract;
 - `graphs`: the device-graph runner (CUDA and HIP graphs) shared by cuda and rocm; no triton;
 - `gpu_platform`: `TorchGpuPlatform`, the base of the cuda and rocm platforms; no triton.

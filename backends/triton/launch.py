@@ -21,6 +21,8 @@ __all__ = [
     "choose_num_splits",
     "MoeLaunch",
     "choose_moe_launch",
+    "LoRALaunch",
+    "choose_lora_launch",
 ]
 
 MIN_TILE = 16  # smallest tl.dot tile side a GPU accepts
@@ -158,3 +160,34 @@ def choose_moe_launch(arch: ArchInfo, num_pairs: int, num_experts: int, dtype: t
     num_stages = 2 if arch.is_amd else 3 if arch.capability >= (8, 0) else 2
     block_k, num_warps = (64, 4) if block_m <= 32 else (32, 8)
     return MoeLaunch(block_m, 64, block_k, num_warps, num_stages, precision, upcast=False)
+
+
+@dataclass(frozen=True)
+class LoRALaunch:
+    """Tiles and compiler hints for one multi-LoRA shrink or expand launch (`lora.py`)."""
+
+    block_m: int  # tokens of one slot per program
+    block_n: int  # output columns (shrink: of the rank; expand: of the layer's slice)
+    block_k: int  # reduction (shrink: the input features; expand: the rank)
+    num_warps: int
+    num_stages: int
+    input_precision: str  # tl.dot precision: "ieee" for fp32 operands (and on AMD), else "tf32"
+    upcast: bool  # load half-precision operands as fp32 (the interpreter's bf16 dot is wrong)
+
+    def kernel_options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def choose_lora_launch(arch: ArchInfo, num_tokens: int, num_slots: int, n: int, k: int, dtype: torch.dtype) -> LoRALaunch:
+    """Pick tiles for a LoRA shrink (n = rank, k = input features) or expand (n = output columns,
+    k = rank) from shapes only (no host read of the slot map): rows by the tokens per slot if
+    spread evenly (a decode batch: 16), columns and reduction covering a small rank in one tile."""
+    per_slot = num_tokens / max(num_slots, 1)
+    block_m = 16 if per_slot <= 16 else 32 if per_slot <= 64 else 64
+    block_n = min(64, max(MIN_TILE, next_power_of_2(n)))
+    block_k = min(64, max(MIN_TILE, next_power_of_2(k)))
+    precision = "ieee" if dtype == torch.float32 or arch.is_amd else "tf32"
+    if arch.vendor == "interpreter":
+        return LoRALaunch(block_m, min(block_n, 32), min(block_k, 32), 4, 1, precision, upcast=True)
+    num_stages = 2 if arch.is_amd else 3 if arch.capability >= (8, 0) else 2
+    return LoRALaunch(block_m, block_n, block_k, 4, num_stages, precision, upcast=False)

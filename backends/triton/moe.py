@@ -26,6 +26,7 @@ import triton.language as tl
 
 from portside.backend_api import ModelOps
 from portside.backends.triton.launch import ArchInfo, MoeLaunch, choose_moe_launch, detect_arch
+from portside.backends.triton.lora import TritonLoRAOps
 from portside.backends.triton.quant import TritonQuantOps
 
 __all__ = ["align_pairs", "fused_experts", "TritonModelOps"]
@@ -185,10 +186,11 @@ def fused_experts(
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-class TritonModelOps(TritonQuantOps, ModelOps):
-    """`ModelOps` whose `moe_experts` is the fused Triton kernel and whose quantized linear layers
-    are the Triton kernels of `portside.backends.triton.quant`; routing (`select_experts`, a
-    softmax and a top-k) stays core's torch reference."""
+class TritonModelOps(TritonLoRAOps, TritonQuantOps, ModelOps):
+    """`ModelOps` whose `moe_experts` is the fused Triton kernel, whose quantized linear layers
+    are the Triton kernels of `portside.backends.triton.quant` and whose multi-LoRA shrink and
+    expand are those of `portside.backends.triton.lora`; routing (`select_experts`, a softmax and
+    a top-k) stays core's torch reference."""
 
     name = "triton"
 

@@ -97,6 +97,9 @@ class XlaPlatform(Platform):
     default_block_size = 16
     default_kv_cache_memory = 0.9
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")  # fp8: the gather path
+    # core's LoRA reference groups tokens by slot with data-dependent shapes (a new XLA program per
+    # slot map); a static-shape kernel is not written yet, so the engine refuses enable_lora here
+    supports_lora = False
     attention_name = "pallas|xla-gather"
     graph_name = "xla-buckets"
     collectives_name = "xla"
