@@ -51,11 +51,34 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: adapters in `max_loras` device slots, `max_cpu_loras` kept loaded on
+    the host (least recently used evicted), ranks up to `max_lora_rank`."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None  # None: LoRA adapters disabled
     device: str | None = None  # platform name; None: auto-detect
     # platform-specific options (e.g. {"cpu_graph": "inductor"}), validated by the platform
     platform_options: tuple[tuple[str, str], ...] = ()

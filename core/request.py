@@ -52,6 +52,17 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     structured: Any = None  # portside.structured.manager.StructuredState of a constrained sequence
+    lora_request: Any = None  # portside.lora.request.LoRARequest: the adapter it runs with
+
+    @property
+    def lora_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
+
+    @property
+    def block_hash_root(self) -> int | None:
+        """What its first KV block's hash chains on: requests under different adapters compute
+        different KV for the same tokens, so they never share prefix-cache blocks."""
+        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from portside.backend_api import Platform
-from portside.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from portside.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     structured_outputs_backend: str = "auto"  # auto (= llguidance), llguidance or xgrammar
     reasoning_parser: str | None = None  # e.g. qwen3, deepseek_r1: structured output starts after the reasoning
+    enable_lora: bool = False  # serve PEFT LoRA adapters, chosen per request (`lora_request`)
+    max_loras: int = 1  # adapters in one batch (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded on the host (default: max_loras)
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -100,6 +104,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             device=platform.name,
             platform_options=tuple(sorted(self.platform_options.items())),
         )
@@ -159,6 +164,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")
     g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning from the answer (qwen3, deepseek_r1): reasoning_content in responses, and structured output applies after the reasoning")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters that may run in one batch (device slots; default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (slots are sized for it; default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory (default: --max-loras)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,7 +32,8 @@ class SyncEngine(Protocol):
     tokenizer: Any
     max_model_len: int
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0) -> None: ...
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+                    lora_request: Any = None) -> None: ...
     def abort_request(self, request_ids: str | list[str]) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -100,6 +101,7 @@ class RequestStream:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.length_only = True  # every sample finished by length (the metrics' outcome)
+        self.lora_request: Any = None  # the LoRA adapter it runs with
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -213,6 +215,10 @@ class AsyncLLMEngine:
         """Sequences (a request's n samples each) accepted that have not produced a token yet."""
         return sum(s.num_seqs for s in self._streams.values() if s.first_token_time is None)
 
+    def num_using(self, lora_int_id: int) -> int:
+        """Unfinished requests running with the LoRA adapter `lora_int_id`."""
+        return sum(1 for s in self._streams.values() if s.lora_request is not None and s.lora_request.lora_int_id == lora_int_id)
+
     def check_capacity(self, num_seqs: int) -> None:
         """Raise `QueueFullError` unless `num_seqs` more sequences may wait now, or ValueError
         when that many could never wait at once."""
@@ -253,7 +259,7 @@ class AsyncLLMEngine:
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
-        check_capacity: bool = True,
+        check_capacity: bool = True, lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
@@ -267,8 +273,9 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(self, request_id, params)
+        stream.lora_request = lora_request
         self._streams[request_id] = stream
-        self._command("add", (request_id, prompt, params, priority))
+        self._command("add", (request_id, prompt, params, priority, lora_request))
         try:
             await stream.accepted
         except asyncio.CancelledError:  # the client went away before the engine saw the request
@@ -392,10 +399,11 @@ class AsyncLLMEngine:
         aborts: list[str] = []
         for kind, payload in commands:
             if kind == "add":
-                request_id, prompt, params, priority = payload
+                request_id, prompt, params, priority, lora_request = payload
                 error: BaseException | None = None
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                    kwargs = {"lora_request": lora_request} if lora_request is not None else {}
+                    self.engine.add_request(request_id, prompt, params, priority=priority, **kwargs)
                 except Exception as e:  # a bad request must not kill the loop; the caller gets it
                     error = e
                 loop.call_soon_threadsafe(self._on_accepted, request_id, error)

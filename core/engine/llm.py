@@ -63,10 +63,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. `lora_request`: a
+        `LoRARequest` for every prompt, or a list of them (None entries: the base model)."""
         prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True)
+        return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True, lora_request=lora_request)
 
     def chat(
         self,
@@ -75,15 +77,17 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = cast(
             list[list[dict[str, Any]]], [messages] if messages and isinstance(messages[0], dict) else messages
         )
         texts: list[Prompt] = [self.engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
-        return self._run(texts, sampling_params, use_tqdm, None, add_special_tokens=False)
+        return self._run(texts, sampling_params, use_tqdm, None, add_special_tokens=False, lora_request=lora_request)
 
-    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool,
+             lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -91,12 +95,15 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         # only the finished outputs are returned: the engine need not build one per step
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 self.engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0,
-                                        add_special_tokens=add_special_tokens)
+                                        add_special_tokens=add_special_tokens, lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

@@ -17,6 +17,7 @@ from portside.engine.args import EngineArgs
 from portside.engine.detokenizer import IncrementalDetokenizer
 from portside.engine.executor import make_executor
 from portside.engine.output_processor import OutputProcessor, RequestGroup, SampleState
+from portside.lora.registry import LoRARegistry
 from portside.outputs import RequestOutput
 from portside.platform import resolve_platform
 from portside.request import Request, RequestStatus
@@ -84,7 +85,9 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             max_model_len=self.max_model_len,
             sliding_window=self.sliding_window,
+            max_loras=config.lora.max_loras if config.lora is not None else 0,
         )
+        self.loras = LoRARegistry(config.lora, config.model.path)
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
         from portside.structured.manager import StructuredOutputManager
@@ -114,12 +117,15 @@ class LLMEngine:
         *,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: Any = None,
     ) -> None:
         """Queue a request: text, token ids, or a {"prompt": ...} / {"prompt_token_ids": [...]}
         dict (with both, as `apply_chat_template` returns, the ids are the prompt and the text is
         what outputs show). Raises ValueError naming the problem for bad input. A chat prompt
-        rendered as text already has its special tokens: pass add_special_tokens=False."""
+        rendered as text already has its special tokens: pass add_special_tokens=False.
+        `lora_request`: a `LoRARequest`, the adapter this request runs with (enable_lora)."""
         params = params or SamplingParams()
+        self.loras.check(lora_request)
         shown: str | None = None
         if isinstance(prompt, dict):
             value = prompt.get("prompt_token_ids", prompt.get("prompt"))
@@ -157,6 +163,7 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     priority=priority,
                     parent_id=None if k == 0 else f"{request_id}#0",
+                    lora_request=lora_request,
                     structured=None if grammar is None else self.structured.new_state(
                         grammar, prompt_ids, params.structured_outputs.after_reasoning),  # type: ignore[union-attr]
                 )

@@ -17,14 +17,15 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 
 
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, hashes: list[int], num_blocks: int | None = None
+    token_ids: Sequence[int], block_size: int, hashes: list[int], num_blocks: int | None = None, root: int | None = None
 ) -> list[int]:
     """Extend `hashes` (the chain so far) to cover the full blocks of `token_ids`, or the first
-    `num_blocks` of them, and return it. Existing entries are reused, never recomputed."""
+    `num_blocks` of them, and return it. Existing entries are reused, never recomputed. `root`:
+    what the first block chains on (e.g. a LoRA adapter's id: other KV for the same tokens)."""
     num_full = len(token_ids) // block_size
     if num_blocks is not None:
         num_full = min(num_full, num_blocks)
     for i in range(len(hashes), num_full):
-        parent = hashes[i - 1] if i else None
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
     return hashes

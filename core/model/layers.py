@@ -15,6 +15,7 @@ Sharding (rank r of n):
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,7 @@ class LinearBase(nn.Module):
     quantizable = True  # False: a quantized format leaves it in full precision (MoE routers)
     quant: nn.Module | None
     weight: nn.Parameter | None  # None once quantized
+    lora: Any = None  # a portside.lora.layers.LoRALayer: its adapters' term is added to the output
 
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, bias_sharded: bool) -> None:
         super().__init__()
@@ -153,7 +155,10 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
 
 class ReplicatedLinear(LinearBase):
@@ -264,6 +269,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         y = self.matmul(x)
+        if self.lora is not None:  # x is this rank's slice: a partial term, summed with y's
+            self.lora.apply(x, y)
         if self.tp_size > 1:
             y = self.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y

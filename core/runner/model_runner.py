@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from portside.backend_api import (
     AttentionMetadata,
     Communicator,
+    EagerGraphRunner,
     ForwardContext,
     KVCacheSpec,
     Platform,
@@ -67,6 +68,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Any = None  # a portside.lora.request.LoRARequest
 
     @property
     def num_tokens(self) -> int:
@@ -110,8 +112,16 @@ class ModelRunner:
         platform.set_device(local_rank)
         self.device = platform.device(local_rank)
         tp = config.parallel.tensor_parallel_size
-        self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp, ops=platform.model_ops(config))
+        if config.lora is not None and not platform.supports_lora:
+            raise ValueError(f"LoRA adapters (enable_lora) are not supported on the {platform.name} platform")
+        ops = platform.model_ops(config)
+        self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp, ops=ops)
         platform.prepare_model(cast(torch.nn.Module, self.model), config)
+        self.lora = None
+        if config.lora is not None:
+            from portside.lora.manager import LoRAModelManager
+
+            self.lora = LoRAModelManager(cast(torch.nn.Module, self.model), config.lora, ops)
         from portside.quant.apply import weight_bytes
 
         self.weight_bytes = weight_bytes(cast(torch.nn.Module, self.model))  # after the platform's re-layout
@@ -128,7 +138,11 @@ class ModelRunner:
         if use_scales is not None:
             use_scales(self.kv_cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
-        self.graph_runner = platform.graph_runner(self.model, config)
+        if self.lora is None:
+            self.graph_runner = platform.graph_runner(self.model, config)
+        else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
+            logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
+            self.graph_runner = EagerGraphRunner(self.model, config)
         self.sampler = platform.sampler(config)
         assert config.cache.block_size is not None
         self.block_size: int = config.cache.block_size
@@ -196,6 +210,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         batch = self._prepare_inputs(scheduler_output)
+        if self.lora is not None:
+            counts = scheduler_output.num_scheduled_tokens
+            self.lora.set_batch([self.requests[r].lora_request for r in batch.req_ids], [counts[r] for r in batch.req_ids],
+                                self.device)
         with self.platform.inference_mode():
             ctx = ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(batch.metadata))
             hidden = self.graph_runner(batch.input_ids, batch.positions, ctx)
@@ -261,6 +279,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                lora_request=new.lora_request,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]

@@ -9,7 +9,7 @@ tensor parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from portside.sampling_params import SamplingParams
 
@@ -25,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit (or fork) length: the runner computes from here
+    lora_request: Any = None  # a portside.lora.request.LoRARequest: the adapter its tokens use
 
 
 @dataclass

@@ -42,8 +42,10 @@ class Scheduler:
         enable_prefix_caching: bool,
         max_model_len: int,
         sliding_window: int | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (the runner's slots); 0: no LoRA
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = make_policy(scheduler_config.policy)
@@ -128,12 +130,17 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: dict[str, int], new_reqs: list[Request], budget: int) -> None:
         """Admit waiting requests in policy order while budget, seats and blocks last. A child
-        sample whose parent's prompt is still being computed is skipped, not waited on."""
+        sample whose parent's prompt is still being computed is skipped, not waited on, and so is
+        a request whose LoRA adapter would be one more than the runner has slots for."""
+        loras = {r.lora_id for r in self.running if r.lora_id is not None}
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             parent = self._live_parent(request)
             if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue
+            lora = request.lora_id
+            if lora is not None and lora not in loras and len(loras) >= self.max_loras:
                 continue
             if parent is not None:
                 computed_blocks, num_computed = self.kv.get_fork_blocks(parent, request)
@@ -154,6 +161,8 @@ class Scheduler:
                     return
             self.waiting.remove(request)
             self.running.append(request)
+            if lora is not None:
+                loras.add(lora)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
@@ -203,6 +212,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:

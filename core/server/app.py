@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,6 +46,8 @@ class ServerConfig:
     read_timeout: float = 60.0
     stream_stall_timeout: float = 60.0
     max_connections: int | None = None
+    lora_modules: list[Any] = field(default_factory=list)  # portside.server.lora.LoRAModule, with --enable-lora
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,8 +61,15 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        holder["ctx"] = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
-                                               config.tool_parser, config.trust_request_chat_template)
+        holder["ctx"] = c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
+                                                   config.tool_parser, config.trust_request_chat_template)
+        if getattr(engine, "config", None) is not None and engine.config.lora is not None:  # type: ignore[attr-defined]
+            from portside.server.lora import ServedAdapters
+
+            c.adapters = ServedAdapters(config.served_model_names[0])
+            for module in config.lora_modules:
+                lora = c.adapters.add(module)
+                await c.offload.run(engine.loras.check, lora, large=True)  # type: ignore[attr-defined]
         try:
             yield
         finally:
@@ -90,10 +99,35 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
     async def models() -> Response:
         c = ctx()
         data = [
-            {"id": name, "object": "model", "created": c.created, "owned_by": "portside", "max_model_len": c.max_model_len}
+            {"id": name, "object": "model", "created": c.created, "owned_by": "portside", "root": name, "parent": None,
+             "max_model_len": c.max_model_len}
             for name in c.served_model_names
         ]
+        if c.adapters is not None:
+            data += c.adapters.model_cards(c.created, c.max_model_len)
         return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        from portside.server.lora import load_adapter
+
+        c = _lora_updates(ctx())
+        return PlainTextResponse(await load_adapter(c.adapters, async_engine, c.offload, await _json(request), c.served_model_names))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        from portside.server.lora import unload_adapter
+
+        c = _lora_updates(ctx())
+        return PlainTextResponse(await unload_adapter(c.adapters, async_engine, await _json(request)))
+
+    def _lora_updates(c: ServingContext) -> ServingContext:
+        if c.adapters is None:
+            raise APIError(400, "LoRA adapters are not enabled on this server (--enable-lora)", code="lora_disabled")
+        if not config.allow_runtime_lora_updating:
+            raise APIError(400, "loading and unloading adapters while serving is off; start the server with "
+                           "--allow-runtime-lora-updating", code="runtime_lora_updating_disabled")
+        return c
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -120,6 +154,18 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(500, "internal server error; see the server log") from None
 
     return app
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    import json
+
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
 
 
 class APIKeyMiddleware:

@@ -68,4 +68,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="open connections accepted at once; past it a connection gets 503 and is closed "
              "(default: half the process's open-file limit)",
     )  # fmt: skip
+    g.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help='LoRA adapters to serve (with --enable-lora): NAME=PATH or JSON \'{"name": ..., "path": ..., '
+             '"base_model_name": ...}\'; a request\'s `model` NAME selects the adapter',
+    )  # fmt: skip
+    g.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)",
+    )  # fmt: skip
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level, including its access log (default info)")

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+from typing import Any
 
 from portside.server.app import ServerConfig, build_app
 from portside.server.connections import guarded_protocol
@@ -59,7 +60,26 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         read_timeout=args.read_timeout,
         stream_stall_timeout=args.stream_stall_timeout,
         max_connections=args.max_connections if args.max_connections is not None else default_max_connections(),
+        lora_modules=_lora_modules(args),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
+
+
+def _lora_modules(args: argparse.Namespace) -> list[Any]:
+    if not args.lora_modules:
+        if args.allow_runtime_lora_updating and not args.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating loads LoRA adapters: add --enable-lora")
+        return []
+    if not args.enable_lora:
+        raise ValueError("--lora-modules serves LoRA adapters: add --enable-lora")
+    from portside.server.lora import parse_lora_modules
+
+    modules = parse_lora_modules(args.lora_modules)
+    names = args.served_model_name or []
+    clash = [m.name for m in modules if m.name in names]
+    if clash:
+        raise ValueError(f"--lora-modules: {clash[0]!r} is also a --served-model-name")
+    return modules
 
 
 def default_max_connections() -> int:
@@ -91,6 +111,15 @@ def run_server(args: argparse.Namespace) -> int:
     __import__("portside.server.debug_memory", fromlist=["_"]).install_from_env()  # PORTSIDE_TRACEMALLOC=1: soak bench
     config = server_config(args)
     engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
+    if config.lora_modules:  # a bad adapter stops the start here, with its message (exit 2)
+        from portside.lora.request import LoRARequest
+
+        try:
+            for i, m in enumerate(config.lora_modules, 1):  # the ids ServedAdapters gives them
+                engine.loras.check(LoRARequest(m.name, i, m.path, m.base_model_name))
+        except ValueError:
+            engine.shutdown()
+            raise
     quant = engine.config.model.quantization
     print(f"portside: model weights {engine.weight_bytes / 2**20:.1f} MiB "
           f"({quant.describe() if quant else str(engine.config.model.dtype).removeprefix('torch.')}), "

@@ -54,6 +54,7 @@ class ServingContext:
     reasoning_parser: Any = None  # a portside.reasoning.ReasoningParser (--reasoning-parser)
     tool_parser: Any = None  # a portside.tool_parsers.ToolParser class (--enable-auto-tool-choice)
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    adapters: Any = None  # portside.server.lora.ServedAdapters, with --enable-lora
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None,
@@ -85,9 +86,15 @@ class ServingContext:
         await compile_constraint(self.structured, params, field_name)
         return params
 
-    def check_model(self, name: str) -> None:
-        if name not in self.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_model_names)}", param="model", code="model_not_found")
+    def check_model(self, name: str) -> Any:
+        """The LoRA adapter `name` selects (None: the base model); 404 for a name not served."""
+        if name in self.served_model_names:
+            return None
+        lora = self.adapters.adapters.get(name) if self.adapters is not None else None
+        if lora is None:
+            served = [*self.served_model_names, *(self.adapters.adapters if self.adapters is not None else ())]
+            raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}", param="model", code="model_not_found")
+        return lora
 
     def decode_token(self, token_id: int, lp: Logprob | None = None) -> str:
         if lp is not None and lp.decoded_token is not None:
@@ -181,7 +188,8 @@ def engine_errors(ctx: ServingContext, param: str) -> Iterator[None]:
         raise from_value_error(e, default_param=param) from None
 
 
-async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]], params: list[SamplingParams], priority: int, prompt_param: str) -> list[RequestStream]:
+async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]], params: list[SamplingParams], priority: int,
+                     prompt_param: str, lora_request: Any = None) -> list[RequestStream]:
     """Submit one request per prompt, all or none: the waiting limit counts every sequence of
     the batch (prompts x n) up front, and if one is refused those already accepted are aborted."""
     with engine_errors(ctx, "n"):
@@ -191,7 +199,8 @@ async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]]
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             with engine_errors(ctx, prompt_param):
-                streams.append(await ctx.engine.add_request(rid, ids, sp, priority=priority, check_capacity=False))
+                streams.append(await ctx.engine.add_request(rid, ids, sp, priority=priority, check_capacity=False,
+                                                            lora_request=lora_request))
     except BaseException:
         close_all(streams)
         raise

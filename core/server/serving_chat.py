@@ -49,7 +49,7 @@ REQUEST_TEMPLATE_MAX_CHARS = 8 << 20  # and the most text it may render
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     req, large = await parse_body(ctx, request, ChatCompletionRequest)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     if req.chat_template is not None and not ctx.trust_request_chat_template:
         raise bad_request("chat_template: this server does not render templates sent with a request; its operator "
                           "can allow them with --trust-request-chat-template", "chat_template")
@@ -66,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_k, renames={"max_tokens": field_name},
                              structured=structured, skip_special_tokens=plan.skip_special_tokens)
     request_id = new_id("chatcmpl")
-    streams = await submit_all(ctx, request_id, [prompt_ids], [params], req.priority, "messages")
+    streams = await submit_all(ctx, request_id, [prompt_ids], [params], req.priority, "messages", lora)
     created = int(time.time())
     thinking = ctx.reasoning_parser is not None and bool(ctx.reasoning_parser.prompt_opens_reasoning(prompt_ids))
     if req.stream:

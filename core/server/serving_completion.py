@@ -36,7 +36,7 @@ from portside.server.serving_base import (
 
 async def create_completion(ctx: ServingContext, request: Request) -> Any:
     req, large = await parse_body(ctx, request, CompletionRequest)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     prompts_ids, echo = await ctx.offload.run(_tokenize, ctx, req.prompt, req.echo, large=large)
     explicit = "max_tokens" in req.model_fields_set
     structured = await ctx.constraint(req)
@@ -47,7 +47,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
         max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", explicit, len(ids), ctx.max_model_len, "prompt")
         params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured))
     request_id = new_id("cmpl")
-    streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt")
+    streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt", lora)
     created = int(time.time())
     if req.stream:
         return EngineStreamingResponse(_stream(ctx, req, request_id, created, merged(streams), prompts_ids, echo), streams)

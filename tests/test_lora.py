@@ -1,0 +1,131 @@
+"""Multi-LoRA end to end: portside's greedy tokens with PEFT adapters equal transformers + peft
+with that adapter active, for one batch mixing the base model and three adapters (more than
+the device slots), across block boundaries, chunked prefill, preemption and prefix-cache hits,
+and with tensor parallelism 2."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from portside import LLM, LoRARequest, SamplingParams
+from portside.testing.tiny import hf_greedy, make_tiny_lora, make_tiny_model
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+WORDS = "the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun".split()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("lora_base"), "llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    specs = [  # ranks below the slots' (padded), rslora, and an adapter on attention only
+        dict(r=8, alpha=16, seed=1),
+        dict(r=4, alpha=8, seed=2, use_rslora=True),
+        dict(r=16, alpha=16, seed=3, target_modules=("q_proj", "v_proj", "o_proj")),
+    ]
+    return [LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(base, root / f"a{i}", **spec))) for i, spec in enumerate(specs)]
+
+
+@functools.cache
+def _peft_model(base: str, adapter: str):  # type: ignore[no-untyped-def]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    return PeftModel.from_pretrained(model, adapter).eval()
+
+
+@torch.no_grad()
+def expected(base: Path, lora: LoRARequest | None, prompt: list[int]) -> list[int]:
+    if lora is None:
+        return hf_greedy(base, prompt, MAX_TOKENS)
+    model = _peft_model(str(base), lora.lora_path)
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts_for(llm: LLM, lengths: list[int]) -> list[list[int]]:
+    ids = llm.get_tokenizer().encode(" ".join(WORDS * 6))
+    return [ids[3 * i : 3 * i + n] for i, n in enumerate(lengths)]
+
+
+def check(llm: LLM, base: Path, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list:  # type: ignore[type-arg]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+    for p, lora, out in zip(prompts, loras, outs):
+        want = expected(base, lora, p)
+        assert out.outputs[0].token_ids == want, f"{lora.lora_name if lora else 'base'}, prompt of {len(p)} tokens"
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llm(base: Path) -> LLM:
+    # two slots for three adapters: the scheduler admits at most two at once and slots are
+    # reused; 4-token blocks, a 16-token budget and 24 blocks: block boundaries, chunked
+    # prefill and preemption
+    return LLM(model=str(base), device="cpu", max_model_len=64, block_size=4, max_num_batched_tokens=16, num_kv_blocks=24,
+               enable_lora=True, max_loras=2, max_lora_rank=16)
+
+
+def test_mixed_batch_matches_peft(llm: LLM, base: Path, adapters: list[LoRARequest]) -> None:
+    before = llm.engine.stats().num_preemptions
+    loras = [None, *adapters, adapters[0], None, adapters[2], adapters[1]]
+    outs = check(llm, base, prompts_for(llm, [5, 9, 17, 30, 3, 22, 11, 8]), loras)
+    # the base model's tokens really differ from each adapter's (the test can fail)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 4
+    assert llm.engine.stats().num_preemptions > before
+    assert llm.engine.stats().num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_prefix_cache_is_per_adapter(llm: LLM, base: Path, adapters: list[LoRARequest]) -> None:
+    prompt = prompts_for(llm, [20])[0][::-1]  # a prompt no earlier test computed
+    first = check(llm, base, [prompt], [adapters[0]])
+    assert first[0].num_cached_tokens == 0
+    again = check(llm, base, [prompt, prompt], [adapters[0], adapters[1]])
+    assert again[0].num_cached_tokens > 0  # the same adapter's KV is reused
+    assert again[1].num_cached_tokens == 0  # another adapter's never is
+
+
+def test_tensor_parallel(base: Path, adapters: list[LoRARequest]) -> None:
+    llm = LLM(model=str(base), device="cpu", max_model_len=64, block_size=4, tensor_parallel_size=2,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        check(llm, base, prompts_for(llm, [7, 13, 5, 10]), [adapters[0], None, adapters[1], adapters[2]])
+    finally:
+        llm.shutdown()
+
+
+def test_bad_lora_requests(llm: LLM, base: Path, adapters: list[LoRARequest], tmp_path: Path) -> None:
+    from portside.lora.registry import LoRARegistry
+
+    with pytest.raises(ValueError, match="enable_lora"):  # an engine without LoRA
+        LoRARegistry(None, str(base)).check(adapters[0])
+    big = LoRARequest("big", 7, str(make_tiny_lora(base, tmp_path / "big", r=32)))
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        llm.generate("the fox", GREEDY, use_tqdm=False, lora_request=big)
+    with pytest.raises(ValueError, match="already"):
+        llm.generate("the fox", GREEDY, use_tqdm=False, lora_request=LoRARequest("other", 1, adapters[1].lora_path))
+    with pytest.raises(ValueError, match="nope"):
+        llm.generate("the fox", GREEDY, use_tqdm=False, lora_request=LoRARequest("missing", 9, str(tmp_path / "nope")))
+    with pytest.raises(ValueError, match="2 lora requests"):
+        llm.generate(["a", "b", "c"], GREEDY, use_tqdm=False, lora_request=adapters[:2])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_platform_without_lora_refuses_it(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from portside.backends.cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "supports_lora", False)  # as the tpu platform declares
+    with pytest.raises(ValueError, match="LoRA adapters .* not supported on the cpu platform"):
+        LLM(model=str(base), device="cpu", max_model_len=64, num_kv_blocks=16, enable_lora=True)
