@@ -113,3 +113,31 @@ def test_online_quantized_model_through_triton_kernels(triton_plugin, tiny_gqa_m
     reference, layout = greedy()
     assert layout is None
     assert tokens == reference
+
+
+def test_lora_through_triton_kernels(triton_plugin, tiny_gqa_model: Path, tmp_path: Path) -> None:
+    """Multi-LoRA (two adapters in one batch, one prompt prefilled in chunks) through the Triton
+    shrink / expand kernels: greedy tokens equal transformers + peft with each adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from portside import LLM, LoRARequest, SamplingParams
+    from portside.testing.tiny import make_tiny_lora
+
+    loras = [LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(tiny_gqa_model, tmp_path / f"a{i}", r=r, seed=i)))
+             for i, r in enumerate((8, 4))]
+    llm = LLM(model=str(tiny_gqa_model), device="triton-interp", max_model_len=64, block_size=16,
+              max_num_batched_tokens=24, enable_lora=True, max_loras=2, max_lora_rank=8)
+    base = llm.get_tokenizer().encode(" ".join(WORDS * 4))
+    prompts, which = [base[:5], base[1:30]], [loras[0], loras[1]]  # (the base model's tokens: the test above)
+    n = 4  # the interpreter runs each LoRA kernel of each layer in Python: few steps
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=which)
+    for prompt, lora, out in zip(prompts, which, outputs):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_gqa_model), lora.lora_path).eval()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        assert out.outputs[0].token_ids == gen[0, len(prompt):].tolist(), f"{lora.lora_name}, prompt of {len(prompt)} tokens"
