@@ -26,14 +26,21 @@ def write_report(path: str) -> None:
     with _lock:
         current, peak = tracemalloc.get_traced_memory()
         snapshot = tracemalloc.take_snapshot().filter_traces(
-            (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"))
+            (
+                tracemalloc.Filter(False, tracemalloc.__file__),
+                tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
+            )
         )
         stats = snapshot.compare_to(_previous, "lineno") if _previous is not None else snapshot.statistics("lineno")
         _previous = snapshot
         lines = [f"current {current} peak {peak}"]
         for s in stats[:TOP]:
             frame = s.traceback[0]
-            diff = (s.size_diff, s.size, s.count_diff) if isinstance(s, tracemalloc.StatisticDiff) else (s.size, s.size, s.count)
+            diff = (
+                (s.size_diff, s.size, s.count_diff)
+                if isinstance(s, tracemalloc.StatisticDiff)
+                else (s.size, s.size, s.count)
+            )
             lines.append("\t".join([*map(str, diff), f"{frame.filename}:{frame.lineno}"]))
         tracemalloc.reset_peak()
         with open(path, "a", encoding="utf-8") as f:
