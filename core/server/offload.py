@@ -26,15 +26,16 @@ SMALL_BYTES = 64 << 10  # a body up to this size is a small request
 
 
 class Offload:
-    """Two single-thread lanes, each taking at most `max_queued` jobs; past it a 503."""
+    """Two single-thread lanes holding at most `max_queued` jobs each (small, large); past it a
+    503. Small jobs take about a millisecond: a burst of hundreds drains at once."""
 
-    def __init__(self, tokenizer: Any, max_queued: int = 64, retry_after_s: int = 1) -> None:
+    def __init__(self, tokenizer: Any, max_queued: tuple[int, int] = (1024, 64), retry_after_s: int = 1) -> None:
         self._base = tokenizer
         self._copy_lock = threading.Lock()
         self._local = threading.local()
         self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"portside-{name}") for name in ("small", "large")}
         self._queued = dict.fromkeys(self._lanes, 0)
-        self.max_queued = max_queued
+        self.max_queued = dict(zip(self._lanes, max_queued))
         self.retry_after_s = retry_after_s
 
     def tokenizer(self) -> Any:
@@ -48,7 +49,7 @@ class Offload:
     async def run(self, fn: Callable[..., T], *args: Any, large: bool) -> T:
         """`fn(*args)` on a worker of the lane; a client that leaves first cancels it if it has not started."""
         lane = "large" if large else "small"
-        if self._queued[lane] >= self.max_queued:
+        if self._queued[lane] >= self.max_queued[lane]:
             raise APIError(503, "the server is busy preparing other requests; retry later", code="server_busy",
                            headers={"Retry-After": str(self.retry_after_s)})
         self._queued[lane] += 1
