@@ -38,6 +38,11 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 CHUNK_ROWS = 512  # longer inputs run through oneDNN in chunks of this many rows
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count `padded_rows` gives for 2..max_rows rows (at most `CHUNK_ROWS`)."""
+    return sorted({padded_rows(r) for r in range(2, min(max_rows, CHUNK_ROWS) + 1)})
+
+
 def padded_rows(rows: int) -> int:
     """The row count oneDNN runs `rows` (1..CHUNK_ROWS) rows as: the next power of two from 2
     to 16, then the next of 4 steps per octave (20, 24, 28, 32, 40, .., 448, 512)."""
@@ -76,6 +81,19 @@ class PackedWeights:
     def __init__(self, batch_hint: int) -> None:
         self.batch_hint = batch_hint  # the row count oneDNN picks its packed layout for
         self._packed: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor | None] = {}
+        # one (packed weight, bias) per kind of call seen: what oneDNN builds a primitive for
+        self.kinds: dict[tuple[tuple[int, ...], torch.dtype, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def warm(self, max_rows: int) -> int:
+        """Run every kind of call seen at every padded row count up to `max_rows` once, so that
+        oneDNN builds (and caches) all its primitives now rather than while serving: memory
+        is then flat from start-up. Returns the calls made."""
+        calls = 0
+        for (shape, dtype, _), (packed, bias) in self.kinds.items():
+            for rows in row_buckets(max_rows):
+                packed_linear(torch.zeros(rows, shape[1], dtype=dtype), packed, bias)
+                calls += 1
+        return calls
 
     def __len__(self) -> int:
         return sum(p is not None for p in self._packed.values())
@@ -115,6 +133,7 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
                 if x.shape[0] > 1 and self.packed is not None:
                     packed = self.packed.get(weight)
                     if packed is not None:
+                        self.packed.kinds.setdefault((tuple(weight.shape), weight.dtype, bias is not None), (packed, bias))
                         return packed_linear(x, packed, bias)
         return func(*args, **kwargs)
 

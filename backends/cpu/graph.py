@@ -267,8 +267,11 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         ctx = make_dummy_context(2)
         hidden = self(*_step_inputs(2, ctx.metadata.slot_mapping.device), ctx)
         self.compute_logits(hidden)
-        logger.info("cpu eager: %d weights prepacked for oneDNN in %.2f s", len(self.packed_weights),
-                    time.perf_counter() - t0)
+        sched = self.config.scheduler
+        with torch.inference_mode():
+            calls = self.packed_weights.warm(max(sched.max_num_batched_tokens, sched.max_num_seqs))
+        logger.info("cpu eager: %d weights prepacked for oneDNN, %d row-count shapes built, in %.2f s",
+                    len(self.packed_weights), calls, time.perf_counter() - t0)
 
     def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
         # Only around steps it can speed up: the mode's Python hook on every torch call costs
