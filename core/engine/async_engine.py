@@ -13,6 +13,8 @@ it finishes aborts the request; the engine frees its KV blocks on the next step.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
 import threading
 import time
@@ -75,6 +77,23 @@ class RequestRecord:
         if self.first_token_time is None or self.num_generation_tokens < 2:
             return None
         return (self.finish_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the OS (glibc's `malloc_trim`), when the engine
+    goes idle: the peaks of a busy period (activations of the largest batches, in every
+    thread's arena) would otherwise stay resident for good. A no-op elsewhere."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 class RequestStream:
@@ -375,8 +394,14 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         loop = self._loop
         assert loop is not None
+        worked, last_trim = False, 0.0  # stepped since memory was last released; when
         try:
             while True:
+                with self._cv:
+                    idle = not self._commands and not self._stop and not self.engine.has_unfinished_requests()
+                if idle and worked and time.monotonic() - last_trim > 1.0:  # at most once a second
+                    release_free_memory()
+                    worked, last_trim = False, time.monotonic()
                 with self._cv:
                     while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
                         self._cv.wait()
@@ -386,6 +411,7 @@ class AsyncLLMEngine:
                 if stop and not self.engine.has_unfinished_requests():
                     break
                 if self.engine.has_unfinished_requests() or aborted:
+                    worked = True
                     outputs = self.engine.step()
                     loop.call_soon_threadsafe(self._on_step, outputs, self.engine.stats())
         except BaseException as e:  # the loop must report, never vanish silently
