@@ -502,9 +502,10 @@ def test_portside_devices_lists_tpu():
 
 # ---- the conformance kit ------------------------------------------------------------------------
 
-# The one check the kit may skip here: the tpu platform on PJRT CPU has one device (tensor
-# parallelism on tpu needs one process per chip, not wired up yet).
-EXPECTED_KIT_SKIPS = ("world size 2 needs two tpu devices",)
+# The checks the kit may skip here: the tpu platform on PJRT CPU has one device (tensor
+# parallelism on tpu needs one process per chip, not wired up yet), and it declares LoRA
+# unsupported (`supports_lora = False`: the engine refuses enable_lora there).
+EXPECTED_KIT_SKIPS = ("world size 2 needs two tpu devices", "the tpu platform declares supports_lora = False")
 
 
 @needs_xla
