@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform as _platform
 import signal
 import socket
 import subprocess
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from machine import cpu_name  # ci/bench/machine.py, beside this script
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = [
@@ -56,17 +56,6 @@ PROMPTS = [
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 LAST = 10  # the verdict takes the max RSS of the last LAST rounds
 PROMPT_ALLOWANCE = 128  # tokens a prompt may take, chat template included (the prompts here take < 64)
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-        flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
-        isa = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni")]
-        return f"{model} ({', '.join(sorted(set(isa))) or 'no avx2'}), {os.cpu_count()} cpus"
-    except OSError:
-        return _platform.processor() or "?"
 
 
 def free_port() -> int:
@@ -263,7 +252,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     top_sites = sorted(sites.items(), key=lambda kv: -kv[1])[:20]
     result = {
         "config": {
-            "cpu": cpu_name(), "model": model_desc, "command": server.command, "rounds": args.rounds,
+            "cpu": f"{cpu_name()}, {os.cpu_count()} cpus", "model": model_desc, "command": server.command, "rounds": args.rounds,
             "requests": args.requests, "max_tokens": args.max_tokens, "warmup": args.warmup,
             "tracemalloc": args.tracemalloc, "env": args.env, "label": args.label,
         },

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform as _platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from machine import cpu_name  # ci/bench/machine.py, beside this script
 
 from portside import LLMEngine, SamplingParams
 from portside.sampling_params import StructuredOutputsParams
@@ -31,17 +30,6 @@ from portside.sampling_params import StructuredOutputsParams
 RESULTS = Path(__file__).parent / "results"
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
 PROMPT = "Write a long description of a harbour town in winter, as JSON."
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-        flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
-        isa = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni")]
-        return f"{model} ({', '.join(sorted(set(isa))) or 'no avx2'})"
-    except OSError:
-        return _platform.processor() or "?"
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, constrained: bool, steps: int) -> float:
