@@ -81,7 +81,9 @@ class PackedWeights:
     def __init__(self, batch_hint: int) -> None:
         self.batch_hint = batch_hint  # the row count oneDNN picks its packed layout for
         self._packed: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor | None] = {}
-        # one (packed weight, bias) per kind of call seen: what oneDNN builds a primitive for
+        # one (packed weight, bias) per kind of call seen while `recording` (the runner's capture
+        # step): what oneDNN builds a primitive for
+        self.recording = False
         self.kinds: dict[tuple[tuple[int, ...], torch.dtype, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def warm(self, max_rows: int) -> int:
@@ -133,7 +135,8 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
                 if x.shape[0] > 1 and self.packed is not None:
                     packed = self.packed.get(weight)
                     if packed is not None:
-                        self.packed.kinds.setdefault((tuple(weight.shape), weight.dtype, bias is not None), (packed, bias))
+                        if self.packed.recording:
+                            self.packed.kinds.setdefault((tuple(weight.shape), weight.dtype, bias is not None), (packed, bias))
                         return packed_linear(x, packed, bias)
         return func(*args, **kwargs)
 

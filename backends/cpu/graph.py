@@ -265,8 +265,10 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
             return
         t0 = time.perf_counter()
         ctx = make_dummy_context(2)
+        self.packed_weights.recording = True  # the kinds of linear calls the model makes
         hidden = self(*_step_inputs(2, ctx.metadata.slot_mapping.device), ctx)
         self.compute_logits(hidden)
+        self.packed_weights.recording = False
         sched = self.config.scheduler
         with torch.inference_mode():
             calls = self.packed_weights.warm(max(sched.max_num_batched_tokens, sched.max_num_seqs))
