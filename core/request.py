@@ -43,6 +43,7 @@ class Request:
     eos_token_id: int | None = None
     max_tokens: int = 16  # resolved: never past the model's context length
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # time.monotonic() when the scheduler first admitted it (metrics)
     priority: int = 0  # lower value = served first under the "priority" policy
     parent_id: str | None = None  # for sample k>0 of an n>1 request: the sample it forks from
     output_token_ids: list[int] = field(default_factory=list)

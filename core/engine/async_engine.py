@@ -62,6 +62,26 @@ class RequestRecord:
     finish_time: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it (engine clock, same monotonic)
+    params: SamplingParams | None = None
+    lora_name: str | None = None  # the LoRA adapter it ran with
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduled."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to the end."""
+        return None if self.first_token_time is None else self.finish_time - self.first_token_time
 
     @property
     def ttft(self) -> float | None:
@@ -108,6 +128,7 @@ class RequestStream:
         self.request_id = request_id
         self._owner = owner
         self._delta = params.output_kind is RequestOutputKind.DELTA
+        self.params = params
         self.num_seqs = params.n
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -117,6 +138,7 @@ class RequestStream:
         self.finished = False
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.engine_times: dict[str, float] = {}  # the engine's first_scheduled_time / first_token_time
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.length_only = True  # every sample finished by length (the metrics' outcome)
@@ -192,10 +214,12 @@ class AsyncLLMEngine:
         *,
         max_waiting_requests: int | None = None,
         on_request_done: Callable[[RequestRecord], None] | None = None,
+        on_step: Callable[[Any], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_request_done = on_request_done
+        self.on_step = on_step  # called on the event loop with each step's `EngineStats`
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._commands: list[tuple[str, Any]] = []  # guarded by _cv
         self._cv = threading.Condition()
@@ -345,6 +369,11 @@ class AsyncLLMEngine:
 
     def _on_step(self, outputs: list[RequestOutput], stats: Any) -> None:
         self._last_stats = stats
+        if self.on_step is not None:
+            try:
+                self.on_step(stats)
+            except Exception:  # metrics must never break serving
+                logger.exception("on_step failed")
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -352,6 +381,9 @@ class AsyncLLMEngine:
                 continue
             if stream.first_token_time is None and any(c.token_ids for c in out.outputs):
                 stream.first_token_time = now
+            for key in ("first_scheduled_time", "first_token_time"):
+                if key in out.metrics:
+                    stream.engine_times.setdefault(key, out.metrics[key])
             reasons = {c.finish_reason for c in out.outputs}  # a delta holds the samples that finished now
             stream.length_only = stream.length_only and reasons <= {"length", None}
             stream._put(out)
@@ -379,10 +411,14 @@ class AsyncLLMEngine:
             request_id=stream.request_id,
             outcome=outcome,
             arrival_time=stream.arrival_time,
-            first_token_time=stream.first_token_time,
+            # the engine's clock where it has one: a final-only output reaches the loop at the end
+            first_token_time=stream.engine_times.get("first_token_time", stream.first_token_time),
             finish_time=time.monotonic(),
             num_prompt_tokens=stream.num_prompt_tokens,
             num_generation_tokens=stream.num_generation_tokens,
+            first_scheduled_time=stream.engine_times.get("first_scheduled_time"),
+            params=stream.params,
+            lora_name=getattr(stream.lora_request, "lora_name", None),
         )
         try:
             self.on_request_done(record)

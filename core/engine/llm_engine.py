@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from portside.chat_template import render_chat
@@ -41,6 +41,9 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     weight_bytes: int = 0  # the loaded model's weights, every rank together
+    # the latest step: tokens it computed, and the seconds since each request's previous tokens
+    step_tokens: int = 0
+    token_intervals: list[float] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -98,6 +101,7 @@ class LLMEngine:
         self.weight_bytes: int = self.executor.weight_bytes
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.step_tokens = 0  # tokens the latest step computed (metrics)
         quant = config.model.quantization
         logger.info("portside engine ready: %s on %s, dtype %s%s, weights %.1f MiB, %d KV blocks of %d",
                     config.model.path, self.platform.name, config.model.dtype, f", {quant.describe()}" if quant else "",
@@ -222,6 +226,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.step_tokens, self.outputs.token_intervals = scheduler_output.total_num_scheduled_tokens, []
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
         scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
@@ -262,6 +267,8 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            step_tokens=self.step_tokens,
+            token_intervals=self.outputs.token_intervals,
             weight_bytes=self.weight_bytes,
         )
 

@@ -43,6 +43,8 @@ class RequestGroup:
     want_logprobs: bool
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # of its earliest sample (metrics: queue time)
+    last_token_time: float | None = None  # when the latest step gave it tokens (metrics: inter-token latency)
     num_cached_tokens: int = 0
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -88,6 +90,8 @@ class RequestGroup:
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
+        if self.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = self.first_scheduled_time
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -104,6 +108,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}  # user request id -> group
         self.owner: dict[str, str] = {}  # internal request id -> user request id
+        # seconds between a request's tokens, one per request that got tokens in the latest step
+        # after its first (the engine clears it at the start of each step)
+        self.token_intervals: list[float] = []
 
     def add(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -131,6 +138,13 @@ class OutputProcessor:
             new_tokens = req.output_token_ids[len(sample.token_ids) :]
             if new_tokens and group.first_token_time is None:
                 group.first_token_time = now
+            sched = req.first_scheduled_time
+            if sched is not None and (group.first_scheduled_time is None or sched < group.first_scheduled_time):
+                group.first_scheduled_time = sched
+            if new_tokens and group.last_token_time != now:  # once per request and step, whatever its n
+                if group.last_token_time is not None:
+                    self.token_intervals.append(now - group.last_token_time)
+                group.last_token_time = now
             if req.num_cached_tokens > group.num_cached_tokens:
                 group.num_cached_tokens = req.num_cached_tokens
             self._add_logprobs(sample, logprobs.get(req.request_id))

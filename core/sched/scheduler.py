@@ -18,6 +18,7 @@ receives a table's new entries after admission, keeps the old ids, read only und
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -167,6 +168,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+            if request.first_scheduled_time is None:  # the end of its queue time (metrics)
+                request.first_scheduled_time = time.monotonic()
             scheduled[request.request_id] = num_new
             new_reqs.append(request)
             budget -= num_new

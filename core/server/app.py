@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from portside.engine.async_engine import AsyncLLMEngine, SyncEngine
+from portside.engine.async_engine import AsyncLLMEngine, RequestRecord, SyncEngine
 from portside.server.errors import (
     APIError,
     api_error_handler,
@@ -22,6 +24,7 @@ from portside.server.errors import (
     unhandled_exception_handler,
 )
 from portside.server.metrics import CONTENT_TYPE, ServerMetrics
+from portside.server.request_log import RequestLogger, StatsLogger
 from portside.server.serving_base import ServingContext
 from portside.server.serving_chat import create_chat_completion
 from portside.server.serving_completion import create_completion
@@ -48,6 +51,12 @@ class ServerConfig:
     max_connections: int | None = None
     lora_modules: list[Any] = field(default_factory=list)  # portside.server.lora.LoRAModule, with --enable-lora
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # operator output (`portside.server.request_log`, `portside.server.tracing`)
+    log_requests: bool = True  # a line per finished request (--disable-log-requests)
+    log_stats: bool = True  # a stats line every log_stats_interval s while busy (--disable-log-stats)
+    log_stats_interval: float = 10.0
+    otlp_traces_endpoint: str | None = None  # a span per request over OTLP (--otlp-traces-endpoint)
+    span_exporter: Any = None  # an OpenTelemetry SpanExporter to trace to instead (tests)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,12 +64,25 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; its step loop starts with the app's lifespan."""
     holder: dict[str, Any] = {}
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
-    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting)
-    async_engine.on_request_done = metrics.observe
+    model = config.served_model_names[0]
+    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting, model, engine.max_model_len)
+    on_done: list[Callable[[RequestRecord], None]] = [metrics.observe]
+    if config.log_requests:
+        on_done.append(RequestLogger(model))
+    tracer = None
+    if config.otlp_traces_endpoint or config.span_exporter is not None:
+        from portside.server.tracing import RequestTracer
+
+        on_done.append(tracer := RequestTracer(model, config.otlp_traces_endpoint, config.span_exporter))
+    async_engine.on_request_done = functools.partial(_each, on_done)
+    async_engine.on_step = metrics.observe_step
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        stats_task = None
+        if config.log_stats:
+            stats_task = asyncio.create_task(StatsLogger(async_engine.stats, config.log_stats_interval).run())
         holder["ctx"] = c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
                                                    config.tool_parser, config.trust_request_chat_template)
         if getattr(engine, "config", None) is not None and engine.config.lora is not None:  # type: ignore[attr-defined]
@@ -75,6 +97,10 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
         finally:
             await async_engine.shutdown(config.shutdown_timeout)
             holder["ctx"].offload.shutdown()
+            if stats_task is not None:
+                stats_task.cancel()
+            if tracer is not None:
+                tracer.shutdown()
 
     app = FastAPI(title="portside", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = async_engine
@@ -154,6 +180,15 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(500, "internal server error; see the server log") from None
 
     return app
+
+
+def _each(callbacks: list[Callable[[RequestRecord], None]], record: RequestRecord) -> None:
+    """Hand an ended request's record to every observer; one failing never stops the others."""
+    for callback in callbacks:
+        try:
+            callback(record)
+        except Exception:
+            logger.exception("request observer %r failed", callback)
 
 
 async def _json(request: Request) -> dict[str, Any]:

@@ -78,3 +78,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)",
     )  # fmt: skip
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level, including its access log (default info)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request (logger portside.requests; on by default)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line while busy (logger portside.stats; every 10 s by default)")
+    g.add_argument(
+        "--otlp-traces-endpoint", default=None, metavar="URL",
+        help="export an OpenTelemetry span per request to this OTLP endpoint (needs: pip install opentelemetry-sdk "
+             "opentelemetry-exporter-otlp; gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)",
+    )  # fmt: skip

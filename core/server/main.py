@@ -48,6 +48,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     if args.max_connections is not None and args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
+    if args.otlp_traces_endpoint:  # without OpenTelemetry: exit 2 naming the install, before the model loads
+        from portside.server.tracing import check_available
+
+        check_available()
     return ServerConfig(
         served_model_names=list(names),
         tool_parser=tool_parser,
@@ -62,6 +66,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_connections=args.max_connections if args.max_connections is not None else default_max_connections(),
         lora_modules=_lora_modules(args),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats,
+        log_stats_interval=float(os.environ.get("PORTSIDE_LOG_STATS_INTERVAL", "10")),  # internal: tests shorten it
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -138,6 +146,9 @@ def run_server(args: argparse.Namespace) -> int:
         )
     )
     logging.getLogger("uvicorn.access").addFilter(RedactSecrets())
+    from portside.server.request_log import request_logger, show_at_default_level, stats_logger
+
+    show_at_default_level(*[log for log, on in ((request_logger, config.log_requests), (stats_logger, config.log_stats)) if on])
     # uvicorn re-raises the signal it shut down on once it is done; with these handlers in place
     # that is a no-op, so a SIGTERM'd server exits 0 after its graceful shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,7 +3,8 @@
 Per-request figures (outcomes, latency histograms) are observed from the async engine's
 `RequestRecord`s; engine-wide figures (running/waiting, KV-cache and prefix-cache use, token
 totals, preemptions) are read from the engine's latest `EngineStats` snapshot at scrape time.
-Each app gets its own registry, so several servers can live in one process (tests).
+Each app gets its own registry, so several servers can live in one process (tests). The same
+figures are also exported under vLLM's names (`portside.server.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from portside.engine.async_engine import RequestRecord
+from portside.server.vllm_metrics import VllmMetrics
 
 disable_created_metrics()  # no `_created` series: they double the exposition for little use
 
@@ -66,7 +68,8 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """The server's Prometheus registry."""
 
-    def __init__(self, stats: Callable[[], Any], num_waiting: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], Any], num_waiting: Callable[[], int], model_name: str = "",
+                 max_model_len: int = 2048) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("portside_requests", "Generation requests by outcome.", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
@@ -84,9 +87,15 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.registry.register(_EngineCollector(stats, num_waiting))
+        self.vllm = VllmMetrics(self.registry, model_name, max_model_len, stats)
+
+    def observe_step(self, stats: Any) -> None:
+        """Account for one engine step (the async engine's `on_step`)."""
+        self.vllm.observe_step(stats)
 
     def observe(self, record: RequestRecord) -> None:
         """Account for one ended request (the async engine's `on_request_done`)."""
+        self.vllm.observe(record)
         self.requests.labels(record.outcome if record.outcome in OUTCOMES else "error").inc()
         if record.outcome in ("stop", "length"):
             if record.ttft is not None:

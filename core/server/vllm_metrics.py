@@ -1,0 +1,149 @@
+"""The server's figures under vLLM's Prometheus names (`vllm:*`), so vLLM's Grafana dashboards
+and autoscalers read a portside server unchanged.
+
+Names, types, buckets and labels follow vLLM's v1 engine: every series has `model_name` (the
+first served model name) and `engine` ("0": one engine per server). Per-request histograms and
+`vllm:request_success_total` are observed from the async engine's `RequestRecord`s, per-step
+histograms (tokens per step, inter-token latency) from each step's `EngineStats`, and gauges and
+engine-wide counters are read from the latest `EngineStats` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from portside.engine.async_engine import RequestRecord
+
+LABELS = ["model_name", "engine"]
+FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class VllmMetrics:
+    """The `vllm:*` series in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, stats: Callable[[], Any]) -> None:
+        self.labels = (model_name, "0")
+        r = registry
+
+        def hist(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*self.labels)
+
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               LABELS + ["finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:
+            self.success.labels(*self.labels, reason)  # export zeros from the start
+        tokens = buckets_1_2_5(max_model_len)
+        self.prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.generation_tokens = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                      tokens)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     ITERATION_TOKEN_BUCKETS)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        TOKEN_LATENCY_BUCKETS)
+        # the pre-0.11 name of the same observations, still read by older dashboards
+        self.tpot = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                         TOKEN_LATENCY_BUCKETS)
+        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
+                                 "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        latency = REQUEST_LATENCY_BUCKETS
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latency)
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          latency)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", latency)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                            latency)
+        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           latency)
+        r.register(_EngineCollector(stats, self.labels))
+
+    def observe(self, record: RequestRecord) -> None:
+        """Account for one ended request."""
+        if record.outcome in FINISHED_REASONS:
+            self.success.labels(*self.labels, record.outcome).inc()
+        if record.outcome not in ("stop", "length"):  # an abort's timings are the client's
+            return
+        self.prompt_tokens.observe(record.num_prompt_tokens)
+        self.generation_tokens.observe(record.num_generation_tokens)
+        if record.params is not None:
+            self.params_n.observe(record.params.n)
+            if record.params.max_tokens is not None:
+                self.params_max_tokens.observe(record.params.max_tokens)
+        self.e2e.observe(record.e2e)
+        for histogram, value in ((self.ttft, record.ttft), (self.request_tpot, record.tpot), (self.queue, record.queue_time),
+                                 (self.prefill, record.prefill_time), (self.decode, record.decode_time)):
+            if value is not None:
+                histogram.observe(value)
+        if record.prefill_time is not None and record.decode_time is not None:
+            self.inference.observe(record.prefill_time + record.decode_time)
+
+    def observe_step(self, stats: Any) -> None:
+        """Account for one engine step (its `EngineStats`)."""
+        if getattr(stats, "step_tokens", 0):
+            self.iteration_tokens.observe(stats.step_tokens)
+        for interval in getattr(stats, "token_intervals", ()):
+            self.itl.observe(interval)
+            self.tpot.observe(interval)
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-wide counters from the latest `EngineStats` (or zeros before the first)."""
+
+    def __init__(self, stats: Callable[[], Any], labels: tuple[str, str]) -> None:
+        self._stats = stats
+        self._labels = list(labels)
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+
+        def get(name: str) -> float:
+            return float(getattr(s, name, 0) or 0) if s is not None else 0.0
+
+        def family(kind: type, name: str, doc: str, value: float) -> Any:
+            f = kind(name, doc, labels=LABELS)
+            f.add_metric(self._labels, value)
+            return f
+
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
+                     get("num_running"))
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                     get("num_waiting"))
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                     get("kv_cache_usage"))
+        yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
+                     "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+                     get("kv_cache_usage"))
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                     "Prefix cache queries, in terms of number of queried tokens.", get("prefix_cache_queries"))
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
+                     "Prefix cache hits, in terms of number of cached tokens.", get("prefix_cache_hits"))
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                     get("num_preemptions"))
+        yield family(CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+                     get("prompt_tokens_total"))
+        yield family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
+                     get("generation_tokens_total"))
