@@ -35,21 +35,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from portside.engine.llm import LLM
     from portside.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed,
-        stop=args.stop or None,
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-    )
+    # a flag left unset takes the model's generation_config.json (--generation-config), else these
+    fallback = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 64}
+    given = {k: getattr(args, k) for k in fallback if getattr(args, k) is not None}
+    fixed = dict(n=args.n, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                 seed=args.sampling_seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
+    SamplingParams(**fixed, **{**fallback, **given})  # a bad flag fails before the model loads
     llm = LLM(**{**engine_kwargs(args), "model": args.model})
+    params = SamplingParams(**fixed, **{**fallback, **llm.engine.default_sampling, **given})
     if args.raw:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     else:
@@ -87,12 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")
     p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen = "the model's generation_config.json (see --generation-config), else "
+    p.add_argument("--max-tokens", type=int, default=None, help=f"most tokens to generate (default: {gen}64)")
+    p.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default: {gen}0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"default: {gen}1.0")
+    p.add_argument("--top-k", type=int, default=None, help=f"default: {gen}-1 (off)")
+    p.add_argument("--min-p", type=float, default=None, help=f"default: {gen}0.0")
+    p.add_argument("--repetition-penalty", type=float, default=None, help=f"default: {gen}1.0")
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")

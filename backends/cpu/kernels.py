@@ -24,7 +24,10 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,25 +117,61 @@ def build_key(cc: list[str], sources: tuple[Path, ...] | None = None, flags: tup
     return h.hexdigest()[:32]
 
 
+_BUILD_LOCK = threading.Lock()  # a background prebuild and the first use never compile one library twice
+SECONDS_PER_SOURCE = {".c": 2, ".cpp": 12}  # rough single-core compile times, for the first-run notice
+
+
+def _notice(msg: str) -> None:
+    print(f"portside: {msg}", file=sys.stderr, flush=True)
+
+
 def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs: tuple[str, ...], target: Path) -> bool:
     """Compile `sources` into the shared library `target` unless it is already there; True when
-    this call compiled it. `libs` go after the sources, as the linker wants."""
+    this call compiled it. `libs` go after the sources, as the linker wants. Several sources
+    compile in parallel (one compiler process per core), then link. A build says so on stderr,
+    with its expected and its actual time (a first run's only long silence otherwise)."""
     if target.exists():
         return False
-    logger.info("building native cpu kernels: %s -> %s", " ".join(src.name for src in sources), target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        res = _run([*cc, *flags, "-o", tmp, *map(str, sources), *libs], timeout=300)
-        if res.returncode != 0:
-            raise NativeBuildError(f"building {' '.join(src.name for src in sources)} with {shlex.join(cc)} failed "
-                                   f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
-        os.replace(tmp, target)  # atomic: other processes see no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _BUILD_LOCK:
+        if target.exists():  # built by the thread that held the lock
+            return False
+        names = " ".join(src.name for src in sources)
+        jobs = max(1, min(len(sources), os.cpu_count() or 1))
+        rounds = -(-len(sources) // jobs)
+        estimate = rounds * max(SECONDS_PER_SOURCE.get(src.suffix, 10) for src in sources) + 1
+        logger.info("building native cpu kernels: %s -> %s (%d jobs)", names, target, jobs)
+        _notice(f"building native cpu kernels ({names}; first run, ~{estimate} s) ...")
+        start = time.monotonic()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as work:
+            tmp = os.path.join(work, target.name)
+            if len(sources) > 1 and jobs > 1:
+                objects = _compile_objects(cc, sources, flags, Path(work), jobs)
+                _checked(_run([*cc, *flags, "-o", tmp, *objects, *libs], timeout=300), cc, names)
+            else:
+                _checked(_run([*cc, *flags, "-o", tmp, *map(str, sources), *libs], timeout=300), cc, names)
+            os.replace(tmp, target)  # atomic: other processes see no file or a whole one
+        _notice(f"native cpu kernels built in {time.monotonic() - start:.1f} s ({target.parent})")
     return True
+
+
+def _compile_objects(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], work: Path, jobs: int) -> list[str]:
+    """Each source compiled to an object file in `work`, `jobs` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    objects = [str(work / f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda so: _run([*cc, *flags, "-c", "-o", so[1], str(so[0])], timeout=300),
+                                zip(sources, objects)))
+    for src, res in zip(sources, results):
+        _checked(res, cc, src.name)
+    return objects
+
+
+def _checked(res: subprocess.CompletedProcess[str], cc: list[str], names: str) -> None:
+    if res.returncode != 0:
+        raise NativeBuildError(f"building {names} with {shlex.join(cc)} failed "
+                               f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -148,12 +187,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ps_write_kv_q8.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
 
 
+def library_build_args() -> tuple[list[str], tuple[Path, ...], tuple[str, ...], tuple[str, ...], Path]:
+    """`build`'s arguments for the paged-attention kernels: compiler, sources, flags, libs, target."""
+    cc = compiler()
+    return cc, (SOURCE,), FLAGS[:-1], FLAGS[-1:], cache_dir() / build_key(cc) / "paged_attention.so"
+
+
 @functools.lru_cache(maxsize=1)
 def load_library() -> NativeLibrary:
     """Build (once per cache key) and load the kernels. Raises `NativeBuildError` with the reason."""
-    cc = compiler()
-    target = cache_dir() / build_key(cc) / "paged_attention.so"
-    compiled = build(cc, (SOURCE,), FLAGS[:-1], FLAGS[-1:], target)
+    args = library_build_args()
+    target = args[-1]
+    compiled = build(*args)
     try:
         lib = ctypes.CDLL(str(target))
         _declare(lib)

@@ -25,11 +25,15 @@ trip through Python: 121 linears and 30 attention calls a step for the default m
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from pathlib import Path
 
 import torch
 
 from portside.backends.cpu import kernels
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
@@ -55,16 +59,40 @@ def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return compile_flags, (f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10")
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> Path:
-    """Build (once per cache key) and register the operators; raises `NativeBuildError` with why not."""
-    from portside.backends.cpu import attention_op  # the Python operator attention falls back to
-
+def _build() -> Path:
     cxx = kernels.compiler("CXX", ("c++", "g++"), "C++")
     compile_flags, libs = _torch_flags()
     key = kernels.build_key(cxx, SOURCES + INCLUDED, compile_flags + libs, extra=torch.__version__)
     target = kernels.cache_dir() / key / "portside_cpu_native.so"
     kernels.build(cxx, SOURCES, compile_flags, libs, target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def prebuild_in_background() -> threading.Thread:
+    """Start compiling both native libraries (this one and `kernels`' C kernels) on a thread, once
+    per process, so a first run's build overlaps tokenizer and weight loading; `load()` then
+    waits for it (`kernels.build` holds a lock) or finds the .so cached. Nothing is loaded here,
+    and a failure is left for `load()` / `unavailable_reason()` to report."""
+
+    def work() -> None:
+        for step in (_build, lambda: kernels.build(*kernels.library_build_args())):
+            try:
+                step()
+            except kernels.NativeBuildError as e:
+                logger.debug("cpu: background native build failed (reported on first use): %s", e)
+
+    thread = threading.Thread(target=work, name="portside-native-build", daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Path:
+    """Build (once per cache key) and register the operators; raises `NativeBuildError` with why not."""
+    from portside.backends.cpu import attention_op  # the Python operator attention falls back to
+
+    target = _build()
     try:
         torch.ops.load_library(str(target))
     except OSError as e:

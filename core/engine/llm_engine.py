@@ -17,6 +17,7 @@ from portside.engine.args import EngineArgs
 from portside.engine.detokenizer import IncrementalDetokenizer
 from portside.engine.executor import make_executor
 from portside.engine.output_processor import OutputProcessor, RequestGroup, SampleState
+from portside.generation_config import generation_defaults
 from portside.lora.registry import LoRARegistry
 from portside.outputs import RequestOutput
 from portside.platform import resolve_platform
@@ -52,6 +53,8 @@ class LLMEngine:
 
         self.platform = resolve_platform(args.device)
         self.config = config = args.create_engine_config(self.platform)
+        # --generation-config: defaults for the sampling fields a caller leaves unset (before the model loads: fail fast)
+        self.default_sampling = generation_defaults(args.generation_config, config.model.path)
         self.platform.seed(config.model.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
         self.eos_token_id, self.extra_eos_ids = _eos_ids(config.model.path, self.tokenizer)

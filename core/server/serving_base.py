@@ -55,6 +55,7 @@ class ServingContext:
     tool_parser: Any = None  # a portside.tool_parsers.ToolParser class (--enable-auto-tool-choice)
     trust_request_chat_template: bool = False  # --trust-request-chat-template
     adapters: Any = None  # portside.server.lora.ServedAdapters, with --enable-lora
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config: for fields a request leaves unset
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None,
@@ -65,7 +66,8 @@ class ServingContext:
         reasoning = getattr(engine.engine, "reasoning_parser", None)
         return cls(engine, tok, Offload(tok), served_model_names, engine.engine.max_model_len, metrics, chat_template, vocab,
                    structured=getattr(engine.engine, "structured", None), reasoning_parser=reasoning, tool_parser=tool_parser,
-                   trust_request_chat_template=trust_request_chat_template)
+                   trust_request_chat_template=trust_request_chat_template,
+                   default_sampling=dict(getattr(engine.engine, "default_sampling", None) or {}))
 
     async def constraint(self, req: SamplingFields, extra: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
         """The request's compiled output constraint (`extra`: one that tool_choice imposes)."""
@@ -144,18 +146,29 @@ def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, p
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None,
-                    structured: StructuredOutputsParams | None = None, skip_special_tokens: bool | None = None) -> SamplingParams:
-    """SamplingParams from request fields (OpenAI defaults for fields left unset). A stream gets
-    deltas (coalesced while its client is slow); any other request only its final output."""
+                    structured: StructuredOutputsParams | None = None, skip_special_tokens: bool | None = None,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from request fields; a field left unset takes `defaults` (the model's
+    generation config, `ServingContext.default_sampling`), else OpenAI's default. Without an
+    explicit max_tokens the output length is also capped by a default max_tokens, as vLLM does.
+    A stream gets deltas (coalesced while its client is slow); any other request only its final output."""
+    defaults = defaults or {}
+
+    def pick(value: Any, name: str, fallback: Any) -> Any:
+        return defaults.get(name, fallback) if value is None else value
+
+    sent = req.model_fields_set & {"max_tokens", "max_completion_tokens"}
+    if "max_tokens" in defaults and all(getattr(req, f) is None for f in sent):
+        max_tokens = min(max_tokens, defaults["max_tokens"])
     kwargs: dict[str, Any] = dict(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=pick(req.temperature, "temperature", 1.0),
+        top_p=pick(req.top_p, "top_p", 1.0),
+        top_k=pick(req.top_k, "top_k", -1),
+        min_p=pick(req.min_p, "min_p", 0.0),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         seed=req.seed,
         stop=list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),

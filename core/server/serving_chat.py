@@ -64,7 +64,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     structured = await ctx.constraint(req, plan.constraint)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_k, renames={"max_tokens": field_name},
-                             structured=structured, skip_special_tokens=plan.skip_special_tokens)
+                             structured=structured, skip_special_tokens=plan.skip_special_tokens, defaults=ctx.default_sampling)
     request_id = new_id("chatcmpl")
     streams = await submit_all(ctx, request_id, [prompt_ids], [params], req.priority, "messages", lora)
     created = int(time.time())

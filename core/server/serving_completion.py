@@ -45,7 +45,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
     params = []
     for ids in prompts_ids:
         max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", explicit, len(ids), ctx.max_model_len, "prompt")
-        params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured))
+        params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured,
+                                      defaults=ctx.default_sampling))
     request_id = new_id("cmpl")
     streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt", lora)
     created = int(time.time())
