@@ -9,6 +9,22 @@ import torch
 
 from portside.quant.config import QuantConfig
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """Task embed: how a prompt's final hidden states (after the final norm) become one vector.
+    `last` (vLLM's default for decoder LMs): the last token's; `mean`: the mean over every prompt
+    token; `cls`: the first token's. `normalize`: L2-normalised, as vLLM's embed default."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"unknown pooling type {self.pooling_type!r}; use one of {', '.join(POOLING_TYPES)}")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -18,6 +34,11 @@ class ModelConfig:
     max_model_len: int = 2048
     seed: int = 0
     quantization: QuantConfig | None = None  # None: full-precision weights
+    pooler: PoolerConfig | None = None  # task embed: requests return a pooled vector, never sample
+
+    @property
+    def task(self) -> str:
+        return "generate" if self.pooler is None else "embed"
 
 
 @dataclass(frozen=True)

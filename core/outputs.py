@@ -39,6 +39,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
+    pooled: list[float] | None = None  # task embed: the prompt's pooled vector (its embedding)
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (a slow consumer then
@@ -60,3 +61,24 @@ class RequestOutput:
         self.finished = delta.finished
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         self.metrics = delta.metrics
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

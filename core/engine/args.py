@@ -14,7 +14,15 @@ from typing import Any
 import torch
 
 from portside.backend_api import Platform
-from portside.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from portside.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +65,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded on the host (default: max_loras)
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
+    task: str = "generate"  # "generate", or "embed": prompts in, pooled vectors out (vLLM's --task / --runner pooling)
+    pooling_type: str | None = None  # task embed: last (default), mean or cls
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -90,14 +100,16 @@ class EngineArgs:
         if max_model_len > max_pos:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        pooler = self._resolve_pooler()
         config = EngineConfig(
             model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed,
-                              quantization=quant),
+                              quantization=quant, pooler=pooler),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # pooling reads the hidden states of every prompt token: none may come from the cache
+                enable_prefix_caching=self.enable_prefix_caching and pooler is None,
                 kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
@@ -119,6 +131,18 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         return platform.check_and_update_config(config)
+
+    def _resolve_pooler(self) -> PoolerConfig | None:
+        task = {"pooling": "embed"}.get(self.task, self.task)  # vLLM's --runner pooling
+        if task not in ("generate", "embed"):
+            raise ValueError(f"unknown task {self.task!r}; use generate or embed")
+        if task == "generate":
+            if self.pooling_type is not None:
+                raise ValueError("pooling_type applies to task embed only; pass --task embed")
+            return None
+        if self.enable_prefix_caching:
+            logger.info("task embed: prefix caching is off (pooling needs every prompt token's hidden state)")
+        return PoolerConfig(pooling_type=(self.pooling_type or "last").lower())
 
     def _resolve_dtype(self, hf: dict[str, Any], platform: type[Platform]) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
@@ -167,6 +191,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")
     g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning from the answer (qwen3, deepseek_r1): reasoning_content in responses, and structured output applies after the reasoning")
     g.add_argument("--generation-config", default="auto", help="default sampling parameters: auto (the model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (ignore it: SamplingParams' own defaults) or a folder holding a generation_config.json; values you pass always win")
+    g.add_argument("--task", "--runner", dest="task", choices=["generate", "embed", "pooling"], default="generate",
+                   help="generate (text), or embed (= --runner pooling): /v1/embeddings and LLM.embed return each prompt's pooled final hidden state")
+    g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls"], default=None,
+                   help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")

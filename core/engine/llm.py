@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from portside.engine.args import EngineArgs
 from portside.engine.llm_engine import LLMEngine
-from portside.outputs import RequestOutput
+from portside.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from portside.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
@@ -94,8 +94,38 @@ class LLM:
         texts: list[Prompt] = [self.engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
         return self._run(texts, sampling_params, use_tqdm, None, add_special_tokens=False, lora_request=lora_request)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (an engine made with task="embed"): the
+        prompt's final hidden states pooled (pooling_type) and L2-normalised.
+        `truncate_prompt_tokens`: keep only a prompt's last k tokens (-1: the last max_model_len)."""
+        prompt_list = _as_prompt_list(prompts)
+        if truncate_prompt_tokens is not None:
+            prompt_list = [self._truncated(p, truncate_prompt_tokens) for p in prompt_list]
+        outs = self._run(prompt_list, None, use_tqdm, None, add_special_tokens=True, lora_request=lora_request, task="embed")
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(list(o.pooled or [])), o.prompt_token_ids, o.finished)
+                for o in outs]
+
+    def _truncated(self, prompt: Prompt, k: int) -> list[int]:
+        if k == -1:
+            k = self.engine.max_model_len
+        if k < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}")
+        value: Any = prompt.get("prompt_token_ids", prompt.get("prompt", "")) if isinstance(prompt, dict) else prompt
+        ids: list[int] = self.engine.tokenizer.encode(value) if isinstance(value, str) else list(value)
+        return ids[-k:]
+
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool,
-             lora_request: Any = None) -> list[RequestOutput]:
+             lora_request: Any = None, task: str = "generate") -> list[RequestOutput]:
+        if task != self.engine.task:
+            raise ValueError("LLM.embed needs an engine made with task='embed' (--task embed)" if task == "embed" else
+                             "this engine runs task 'embed': use LLM.embed, or make it with task='generate'")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)

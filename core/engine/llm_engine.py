@@ -60,6 +60,7 @@ class LLMEngine:
         self.eos_token_id, self.extra_eos_ids = _eos_ids(config.model.path, self.tokenizer)
         self.reasoning_parser = _reasoning_parser(args.reasoning_parser, self.tokenizer)  # before the model loads: fail fast
         self.max_model_len = config.model.max_model_len
+        self.task = config.model.task  # "generate" or "embed"
         self.executor = make_executor(config, self.platform, self.eos_token_id)
         block_size = config.cache.block_size
         assert block_size is not None
@@ -130,7 +131,9 @@ class LLMEngine:
         dict (with both, as `apply_chat_template` returns, the ids are the prompt and the text is
         what outputs show). Raises ValueError naming the problem for bad input. A chat prompt
         rendered as text already has its special tokens: pass add_special_tokens=False.
-        `lora_request`: a `LoRARequest`, the adapter this request runs with (enable_lora)."""
+        `lora_request`: a `LoRARequest`, the adapter this request runs with (enable_lora).
+        Under task embed a request ends once its prompt is computed, its output carrying the
+        pooled vector (`RequestOutput.pooled`); of `params` only `output_kind` then applies."""
         params = params or SamplingParams()
         self.loras.check(lora_request)
         shown: str | None = None
@@ -149,9 +152,13 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = shown, list(prompt)
         self._validate(prompt_ids, params)
+        if self.task == "embed" and (params.n != 1 or params.structured_outputs is not None):
+            raise ValueError("task embed: a request returns one embedding; n and structured outputs do not apply")
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = self.max_model_len - len(prompt_ids)
-        if params.max_tokens is not None:
+        if self.task == "embed":
+            max_tokens = 0  # prefill only: the scheduler finishes it after its prompt
+        elif params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         stop_ids = list(params.stop_token_ids or []) + [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or [])]
         samples: dict[str, SampleState] = {}
@@ -203,7 +210,10 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.vocab_size}")
-        if len(prompt_ids) >= self.max_model_len:
+        if self.task == "embed" and len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens, more than max_model_len {self.max_model_len}; shorten it "
+                             "(or truncate it: truncate_prompt_tokens)")
+        if self.task != "embed" and len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "it leaves no room for output; shorten the prompt or raise max_model_len"
@@ -239,6 +249,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids.values())
         outputs, stopped = self.outputs.process(updated, runner_output.logprobs)
+        for out in outputs if runner_output.pooled else ():
+            out.pooled = runner_output.pooled.get(out.request_id, out.pooled)  # task embed: n is 1, ids match
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

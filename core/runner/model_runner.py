@@ -26,6 +26,7 @@ from portside.backend_api import (
     kv_cache_torch_dtype,
 )
 from portside.config import EngineConfig
+from portside.runner.pooler import PoolChunk, Pooler
 from portside.sample.bitmask import TokenBitmask
 from portside.sample.metadata import SamplingMetadata
 from portside.sampling_params import SamplingParams
@@ -144,6 +145,8 @@ class ModelRunner:
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
         self.sampler = platform.sampler(config)
+        # task embed: every request ends with its pooled prompt (`pooler`), never samples
+        self.pooler = Pooler(config.model.pooler) if config.model.pooler is not None else None
         assert config.cache.block_size is not None
         self.block_size: int = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
@@ -219,7 +222,10 @@ class ModelRunner:
             hidden = self.graph_runner(batch.input_ids, batch.positions, ctx)
             sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
             logprobs: dict[str, LogprobsLists] = {}
-            if batch.sampled_req_ids:
+            pooled: dict[str, list[float]] = {}
+            if self.pooler is not None:
+                pooled = self.pooler.step(hidden, self._pool_chunks(batch, scheduler_output.num_scheduled_tokens))
+            elif batch.sampled_req_ids:
                 logits = self.graph_runner.logits(hidden, batch.logits_indices)
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
                 meta = self._sampling_metadata(batch.sampled_req_ids, states)
@@ -238,7 +244,13 @@ class ModelRunner:
                             logprobs[rid] = lists
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
-        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled)
+
+    def _pool_chunks(self, batch: BatchInputs, counts: dict[str, int]) -> list[PoolChunk]:
+        """Each request's rows of this step (before its computed count advances)."""
+        qsl = batch.metadata.query_start_loc_cpu
+        return [PoolChunk(rid, qsl[i], counts[rid], self.requests[rid].num_computed_tokens,
+                          len(self.requests[rid].prompt_token_ids)) for i, rid in enumerate(batch.req_ids)]
 
     def _token_bitmask(self, so: SchedulerOutput, sampled_req_ids: list[str]) -> TokenBitmask | None:
         """The step's grammar masks (waiting for them here, after the forward) on the device."""
@@ -271,6 +283,8 @@ class ModelRunner:
             self._last_sampling = None  # a request id may come back as another request
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.pooler is not None:
+                self.pooler.forget(rid)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,

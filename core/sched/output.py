@@ -68,3 +68,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # req_id -> logprobs of the sampled token(s), for requests that asked for logprobs
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # task embed: req_id -> the pooled vector of a request whose prompt was completed this step
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -244,6 +244,8 @@ class Scheduler:
             self.kv.free_out_of_window_blocks(request)  # hashed just above, so still findable
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
+            if request.max_tokens == 0:  # a pooling request (task embed): done once its prompt is computed
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
             new_tokens = runner_output.sampled_token_ids.get(req_id, [])
             for token in new_tokens:
                 request.output_token_ids.append(token)
