@@ -773,6 +773,9 @@ class Platform(ABC):
 
     # KV-cache size when the user gives none: a fraction (<= 1) of free memory, or bytes (> 1)
     default_kv_cache_memory: ClassVar[float] = 0.9
+    # platform options that --enforce-eager (EngineArgs.enforce_eager) sets: no graph capture or
+    # compilation; None: the platform has no eager mode (the flag only warns)
+    eager_options: ClassVar[dict[str, str] | None] = None
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: torch.dtype) -> torch.dtype:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 from collections.abc import Callable
 
-EXIT_USAGE = 2
+from portside.cli_parser import EXIT_USAGE, Parser
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
@@ -22,11 +23,15 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
+    import shutil
+
     from portside.model.registry import format_architectures
 
     print(format_architectures())
-    print("\nneeds: attention features each platform's attention backend runs natively or through core's "
-          "reference (see `portside devices`); moe: the platform's ModelOps.fused_moe")
+    print()
+    print(textwrap.fill("needs: attention features each platform's attention backend runs natively or through core's "
+                        "reference (see `portside devices`); moe: the platform's ModelOps.fused_moe",
+                        shutil.get_terminal_size((80, 24)).columns))
     return 0
 
 
@@ -63,10 +68,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     from portside.engine.args import add_engine_args
 
-    parser = argparse.ArgumentParser(prog="portside", description="Hardware-portable LLM inference and serving.")
+    parser = Parser(prog="portside", description="Hardware-portable LLM inference and serving.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -94,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("-n", type=int, default=1, help="number of samples")
     add_engine_args(p)
+    _add_config_arg(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -105,13 +111,40 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_args is not None:
         add_serve_args(p)
     add_engine_args(p)
+    _add_config_arg(p)
     p.set_defaults(func=_cmd_serve)
     return parser
 
 
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="read flags from a YAML mapping (keys: flag names with - or _); flags on the command line win")
+
+
+def parse_args(parser: Parser, argv: list[str]) -> argparse.Namespace:
+    """Parse `argv`, with a --config file's flags before the command line's; usage errors exit 2."""
+    from portside.cli_config import ConfigFileError, config_argv
+
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "config", None):
+        sub = parser.subparser(args.command)
+        try:
+            tokens, positional = config_argv(args.config, sub)
+        except ConfigFileError as e:
+            sub.error(str(e))
+        at = argv.index(args.command) + 1
+        args, extra = parser.parse_known_args(argv[:at] + tokens + argv[at:])
+        for dest, value in positional.items():
+            if getattr(args, dest, None) is None:
+                setattr(args, dest, str(value))
+    if extra:
+        parser.unknown_args_error(args.command, extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from portside.platform import DeviceSelectionError
 

@@ -35,6 +35,7 @@ class ModelConfig:
     seed: int = 0
     quantization: QuantConfig | None = None  # None: full-precision weights
     pooler: PoolerConfig | None = None  # task embed: requests return a pooled vector, never sample
+    max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for (-1: no limit), as vLLM's
 
     @property
     def task(self) -> str:
@@ -48,6 +49,9 @@ class CacheConfig:
     # bytes (> 1) or a fraction (0 < x <= 1) of the device's free memory after loading the
     # model; None: the platform's default
     kv_cache_memory: float | None = None
+    # vLLM's --gpu-memory-utilization: the fraction (0 < x <= 1) of the device's total memory that
+    # weights and KV cache may fill, less what is in use already (see `kv_cache_budget`)
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
 

@@ -136,7 +136,7 @@ def resolve_platform(device: str | None = None, entries: list[PlatformEntry] | N
     """The platform for `device`, or the best available one when `device` is None."""
     entries = discover_platforms() if entries is None else entries
     if device is not None:
-        matches = [e for e in entries if e.name == device]
+        matches = [e for e in entries if e.name.lower() == device.strip().lower()]  # --device CPU, Cuda
         if not matches:
             raise DeviceSelectionError(f"no platform named {device!r}; devices found:\n{_table(entries)}")
     else:
@@ -161,16 +161,32 @@ def resolve_platform(device: str | None = None, entries: list[PlatformEntry] | N
     return entry.platform
 
 
-def format_devices(entries: list[PlatformEntry]) -> str:
-    """The `portside devices` table."""
-    header = f"{'DEVICE':<14} {'STATUS':<11} {'PACKAGE':<22} {'ATTENTION':<20} {'GRAPH':<22} {'COLLECTIVES':<12} REASON"
-    lines = [header]
+def format_devices(entries: list[PlatformEntry], width: int | None = None) -> str:
+    """The `portside devices` table: columns sized to their content, a cell's alternatives
+    (``a|b|c``) one per line, and an unavailable platform's reason on indented lines of its own,
+    wrapped to `width` (default: the terminal's, 80 when not a terminal)."""
+    import shutil
+    import textwrap
+
+    width = width or shutil.get_terminal_size((80, 24)).columns
+    header = ("DEVICE", "STATUS", "PACKAGE", "ATTENTION", "GRAPH", "COLLECTIVES")
+    rows: list[tuple[list[str], str]] = []
     for e in entries:
         d = e.describe()
         status = "available" if e.availability else "unavailable"
-        reason = "" if e.availability else e.availability.reason
-        lines.append(
-            f"{e.name:<14} {status:<11} {e.package + ':' + e.entry_point:<22} {d['attention']:<20} "
-            f"{d['graph']:<22} {d['collectives']:<12} {reason}"
-        )
+        cells = [e.name, status, f"{e.package}:{e.entry_point}", d["attention"], d["graph"], d["collectives"]]
+        rows.append((cells, "" if e.availability else e.availability.reason))
+    split = [[c.split("|") if "|" in c and not c.startswith("error:") else [c] for c in cells] for cells, _ in rows]
+    widths = [max([len(header[i])] + [len(part) for r in split for part in r[i]]) for i in range(len(header))]
+
+    def line(parts: list[str]) -> str:
+        return "  ".join(p.ljust(w) for p, w in zip(parts, widths)).rstrip()
+
+    lines = [line(list(header))]
+    for (_, reason), parts in zip(rows, split):
+        for k in range(max(len(c) for c in parts)):
+            lines.append(line([c[k] if k < len(c) else "" for c in parts]))
+        if reason:
+            lines += textwrap.wrap(reason, max(40, width), initial_indent="    reason: ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)

@@ -74,7 +74,7 @@ class SamplingParams:
                 "min_tokens",
                 "must not exceed max_tokens",
             ),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),  # the engine's max_logprobs caps it
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
             (self.prompt_logprobs is None, "prompt_logprobs", "is not supported yet (prompt logprobs are not computed)"),
             (

@@ -28,8 +28,10 @@ def test_devices_lists_every_platform_with_reasons():
     assert "available" in rows["cpu"].split()[1]
     for name in ("cuda", "rocm", "tpu"):
         assert name in rows, f"{name} missing from `portside devices`:\n{proc.stdout}"
-    # without the hardware each says why (the exact reason depends on the leg's environment)
-    assert "unavailable" in rows["cuda"] and len(rows["cuda"].split("unavailable", 1)[1].strip()) > 10
+    # without the hardware each says why, on its own line under the row (the reason depends on the leg's environment)
+    assert "unavailable" in rows["cuda"]
+    below = lines[lines.index(rows["cuda"]) + 1]
+    assert below.startswith("    reason: ") and len(below.split("reason: ", 1)[1].strip()) > 10, proc.stdout
 
 
 def test_unavailable_device_exits_2_naming_devices_and_reasons(tiny_llama):

@@ -25,6 +25,17 @@ PLUGIN_DIST = "portside-npu-example"
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
 
 
+def _device_rows(stdout: str) -> list[str]:
+    """`portside devices` with each device's wrapped cells and reason lines joined onto its row."""
+    rows: list[str] = []
+    for line in stdout.splitlines():
+        if line.startswith(" ") and rows:
+            rows[-1] += " " + line.strip()
+        else:
+            rows.append(line)
+    return rows
+
+
 def _run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))  # fmt: skip
@@ -76,7 +87,7 @@ def test_example_plugin_listed_by_devices(npu_example: str) -> None:
 
 def test_example_plugin_unavailable_says_why(npu_example: str) -> None:
     proc = _portside("devices", env={"NPU_EXAMPLE_VISIBLE_DEVICES": ""})
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("npu-example "))
+    line = next(l for l in _device_rows(proc.stdout) if l.startswith("npu-example "))
     assert "unavailable" in line and "NPU_EXAMPLE_VISIBLE_DEVICES is empty" in line, line
     proc = _portside("generate", "hi", "--model", "/nonexistent", "--device", "npu-example",
                      env={"NPU_EXAMPLE_VISIBLE_DEVICES": ""})  # fmt: skip
@@ -247,7 +258,7 @@ def broken_plugins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
 def test_devices_reports_broken_plugins_and_carries_on(broken_plugins: dict[str, str]) -> None:
     proc = _portside("devices", env=broken_plugins)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = _device_rows(proc.stdout)
     for dist, (ep, _) in BROKEN.items():
         if ep.startswith("dup"):
             continue

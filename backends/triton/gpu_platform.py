@@ -92,6 +92,7 @@ class TorchGpuPlatform(Platform):
     attention_name = "triton"
     communicator_cls: ClassVar[type[TorchDistributedCommunicator]] = TorchDistributedCommunicator
     graph_runner_cls: ClassVar[type[DeviceGraphRunner]] = DeviceGraphRunner
+    eager_options: ClassVar[dict[str, str] | None] = {ENFORCE_EAGER_OPTION: "1"}  # --enforce-eager: no CUDA/HIP graphs
 
     @classmethod
     def device_info(cls) -> DeviceInfo:

@@ -23,6 +23,7 @@ from portside.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from portside.engine.unsupported_args import add_unsupported_args
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class EngineArgs:
     max_loras: int = 1  # adapters in one batch (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded on the host (default: max_loras)
+    gpu_memory_utilization: float | None = None  # fraction of device memory for weights + KV cache (vLLM's)
+    enforce_eager: bool = False  # no graph capture or compilation: the platform's `eager_options`
+    max_logprobs: int = 20  # most logprobs / top_logprobs per request (-1: no limit)
+    trust_remote_code: bool = False  # accepted for vLLM parity; no effect (checkpoint code never runs)
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
     task: str = "generate"  # "generate", or "embed": prompts in, pooled vectors out (vLLM's --task / --runner pooling)
     pooling_type: str | None = None  # task embed: last (default), mean or cls
@@ -103,11 +108,12 @@ class EngineArgs:
         pooler = self._resolve_pooler()
         config = EngineConfig(
             model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed,
-                              quantization=quant, pooler=pooler),
+                              quantization=quant, pooler=pooler, max_logprobs=self.max_logprobs),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 # pooling reads the hidden states of every prompt token: none may come from the cache
                 enable_prefix_caching=self.enable_prefix_caching and pooler is None,
                 kv_cache_dtype=self.kv_cache_dtype,
@@ -121,8 +127,9 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             device=platform.name,
-            platform_options=tuple(sorted(self.platform_options.items())),
+            platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
+        self._check_vllm_flags()
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
@@ -131,6 +138,35 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         return platform.check_and_update_config(config)
+
+    def _platform_options(self, platform: type[Platform]) -> dict[str, str]:
+        """`platform_options`, plus what `enforce_eager` means on `platform`."""
+        options = dict(self.platform_options)
+        if not self.enforce_eager:
+            return options
+        eager = platform.eager_options
+        if eager is None:
+            logger.warning("--enforce-eager has no effect on %s: it has no eager mode", platform.name)
+            return options
+        for key, value in eager.items():
+            if options.get(key, value) != value:
+                raise ValueError(f"--enforce-eager conflicts with the platform option {key}={options[key]} "
+                                 f"(--{key.replace('_', '-')}); drop one")
+            options[key] = value
+        return options
+
+    def _check_vllm_flags(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is not None:
+            if not 0 < util <= 1:
+                raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+            if self.kv_cache_memory is not None:
+                raise ValueError("--gpu-memory-utilization and --kv-cache-memory both size the KV cache; pass one of them")
+        if self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}")
+        if self.trust_remote_code:
+            logger.warning("--trust-remote-code has no effect: portside never runs model code from checkpoints "
+                           "(it implements each architecture itself; see `portside models`)")
 
     def _resolve_pooler(self) -> PoolerConfig | None:
         task = {"pooling": "embed"}.get(self.task, self.task)  # vLLM's --runner pooling
@@ -178,9 +214,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block; default: the platform's")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache size: bytes (> 1) or a fraction (<= 1) of free device memory after loading the model")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="vLLM's sizing: the fraction of the device's total memory (host memory on cpu) that model weights and "
+                        "KV cache may fill, less what other processes use; the KV cache gets what is left after loading "
+                        "(conflicts with --kv-cache-memory; default: the platform's --kv-cache-memory default)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill splits longer prompts)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over engine steps of --max-num-batched-tokens, batched with decodes; without it a "
+                        "prompt runs whole (--max-num-batched-tokens must then hold --max-model-len)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture graphs or compile: cpu runs --cpu-graph eager, cuda/rocm run without CUDA/HIP graphs")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs (completions) / top_logprobs (chat) a request may ask for; more is a 400 (-1: no limit)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; no effect: portside never runs model code from checkpoints")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs", help="order of waiting requests and choice of preemption victims")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
     g.add_argument("--quantization", "-q", default=None, help="gptq, awq, compressed-tensors, fp8, gguf: the checkpoint's format (default: what its config.json says); int8 or fp8 on a full-precision checkpoint quantizes it per output channel while loading")
@@ -196,6 +245,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls"], default=None,
                    help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
+    add_unsupported_args(parser)
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")
     g.add_argument("--max-loras", type=int, default=1, help="adapters that may run in one batch (device slots; default 1)")

@@ -135,6 +135,10 @@ class LLMEngine:
         Under task embed a request ends once its prompt is computed, its output carrying the
         pooled vector (`RequestOutput.pooled`); of `params` only `output_kind` then applies."""
         params = params or SamplingParams()
+        limit = self.config.model.max_logprobs
+        if params.logprobs is not None and limit >= 0 and params.logprobs > limit:
+            raise ValueError(f"logprobs: {params.logprobs} requested, more than the {limit} allowed (max_logprobs, "
+                             "the server's --max-logprobs); ask for fewer")
         self.loras.check(lora_request)
         shown: str | None = None
         if isinstance(prompt, dict):

@@ -48,7 +48,7 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
 
 def format_architectures() -> str:
     """The `portside models` table: every architecture, its model module and what it needs."""
-    rows = [("architecture", "model", "needs", "when the checkpoint sets it")]
+    rows = [("architecture", "model", "needs", "if config sets it")]
     for name, a in sorted(SUPPORTED_ARCHITECTURES.items()):
         rows.append((name, a.module.removeprefix("portside.model."), ", ".join(a.needs) or "-", ", ".join(a.may_need) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

@@ -26,6 +26,7 @@ from portside.backend_api import (
     kv_cache_torch_dtype,
 )
 from portside.config import EngineConfig
+from portside.kv_cache.budget import kv_cache_budget
 from portside.runner.pooler import PoolChunk, Pooler
 from portside.sample.bitmask import TokenBitmask
 from portside.sample.metadata import SamplingMetadata
@@ -166,9 +167,7 @@ class ModelRunner:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = self.kv_cache_spec().bytes_per_block(self.block_size)
-        free = self.platform.device_info().free_memory
-        memory = cache.kv_cache_memory if cache.kv_cache_memory is not None else self.platform.default_kv_cache_memory
-        budget = memory * free if memory <= 1 else min(memory, 0.9 * free)
+        budget = kv_cache_budget(cache, self.platform.device_info(), self.platform.default_kv_cache_memory)
         num_blocks = int(budget // per_block)
         # Never more than every sequence at full length, twice over (the rest is prefix cache).
         blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)

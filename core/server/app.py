@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 
 
+def _route_path(scope: Scope) -> str:
+    """The request path without the --root-path prefix a proxy may have left on it."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 @dataclass
 class ServerConfig:
     served_model_names: list[str]
@@ -42,7 +49,13 @@ class ServerConfig:
     max_waiting_requests: int | None = 256
     max_request_body_bytes: int = 8 << 20
     shutdown_timeout: float = 60.0  # seconds in-flight requests get to finish at shutdown
-    root_path: str | None = None
+    root_path: str | None = None  # --root-path: the path prefix of a path-routing proxy (FastAPI's root_path)
+    response_role: str = "assistant"  # --response-role: the role of chat replies
+    # CORS (--allowed-origins ...): None: no CORS headers at all
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
     tool_parser: Any = None  # a ToolParser class: tool_choice "auto" parses the model's own calls
     trust_request_chat_template: bool = False  # render templates sent with a request (a client's code)
     # connection guards (`portside.server.connections`), applied when served through `run_server`
@@ -85,6 +98,10 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
             stats_task = asyncio.create_task(StatsLogger(async_engine.stats, config.log_stats_interval).run())
         holder["ctx"] = c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
                                                    config.tool_parser, config.trust_request_chat_template)
+        c.response_role = config.response_role
+        engine_config = getattr(engine, "config", None)
+        if engine_config is not None:
+            c.max_logprobs = engine_config.model.max_logprobs
         if getattr(engine, "config", None) is not None and engine.config.lora is not None:  # type: ignore[attr-defined]
             from portside.server.lora import ServedAdapters
 
@@ -102,7 +119,8 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
             if tracer is not None:
                 tracer.shutdown()
 
-    app = FastAPI(title="portside", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="portside", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  root_path=config.root_path or "")
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.add_exception_handler(APIError, api_error_handler)
@@ -111,6 +129,11 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins is not None:  # outermost: a browser's preflight OPTIONS carries no API key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
     def ctx() -> ServingContext:
         return holder["ctx"]
@@ -211,7 +234,7 @@ class APIKeyMiddleware:
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"")

@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+
+def str_list(value: str) -> list[str]:
+    """A JSON list (vLLM's form: '["https://a.example"]') or comma-separated values."""
+    if value.strip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -87,3 +101,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="export an OpenTelemetry span per request to this OTLP endpoint (needs: pip install opentelemetry-sdk "
              "opentelemetry-exporter-otlp; gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)",
     )  # fmt: skip
+    g.add_argument("--root-path", default=None,
+                   help="path prefix under which a path-routing proxy serves the API (e.g. /llm); requests work with or "
+                        "without the prefix (FastAPI's root_path)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of chat completion replies when the request adds the generation prompt")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key (with --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain) (with --ssl-keyfile)")
+    g = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
+    g.add_argument("--allowed-origins", type=str_list, default=None, metavar="ORIGINS",
+                   help='origins browsers may call from: a JSON list (\'["https://app.example"]\', \'["*"]\') or a,b; '
+                        "adds Access-Control-* headers and answers preflight requests (default: no CORS headers)")
+    g.add_argument("--allowed-methods", type=str_list, default=["*"], metavar="METHODS", help="CORS methods allowed, as --allowed-origins")
+    g.add_argument("--allowed-headers", type=str_list, default=["*"], metavar="HEADERS", help="CORS request headers allowed, as --allowed-origins")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and Authorization from those origins")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -70,7 +73,97 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         log_stats=not args.disable_log_stats,
         log_stats_interval=float(os.environ.get("PORTSIDE_LOG_STATS_INTERVAL", "10")),  # internal: tests shorten it
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        root_path=_root_path(args.root_path),
+        response_role=_response_role(args.response_role),
+        **_cors(args),
     )
+
+
+def _root_path(value: str | None) -> str | None:
+    if not value:
+        return None
+    if not value.startswith("/"):
+        raise ValueError(f"--root-path {value!r} must start with / (e.g. /llm)")
+    return value.rstrip("/") or None
+
+
+def _response_role(value: str) -> str:
+    if not value or not value.strip():
+        raise ValueError("--response-role must not be empty (default: assistant)")
+    return value
+
+
+def _cors(args: argparse.Namespace) -> dict[str, Any]:
+    if args.allowed_origins is None:
+        for flag, value, default in (("--allowed-methods", args.allowed_methods, ["*"]),
+                                     ("--allowed-headers", args.allowed_headers, ["*"]),
+                                     ("--allow-credentials", args.allow_credentials, False)):
+            if value != default:
+                raise ValueError(f"{flag} configures CORS, which is off: add --allowed-origins")
+        return {}
+    if args.allow_credentials and "*" in args.allowed_origins:
+        logger.warning("--allow-credentials with --allowed-origins '*': browsers refuse credentials for a wildcard "
+                       "origin; list the origins")
+    return dict(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+
+
+def ssl_files(args: argparse.Namespace) -> dict[str, str]:
+    """uvicorn's ssl_keyfile/ssl_certfile, checked: both or neither, and readable."""
+    key, cert = args.ssl_keyfile, args.ssl_certfile
+    if bool(key) != bool(cert):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if not key:
+        return {}
+    for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert)):
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r} is not a file")
+    return {"ssl_keyfile": key, "ssl_certfile": cert}
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail fast (before the model loads) when host:port cannot be listened on."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e.strerror}); use an address such as 127.0.0.1 or 0.0.0.0") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is in use; pick another with --port") from None
+            if e.errno == errno.EACCES:
+                raise ValueError(f"port {port} on {host} needs privileges; pick one above 1023 with --port") from None
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); check --host and --port") from None
+
+
+def banner(engine: Any, args: argparse.Namespace, config: ServerConfig, scheme: str) -> str:
+    """What `portside serve` says it serves, at the default log level."""
+    c = engine.config
+    quant = c.model.quantization
+    dtype = str(c.model.dtype).removeprefix("torch.") + (f", quantization {quant.describe()}" if quant else "")
+    try:
+        with open(os.path.join(c.model.path, "config.json")) as f:
+            architecture = (json.load(f).get("architectures") or ["?"])[0]
+    except (OSError, ValueError):
+        architecture = "?"
+    try:
+        device = f"{c.device} ({engine.platform.device_info().name})"
+    except Exception:  # a plugin's memory query must not stop the start
+        device = c.device
+    blocks, size = engine.num_blocks, c.cache.block_size
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"{scheme}://{host}:{args.port}{config.root_path or ''}"
+    return "\n".join([
+        f"portside: serving {args.model or DEFAULT_MODEL_NAME + ' (the embedded default model)'}",
+        f"  architecture {architecture}, dtype {dtype}, model weights {engine.weight_bytes / 2**20:.1f} MiB",
+        f"  device {device}",
+        f"  KV cache {blocks} blocks x {size} tokens = {blocks * size} tokens, max_model_len {c.model.max_model_len}",
+        f"  served model name(s): {', '.join(config.served_model_names)}",
+        f"  listening on {url} (OpenAI API under {url}/v1)",
+    ])
 
 
 def _lora_modules(args: argparse.Namespace) -> list[Any]:
@@ -118,6 +211,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     __import__("portside.server.debug_memory", fromlist=["_"]).install_from_env()  # PORTSIDE_TRACEMALLOC=1: soak bench
     config = server_config(args)
+    ssl = ssl_files(args)
+    check_port(args.host, args.port)  # before the model loads: a taken port fails in a second, not after it
     engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
     if config.lora_modules:  # a bad adapter stops the start here, with its message (exit 2)
         from portside.lora.request import LoRARequest
@@ -128,10 +223,7 @@ def run_server(args: argparse.Namespace) -> int:
         except ValueError:
             engine.shutdown()
             raise
-    quant = engine.config.model.quantization
-    print(f"portside: model weights {engine.weight_bytes / 2**20:.1f} MiB "
-          f"({quant.describe() if quant else str(engine.config.model.dtype).removeprefix('torch.')}), "
-          f"{engine.num_blocks} KV-cache blocks", file=sys.stderr, flush=True)
+    print(banner(engine, args, config, "https" if ssl else "http"), file=sys.stderr, flush=True)
     app = build_app(engine, config)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -143,6 +235,7 @@ def run_server(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]
             lifespan="on",
             http=guarded_protocol(config.read_timeout, config.stream_stall_timeout, config.max_connections),
+            **ssl,  # type: ignore[arg-type]
         )
     )
     logging.getLogger("uvicorn.access").addFilter(RedactSecrets())

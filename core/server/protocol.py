@@ -147,7 +147,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Any  # str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -265,7 +265,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None  # deprecated alias of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -62,6 +62,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     requested, field_name = req.requested_max_tokens
     max_tokens = resolve_max_tokens(requested, field_name, True, len(prompt_ids), ctx.max_model_len, "messages")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
+    if top_k is not None and 0 <= ctx.max_logprobs < top_k:
+        raise bad_request(f"top_logprobs: {top_k} requested, more than the {ctx.max_logprobs} this server allows "
+                          "(--max-logprobs); ask for fewer", "top_logprobs")
     structured = await ctx.constraint(req, plan.constraint)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_k, renames={"max_tokens": field_name},
                              structured=structured, skip_special_tokens=plan.skip_special_tokens, defaults=ctx.default_sampling)
@@ -94,6 +97,12 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> 
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
+def _role(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """The reply's role: --response-role (default "assistant") when the template added the
+    generation prompt, as vLLM does; "assistant" when the request continues its last message."""
+    return ctx.response_role if req.add_generation_prompt else "assistant"
+
+
 def _finish_reason(c: CompletionOutput, plan: ToolPlan, called: bool) -> str | None:
     reason = openai_finish_reason(c.finish_reason)
     if reason == "stop" and called and plan.choice in ("auto", "required"):
@@ -111,7 +120,7 @@ def _response(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, t
         if ctx.reasoning_parser is not None:
             reasoning, text = ctx.reasoning_parser.extract(c.text, thinking)
         content, calls = parse_output(plan, text or "")
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+        message: dict[str, Any] = {"role": _role(ctx, req), "content": content if content or not calls else None, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         if ctx.reasoning_parser is not None:
@@ -178,7 +187,7 @@ async def _stream(
     try:
         # the role comes first, before any token, as OpenAI's stream does
         for i in range(req.n):
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            yield chunk({"index": i, "delta": {"role": _role(ctx, req), "content": ""}, "logprobs": None, "finish_reason": None})
         async for _, out in outputs:
             for c in out.outputs:
                 ch = choices[c.index]

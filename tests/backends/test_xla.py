@@ -487,9 +487,15 @@ def test_portside_devices_lists_tpu():
         out = subprocess.run([sys.executable, "-m", "portside.cli", "devices"], capture_output=True, text=True,
                              timeout=300, env=env)
         assert out.returncode == 0, out.stderr
-        line = next((ln for ln in out.stdout.splitlines() if ln.split()[:1] == ["tpu"]), None)
-        assert line is not None, out.stdout
-        return line.split()
+        lines = out.stdout.splitlines()
+        at = next((i for i, ln in enumerate(lines) if ln.split()[:1] == ["tpu"]), None)
+        assert at is not None, out.stdout
+        block = [lines[at]]
+        for ln in lines[at + 1:]:  # its wrapped cells and reason lines are indented under it
+            if not ln.startswith(" "):
+                break
+            block.append(ln)
+        return " ".join(block).split()
 
     cpu = tpu_line("CPU")
     assert cpu[1] == "available" and "xla-buckets" in cpu, cpu
