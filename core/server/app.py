@@ -28,6 +28,8 @@ from portside.server.request_log import RequestLogger, StatsLogger
 from portside.server.serving_base import ServingContext
 from portside.server.serving_chat import create_chat_completion
 from portside.server.serving_completion import create_completion
+from portside.server.serving_embedding import create_embedding, require_task
+from portside.server.serving_tokenize import detokenize, model_card, model_cards, tokenize, version
 
 logger = logging.getLogger(__name__)
 
@@ -146,15 +148,27 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        c = ctx()
-        data = [
-            {"id": name, "object": "model", "created": c.created, "owned_by": "portside", "root": name, "parent": None,
-             "max_model_len": c.max_model_len}
-            for name in c.served_model_names
-        ]
-        if c.adapters is not None:
-            data += c.adapters.model_cards(c.created, c.max_model_len)
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": model_cards(ctx())})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        return JSONResponse(model_card(ctx(), model_id))
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return JSONResponse(version())
+
+    @app.post("/tokenize")
+    async def post_tokenize(request: Request) -> Response:
+        return JSONResponse(await tokenize(ctx(), request))
+
+    @app.post("/detokenize")
+    async def post_detokenize(request: Request) -> Response:
+        return JSONResponse(await detokenize(ctx(), request))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        return await _counted(create_embedding(ctx(), request))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
@@ -184,11 +198,15 @@ def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await _counted(create_completion(ctx(), request))
+        return await _counted(_generation(create_completion, "Completions", request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await _counted(create_chat_completion(ctx(), request))
+        return await _counted(_generation(create_chat_completion, "Chat Completions", request))
+
+    async def _generation(handler: Any, api: str, request: Request) -> Any:
+        require_task(ctx(), "generate", api)  # a --task embed server only embeds
+        return await handler(ctx(), request)
 
     async def _counted(handler: Awaitable[Any]) -> Any:
         try:

@@ -311,3 +311,78 @@ class ChatCompletionRequest(SamplingFields):
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest
+    (`messages`, through the chat template), told apart by which of the two is sent."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (rendered by the template)
+    return_token_strs: bool = False
+    # messages only
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _check_tokenize(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send exactly one of prompt (text) and messages (a conversation)")
+        if self.prompt is not None:
+            chat_only = sorted(f for f in ("add_generation_prompt", "continue_final_message", "chat_template",
+                                           "chat_template_kwargs", "tools") if f in self.model_fields_set)
+            if chat_only:
+                raise ValueError(f"{chat_only[0]}: applies to messages only, not to a prompt")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it false)")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class EmbeddingRequest(OpenAIModel):
+    """POST /v1/embeddings (OpenAI's fields and vLLM's extras)."""
+
+    model: str | None = None  # vLLM's: optional (the served model)
+    input: Any  # str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep a prompt's last k tokens (-1: max_model_len)
+    add_special_tokens: bool = True
+    priority: int = 0
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, v: Any) -> list[str] | list[list[int]]:
+        """Normalise to a non-empty list of non-empty texts or of non-empty token-id lists."""
+        if isinstance(v, str) and v:
+            return [v]
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) and p for p in v):
+                return v
+            if all(_is_int(t) for t in v):
+                return [v]
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+                return v
+        raise ValueError(
+            "must be a non-empty string, a list of non-empty strings, a non-empty list of token ids, "
+            "or a list of non-empty lists of token ids"
+        )
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be -1 (max_model_len) or at least 1")
+        return v

@@ -23,6 +23,7 @@ ROOTS = (
     "CreateChatCompletionStreamResponse",
     "ListModelsResponse",
     "ErrorResponse",
+    "CreateEmbeddingResponse",
 )
 
 

@@ -79,7 +79,8 @@ def flagged(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     proc = HttpsServer(
         tiny_llama, folder / "server.log",
         "--config", str(config), "--response-role", "bot",
-        "--gpu-memory-utilization", "0.9", "--trust-remote-code", "--enforce-eager",
+        # a vLLM user's command line: --gpu-memory-utilization 0.9 (max-model-len from the YAML) --disable-log-requests
+        "--gpu-memory-utilization", "0.9", "--disable-log-requests", "--trust-remote-code", "--enforce-eager",
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
         cert=cert,
     )  # fmt: skip

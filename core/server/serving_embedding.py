@@ -1,0 +1,95 @@
+"""POST /v1/embeddings (a server started with --task embed): one pooled, L2-normalised vector per
+input, as float lists or base64 (little-endian float32, as OpenAI's)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from portside.sampling_params import RequestOutputKind, SamplingParams
+from portside.server.errors import APIError, bad_request
+from portside.server.protocol import EmbeddingRequest
+from portside.server.serving_base import (
+    ServingContext,
+    collect,
+    merged,
+    new_id,
+    parse_body,
+    submit_all,
+    until_disconnected,
+)
+
+
+def engine_task(ctx: ServingContext) -> str:
+    return str(getattr(ctx.engine.engine, "task", "generate"))
+
+
+def require_task(ctx: ServingContext, task: str, api: str) -> None:
+    """400 when the engine runs another task than the endpoint needs."""
+    running = engine_task(ctx)
+    if running == task:
+        return
+    how = "--task embed (or --runner pooling)" if task == "embed" else "--task generate (the default)"
+    raise APIError(400, f"The model does not support the {api} API: this server runs task {running!r}; start it with {how}",
+                   code="task_not_supported")
+
+
+async def create_embedding(ctx: ServingContext, request: Request) -> Any:
+    require_task(ctx, "embed", "Embeddings")
+    req, large = await parse_body(ctx, request, EmbeddingRequest)
+    lora = ctx.check_model(req.model) if req.model is not None else None
+    if req.dimensions is not None:
+        raise bad_request("dimensions: this model does not support matryoshka representations (a smaller output size); "
+                          "leave dimensions unset", "dimensions")
+    prompts = await ctx.offload.run(_tokenize, ctx, req, large=large)
+    params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * len(prompts)
+    request_id = new_id("embd")
+    streams = await submit_all(ctx, request_id, prompts, params, req.priority, "input", lora)
+    finals = await until_disconnected(request, collect(merged(streams), len(streams)))
+    data = []
+    for i, out in enumerate(finals):
+        assert out.pooled is not None, f"{out.request_id}: a finished embedding request without its vector"
+        data.append({"index": i, "object": "embedding", "embedding": _encode(out.pooled, req.encoding_format)})
+    prompt_tokens = sum(len(p) for p in prompts)
+    return JSONResponse({
+        "id": request_id, "object": "list", "created": int(time.time()), "model": req.model or ctx.served_model_names[0],
+        "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    })  # fmt: skip
+
+
+def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
+    """Each input's token ids, truncated to its last `truncate_prompt_tokens` (on an offload worker)."""
+    keep = ctx.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    if keep is not None and keep > ctx.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens: {keep} is more than max_model_len {ctx.max_model_len}", "truncate_prompt_tokens")
+    tok = ctx.offload.tokenizer()
+    out = []
+    for i, item in enumerate(req.input):
+        param = "input" if len(req.input) == 1 else f"input[{i}]"
+        if isinstance(item, str):
+            ids = tok(item, add_special_tokens=req.add_special_tokens).input_ids
+        else:
+            ids = list(item)
+            bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise bad_request(f"{param}: token id {bad[0]} is out of range for vocabulary size {ctx.vocab_size}", "input")
+        if keep is not None:
+            ids = ids[-keep:]
+        if not ids:
+            raise bad_request(f"{param}: has no tokens", "input")
+        if len(ids) > ctx.max_model_len:
+            raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens, but {param} has "
+                              f"{len(ids)} tokens; shorten it or set truncate_prompt_tokens", "input")
+        out.append(ids)
+    return out
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
