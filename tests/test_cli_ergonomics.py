@@ -98,12 +98,15 @@ def test_devices_table_fits_80_columns_and_aligns(capsys: pytest.CaptureFixture[
     header = lines[0]
     starts = [header.index(col) for col in ("STATUS", "PACKAGE", "ATTENTION", "GRAPH", "COLLECTIVES")]
     for line in lines[1:]:
-        if line.startswith("    "):  # a reason, indented under its device
+        if len(line) - len(line.lstrip()) == 4:  # a reason (and its wrapped lines), indented 4 under its device
             continue
-        for start in starts:  # every cell starts at its column (or the row has none there)
-            assert line[start - 2:start] == "  " or start >= len(line), (line, start)
-            assert start >= len(line) or line[start] != " " or line[start:].strip() == "" or line[:start].strip() == "" \
-                or line[start - 1] == " ", line
+        # a device row has every cell, each starting at its header's column; a continuation line
+        # (a cell's further alternatives) has text only at column starts
+        for start in starts:
+            if line[:1] != " ":
+                assert line[start - 2:start] == "  " and line[start] != " ", (line, start)
+        for word in re.finditer(r"\S+", line):
+            assert word.start() in [0, *starts], (line, word.group())
     rows = {line.split()[0]: i for i, line in enumerate(lines) if line and not line.startswith(" ")}
     cuda = lines[rows["cuda"]]
     assert cuda.split()[1] == "unavailable"
