@@ -140,7 +140,8 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
         rounds = -(-len(sources) // jobs)
         estimate = rounds * max(SECONDS_PER_SOURCE.get(src.suffix, 10) for src in sources) + 1
         logger.info("building native cpu kernels: %s -> %s (%d jobs)", names, target, jobs)
-        _notice(f"building native cpu kernels ({names}; first run, ~{estimate} s) ...")
+        what = sources[0].name if len(sources) == 1 else f"{len(sources)} sources, {jobs} at a time"
+        _notice(f"building native cpu kernels ({what}; first run, ~{estimate} s) ...")
         start = time.monotonic()
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as work:

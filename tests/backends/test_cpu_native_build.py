@@ -1,0 +1,59 @@
+"""How a native cpu build runs (`backends/cpu/kernels.build`): a notice on stderr with its time,
+the sources compiled in parallel and linked, one build when two threads ask at once."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import sys
+import threading
+
+import pytest
+
+from portside.backends.cpu import kernels
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or shutil.which("cc") is None, reason="needs Linux and cc")
+
+FLAGS = ("-O1", "-fPIC", "-shared")
+
+
+@pytest.fixture
+def sources(tmp_path):
+    a, b = tmp_path / "a.c", tmp_path / "b.c"
+    a.write_text("int ps_one(void) { return 1; }\n")
+    b.write_text("int ps_one(void);\nint ps_two(void) { return ps_one() + 1; }\n")
+    return a, b
+
+
+def test_a_build_says_so_compiles_in_parallel_and_links(sources, tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    target = tmp_path / "out" / "lib.so"
+    assert kernels.build(["cc"], sources, FLAGS, (), target) is True
+    err = capfd.readouterr().err
+    assert "portside: building native cpu kernels (2 sources, 2 at a time; first run, ~" in err
+    assert "portside: native cpu kernels built in " in err
+    assert ctypes.CDLL(str(target)).ps_two() == 2  # both objects linked into one library
+    assert kernels.build(["cc"], sources, FLAGS, (), target) is False  # cached: silent
+    assert capfd.readouterr().err == ""
+    assert sorted(p.name for p in target.parent.iterdir()) == ["lib.so"]  # no objects or temporaries left
+
+
+def test_two_threads_asking_at_once_build_once(sources, tmp_path):
+    target = tmp_path / "lib.so"
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(kernels.build(["cc"], sources, FLAGS, (), target)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False, True]
+
+
+def test_a_failing_source_is_named(sources, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    sources[1].write_text("int ps_two(void) { return }\n")
+    with pytest.raises(kernels.NativeBuildError, match="building b.c with .* failed"):
+        kernels.build(["cc"], sources, FLAGS, (), tmp_path / "lib.so")
+    assert not (tmp_path / "lib.so").exists()
