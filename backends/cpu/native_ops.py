@@ -79,7 +79,7 @@ def prebuild_in_background() -> threading.Thread:
         for step in (_build, lambda: kernels.build(*kernels.library_build_args())):
             try:
                 step()
-            except kernels.NativeBuildError as e:
+            except Exception as e:  # noqa: BLE001 - whatever it is, load() meets it again and reports it
                 logger.debug("cpu: background native build failed (reported on first use): %s", e)
 
     thread = threading.Thread(target=work, name="portside-native-build", daemon=True)
