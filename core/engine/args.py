@@ -65,7 +65,6 @@ class EngineArgs:
     max_loras: int = 1  # adapters in one batch (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded on the host (default: max_loras)
-    generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
     gpu_memory_utilization: float | None = None  # fraction of device memory for weights + KV cache (vLLM's)
     enforce_eager: bool = False  # no graph capture or compilation: the platform's `eager_options`
     max_logprobs: int = 20  # most logprobs / top_logprobs per request (-1: no limit)
@@ -245,7 +244,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="generate (text), or embed (= --runner pooling): /v1/embeddings and LLM.embed return each prompt's pooled final hidden state")
     g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls"], default=None,
                    help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
-    g.add_argument("--generation-config", default="auto", help="default sampling parameters: auto (the model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (ignore it: SamplingParams' own defaults) or a folder holding a generation_config.json; values you pass always win")
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
     add_unsupported_args(parser)
     g = parser.add_argument_group("LoRA adapters")

@@ -55,7 +55,6 @@ class ServingContext:
     tool_parser: Any = None  # a portside.tool_parsers.ToolParser class (--enable-auto-tool-choice)
     trust_request_chat_template: bool = False  # --trust-request-chat-template
     adapters: Any = None  # portside.server.lora.ServedAdapters, with --enable-lora
-    default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config: for fields a request leaves unset
     response_role: str = "assistant"  # --response-role: the role of chat replies
     max_logprobs: int = 20  # --max-logprobs (the engine's max_logprobs; -1: no limit)
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config: for fields a request leaves unset
