@@ -354,13 +354,32 @@ class EmbeddingRequest(OpenAIModel):
     """POST /v1/embeddings (OpenAI's fields and vLLM's extras)."""
 
     model: str | None = None  # vLLM's: optional (the served model)
-    input: Any  # str | list[str] | list[int] | list[list[int]]
+    input: Any = None  # str | list[str] | list[int] | list[list[int]]
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # vLLM's EmbeddingChatRequest: one conversation
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep a prompt's last k tokens (-1: max_model_len)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for input, false for messages (rendered by the template)
     priority: int = 0
+    # messages only
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_embedding(self) -> EmbeddingRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("input: send exactly one of input (texts or token ids) and messages (a conversation)")
+        if self.input is not None:
+            chat_only = sorted(f for f in ("add_generation_prompt", "continue_final_message", "chat_template",
+                                           "chat_template_kwargs") if f in self.model_fields_set)
+            if chat_only:
+                raise ValueError(f"{chat_only[0]}: applies to messages only, not to input")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it false)")
+        return self
 
     @field_validator("input")
     @classmethod

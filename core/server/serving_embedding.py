@@ -23,6 +23,7 @@ from portside.server.serving_base import (
     submit_all,
     until_disconnected,
 )
+from portside.server.serving_tokenize import check_template_fields, render_messages
 
 
 def engine_task(ctx: ServingContext) -> str:
@@ -43,10 +44,12 @@ async def create_embedding(ctx: ServingContext, request: Request) -> Any:
     require_task(ctx, "embed", "Embeddings")
     req, large = await parse_body(ctx, request, EmbeddingRequest)
     lora = ctx.check_model(req.model) if req.model is not None else None
+    if req.messages is not None:
+        check_template_fields(ctx, req)
     if req.dimensions is not None:
         raise bad_request("dimensions: this model does not support matryoshka representations (a smaller output size); "
                           "leave dimensions unset", "dimensions")
-    prompts = await ctx.offload.run(_tokenize, ctx, req, large=large)
+    prompts = await ctx.offload.run(_tokenize, ctx, req, large=large or req.chat_template is not None)
     params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * len(prompts)
     request_id = new_id("embd")
     streams = await submit_all(ctx, request_id, prompts, params, req.priority, "input", lora)
@@ -69,10 +72,11 @@ def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
         raise bad_request(f"truncate_prompt_tokens: {keep} is more than max_model_len {ctx.max_model_len}", "truncate_prompt_tokens")
     tok = ctx.offload.tokenizer()
     out = []
-    for i, item in enumerate(req.input):
-        param = "input" if len(req.input) == 1 else f"input[{i}]"
+    items = req.input if req.messages is None else [render_messages(ctx, tok, req)]
+    for i, item in enumerate(items):
+        param = ("input" if len(items) == 1 else f"input[{i}]") if req.messages is None else "messages"
         if isinstance(item, str):
-            ids = tok(item, add_special_tokens=req.add_special_tokens).input_ids
+            ids = tok(item, add_special_tokens=req.add_special_tokens is not False).input_ids
         else:
             ids = list(item)
             bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
@@ -81,10 +85,10 @@ def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
         if keep is not None:
             ids = ids[-keep:]
         if not ids:
-            raise bad_request(f"{param}: has no tokens", "input")
+            raise bad_request(f"{param}: has no tokens", param.split("[")[0])
         if len(ids) > ctx.max_model_len:
             raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens, but {param} has "
-                              f"{len(ids)} tokens; shorten it or set truncate_prompt_tokens", "input")
+                              f"{len(ids)} tokens; shorten it or set truncate_prompt_tokens", param.split("[")[0])
         out.append(ids)
     return out
 

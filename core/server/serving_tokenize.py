@@ -10,7 +10,7 @@ from fastapi import Request
 import portside
 from portside.chat_template import render_chat_ids
 from portside.server.errors import APIError, bad_request
-from portside.server.protocol import DetokenizeRequest, TokenizeRequest
+from portside.server.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from portside.server.serving_base import ServingContext, parse_body
 from portside.server.serving_chat import (
     _RESERVED_TEMPLATE_KWARGS,
@@ -25,13 +25,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict[str, Any]:
     if req.model is not None:
         ctx.check_model(req.model)
     if req.messages is not None:
-        if req.chat_template is not None and not ctx.trust_request_chat_template:
-            raise bad_request("chat_template: this server does not render templates sent with a request; its operator "
-                              "can allow them with --trust-request-chat-template", "chat_template")
-        bad = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {}))
-        if bad:
-            raise bad_request(f"chat_template_kwargs: {bad[0]!r} is a parameter of the template call itself, not a "
-                              "template variable", "chat_template_kwargs")
+        check_template_fields(ctx, req)
     ids, strs = await ctx.offload.run(_tokenize, ctx, req, large=large or req.chat_template is not None)
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -42,20 +36,31 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> tuple[list[int], lis
     if req.prompt is not None:
         ids: list[int] = tok(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids
     else:
-        ids = _render(ctx, tok, req)
-        if req.add_special_tokens:
-            ids = _with_special_tokens(tok, ids)
+        ids = render_messages(ctx, tok, req)
     return ids, tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
 
-def _render(ctx: ServingContext, tok: Any, req: TokenizeRequest) -> list[int]:
+def check_template_fields(ctx: ServingContext, req: TokenizeRequest | EmbeddingRequest) -> None:
+    """The 400s chat completions give for a request's own template and its variables."""
+    if req.chat_template is not None and not ctx.trust_request_chat_template:
+        raise bad_request("chat_template: this server does not render templates sent with a request; its operator "
+                          "can allow them with --trust-request-chat-template", "chat_template")
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {}))
+    if bad:
+        raise bad_request(f"chat_template_kwargs: {bad[0]!r} is a parameter of the template call itself, not a "
+                          "template variable", "chat_template_kwargs")
+
+
+def render_messages(ctx: ServingContext, tok: Any, req: TokenizeRequest | EmbeddingRequest) -> list[int]:
+    """The request's messages through the chat template, as chat completions render them (on an
+    offload worker); with add_special_tokens, wrapped in the tokenizer's own special tokens."""
     template = req.chat_template or ctx.chat_template
     if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with --chat-template", "messages")
     untrusted = req.chat_template is not None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if getattr(req, "tools", None) else None  # type: ignore[union-attr]
     try:
-        return render_chat_ids(
+        ids = render_chat_ids(
             tok, template_messages(cast(Any, req)), chat_template=template, tools=tools,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs, budget_s=REQUEST_TEMPLATE_BUDGET_S if untrusted else None,
@@ -63,6 +68,7 @@ def _render(ctx: ServingContext, tok: Any, req: TokenizeRequest) -> list[int]:
         )  # fmt: skip
     except Exception as e:  # as chat completions: a template's error is the request's fault
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    return _with_special_tokens(tok, ids) if req.add_special_tokens else ids
 
 
 def _with_special_tokens(tok: Any, ids: list[int]) -> list[int]:

@@ -184,6 +184,22 @@ def test_embeddings_openai_client_and_truncation(embed_server: ServerProcess, ti
     embed_server.wait_idle()
 
 
+def test_embeddings_of_messages(embed_server: ServerProcess, tiny_llama: Path, hf_tok) -> None:
+    """vLLM's chat form: one conversation through the chat template (no generation prompt by default)."""
+    r = post(embed_server, "/v1/embeddings", {"model": "tiny", "messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    validate("CreateEmbeddingResponse", r.json())
+    ids = render_chat_ids(hf_tok, MESSAGES, add_generation_prompt=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], hf_mean_embedding(tiny_llama, ids), atol=2e-5, rtol=1e-4)
+    r = post(embed_server, "/v1/embeddings", {"messages": MESSAGES, "add_generation_prompt": True})
+    assert r.json()["usage"]["prompt_tokens"] == len(render_chat_ids(hf_tok, MESSAGES))
+    assert_error(post(embed_server, "/v1/embeddings", {"messages": MESSAGES, "input": "x"}), 400, "input", says="exactly one")
+    assert_error(post(embed_server, "/v1/embeddings", {"input": "x", "add_generation_prompt": True}), 400, "add_generation_prompt")
+    assert_error(post(embed_server, "/v1/embeddings", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}), 400, "chat_template")
+    assert_error(post(embed_server, "/v1/embeddings", {"messages": []}), 400, "messages")
+
+
 def test_embeddings_bad_input(embed_server: ServerProcess) -> None:
     def embed(body: dict) -> httpx.Response:  # type: ignore[type-arg]
         return post(embed_server, "/v1/embeddings", body)
