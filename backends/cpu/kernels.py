@@ -118,7 +118,7 @@ def build_key(cc: list[str], sources: tuple[Path, ...] | None = None, flags: tup
 
 
 _BUILD_LOCK = threading.Lock()  # a background prebuild and the first use never compile one library twice
-SECONDS_PER_SOURCE = {".c": 2, ".cpp": 12}  # rough single-core compile times, for the first-run notice
+SECONDS_PER_SOURCE = {".c": 2, ".cpp": 15}  # rough one-core compile times (torch headers: 5-25 s a .cpp), for the notice
 
 
 def _notice(msg: str) -> None:
@@ -136,9 +136,8 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
         if target.exists():  # built by the thread that held the lock
             return False
         names = " ".join(src.name for src in sources)
-        jobs = max(1, min(len(sources), os.cpu_count() or 1))
-        rounds = -(-len(sources) // jobs)
-        estimate = rounds * max(SECONDS_PER_SOURCE.get(src.suffix, 10) for src in sources) + 1
+        jobs = max(1, min(len(sources), _cores()))
+        estimate = round(sum(SECONDS_PER_SOURCE.get(src.suffix, 10) for src in sources) / jobs) + 1
         logger.info("building native cpu kernels: %s -> %s (%d jobs)", names, target, jobs)
         what = sources[0].name if len(sources) == 1 else f"{len(sources)} sources, {jobs} at a time"
         _notice(f"building native cpu kernels ({what}; first run, ~{estimate} s) ...")
@@ -154,6 +153,11 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
             os.replace(tmp, target)  # atomic: other processes see no file or a whole one
         _notice(f"native cpu kernels built in {time.monotonic() - start:.1f} s ({target.parent})")
     return True
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _compile_objects(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], work: Path, jobs: int) -> list[str]:

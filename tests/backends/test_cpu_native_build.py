@@ -4,7 +4,6 @@ the sources compiled in parallel and linked, one build when two threads ask at o
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import sys
 import threading
@@ -27,7 +26,7 @@ def sources(tmp_path):
 
 
 def test_a_build_says_so_compiles_in_parallel_and_links(sources, tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernels, "_cores", lambda: 2)
     target = tmp_path / "out" / "lib.so"
     assert kernels.build(["cc"], sources, FLAGS, (), target) is True
     err = capfd.readouterr().err
@@ -52,7 +51,7 @@ def test_two_threads_asking_at_once_build_once(sources, tmp_path):
 
 
 def test_a_failing_source_is_named(sources, tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernels, "_cores", lambda: 2)
     sources[1].write_text("int ps_two(void) { return }\n")
     with pytest.raises(kernels.NativeBuildError, match="building b.c with .* failed"):
         kernels.build(["cc"], sources, FLAGS, (), tmp_path / "lib.so")
