@@ -84,7 +84,7 @@ def test_params_need_exactly_one_constraint() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=1)
+        SamplingParams(prompt_logprobs=-1)
     old = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a"]))  # vLLM's older name
     assert old.structured_outputs == StructuredOutputsParams(choice=["a"]) and old.guided_decoding is None
     import portside
