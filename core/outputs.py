@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it), then token id -> Logprob
+# (the prompt token itself plus the top-k), as vLLM's `RequestOutput.prompt_logprobs`.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -40,6 +43,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
     pooled: list[float] | None = None  # task embed: the prompt's pooled vector (its embedding)
+    # prompt_logprobs: set once the whole prompt is computed (in DELTA outputs: on the first such output)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_dropped_tokens: int = 0  # best_of > n: tokens of the samples not returned (they count in usage)
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (a slow consumer then
@@ -63,6 +69,9 @@ class RequestOutput:
         self.metrics = delta.metrics
         if delta.pooled is not None:
             self.pooled = delta.pooled
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.num_dropped_tokens = max(self.num_dropped_tokens, delta.num_dropped_tokens)
 
 
 @dataclass

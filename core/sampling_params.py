@@ -9,6 +9,8 @@ from portside.structured.params import GuidedDecodingParams, StructuredOutputsPa
 
 __all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams"]
 
+MAX_BEST_OF = 20  # samples a best_of > n request may draw (OpenAI's documented limit for best_of)
+
 
 class RequestOutputKind(enum.Enum):
     """What each `RequestOutput` of a running request holds (vLLM's names)."""
@@ -21,6 +23,7 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # samples drawn, of which the n with the highest cumulative logprob return; None: n
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
@@ -36,7 +39,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return besides the sampled token
-    prompt_logprobs: int | None = None  # not computed yet: anything but None is refused
+    prompt_logprobs: int | None = None  # per prompt token after the first: its logprob and the top-k alternatives
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # constrained decoding: JSON schema, regex, choice or grammar (`portside.structured`)
@@ -76,7 +79,18 @@ class SamplingParams:
             ),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),  # the engine's max_logprobs caps it
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
-            (self.prompt_logprobs is None, "prompt_logprobs", "is not supported yet (prompt logprobs are not computed)"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be non-negative"),
+            (self.best_of is None or self.best_of >= self.n, "best_of", f"must be at least n ({self.n})"),
+            (
+                self.best_of is None or self.best_of == self.n or self.best_of <= MAX_BEST_OF,
+                "best_of",
+                f"must be at most {MAX_BEST_OF} when it exceeds n",
+            ),
+            (
+                self.best_of is None or self.best_of == self.n or self.output_kind is not RequestOutputKind.DELTA,
+                "best_of",
+                "greater than n cannot be streamed (the best samples are known only once all have finished)",
+            ),
             (
                 self.structured_outputs is None or self.min_tokens == 0,
                 "min_tokens",
@@ -97,8 +111,14 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     def clone_for_sample(self, index: int) -> SamplingParams:
-        """Parameters for sample `index` of an n>1 request: n=1, and a distinct derived seed."""
+        """Parameters for sample `index` of a request with several samples (n or best_of > 1):
+        one sample, a distinct derived seed, and prompt logprobs on sample 0 only (one prompt)."""
         import dataclasses
 
         seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
+        return dataclasses.replace(self, n=1, best_of=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine generates: best_of (n unless set)."""
+        return self.best_of if self.best_of is not None else self.n

@@ -129,7 +129,7 @@ class RequestStream:
         self._owner = owner
         self._delta = params.output_kind is RequestOutputKind.DELTA
         self.params = params
-        self.num_seqs = params.n
+        self.num_seqs = params.num_samples  # best_of > n: every sample drawn waits
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ended = False  # nothing will be added any more
@@ -312,7 +312,7 @@ class AsyncLLMEngine:
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down" if self.is_running else "the engine stopped")
         if check_capacity:
-            self.check_capacity(params.n)
+            self.check_capacity(params.num_samples)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(self, request_id, params)

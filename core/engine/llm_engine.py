@@ -5,6 +5,7 @@ One step: schedule -> execute on every rank -> update the scheduler -> detokeniz
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -136,9 +137,11 @@ class LLMEngine:
         pooled vector (`RequestOutput.pooled`); of `params` only `output_kind` then applies."""
         params = params or SamplingParams()
         limit = self.config.model.max_logprobs
-        if params.logprobs is not None and limit >= 0 and params.logprobs > limit:
-            raise ValueError(f"logprobs: {params.logprobs} requested, more than the {limit} allowed (max_logprobs, "
-                             "the server's --max-logprobs); ask for fewer")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and limit >= 0 and k > limit:
+                raise ValueError(f"{name}: {k} requested, more than the {limit} allowed (max_logprobs, "
+                                 "the server's --max-logprobs); ask for fewer")
         self.loras.check(lora_request)
         shown: str | None = None
         if isinstance(prompt, dict):
@@ -156,8 +159,10 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = shown, list(prompt)
         self._validate(prompt_ids, params)
-        if self.task == "embed" and (params.n != 1 or params.structured_outputs is not None):
-            raise ValueError("task embed: a request returns one embedding; n and structured outputs do not apply")
+        if self.task == "embed" and (params.num_samples != 1 or params.structured_outputs is not None
+                                     or params.prompt_logprobs is not None):
+            raise ValueError("task embed: a request returns one embedding; n and structured outputs do not apply, "
+                             "nor best_of or prompt_logprobs")
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = self.max_model_len - len(prompt_ids)
         if self.task == "embed":
@@ -167,9 +172,13 @@ class LLMEngine:
         stop_ids = list(params.stop_token_ids or []) + [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or [])]
         samples: dict[str, SampleState] = {}
         requests = []
-        for k in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{k}"
-            sp = params if params.n == 1 else params.clone_for_sample(k)
+        num_samples = params.num_samples
+        best_n = params.n if num_samples > params.n else None
+        for k in range(num_samples):
+            rid = request_id if num_samples == 1 else f"{request_id}#{k}"
+            sp = params if num_samples == 1 else params.clone_for_sample(k)
+            if best_n is not None and sp.logprobs is None:  # best_of ranks samples by their cumulative logprob
+                sp = dataclasses.replace(sp, logprobs=0)
             if stop_ids != sp.stop_token_ids and not sp.ignore_eos:
                 sp = _with_stop_ids(sp, stop_ids)
             requests.append(
@@ -201,6 +210,8 @@ class LLMEngine:
                 include_stop=params.include_stop_str_in_output,
                 want_logprobs=params.logprobs is not None,
                 kind=params.output_kind,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                best_n=best_n,
             )
         )
         for req in requests:
@@ -252,6 +263,8 @@ class LLMEngine:
             scheduler_output.grammar.get()  # filled before any matcher advances
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids.values())
+        if runner_output.prompt_logprobs:
+            self.outputs.add_prompt_logprobs(runner_output.prompt_logprobs)
         outputs, stopped = self.outputs.process(updated, runner_output.logprobs)
         for out in outputs if runner_output.pooled else ():
             out.pooled = runner_output.pooled.get(out.request_id, out.pooled)  # task embed: n is 1, ids match

@@ -1,5 +1,6 @@
 """Turns scheduler requests into `RequestOutput`s: detokenizes, applies stop strings, collects
-logprobs, and groups the samples of an n>1 request. Each request gets outputs of its
+logprobs and prompt logprobs, and groups the samples of an n>1 request (of a best_of > n one,
+returning the n with the highest cumulative logprob once all have finished). Each request gets outputs of its
 `SamplingParams.output_kind`: cumulative, deltas (what is new since the last one: a stream's
 consumer never receives a copy of everything at every step) or the final one only."""
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portside.engine.detokenizer import IncrementalDetokenizer, find_stop
-from portside.outputs import CompletionOutput, Logprob, RequestOutput
+from portside.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from portside.request import Request
 from portside.sampling_params import RequestOutputKind
 from portside.sched.output import LogprobsLists
@@ -47,6 +48,16 @@ class RequestGroup:
     last_token_time: float | None = None  # when the latest step gave it tokens (metrics: inter-token latency)
     num_cached_tokens: int = 0
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # prompt_logprobs: [None] + one entry per prompt token computed so far (None: not asked)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: handed out already
+    best_n: int | None = None  # best_of > n: how many samples to return (the rest are dropped)
+
+    @property
+    def prompt_logprobs_done(self) -> PromptLogprobs | None:
+        """The prompt logprobs once every prompt token has its entry."""
+        pl = self.prompt_logprobs
+        return pl if pl is not None and len(pl) == len(self.prompt_token_ids) else None
 
     @property
     def finished(self) -> bool:
@@ -58,12 +69,13 @@ class RequestGroup:
 
     def to_output(self) -> RequestOutput | None:
         """The output to hand out now, of this request's kind (None: nothing to hand out)."""
-        if self.kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+        if (self.kind is RequestOutputKind.FINAL_ONLY or self.best_n is not None) and not self.finished:
             return None
         delta = self.kind is RequestOutputKind.DELTA
         outs = []
         hb = self.hold_back()
-        for s in sorted(self.samples.values(), key=lambda s: s.index):
+        samples, dropped = self._returned_samples()
+        for index, s in samples:
             text = s.detok.text
             if s.finish_reason is None and hb:
                 text = text[: max(0, len(text) - hb)]
@@ -78,10 +90,10 @@ class RequestGroup:
                 s.sent_tokens, s.sent_finish = len(s.token_ids), s.finish_reason is not None
             outs.append(
                 CompletionOutput(
-                    index=s.index,
+                    index=index,
                     text=text,
                     token_ids=s.token_ids[start:],
-                    cumulative_logprob=s.cumulative_logprob if self.want_logprobs else None,
+                    cumulative_logprob=s.cumulative_logprob if self.want_logprobs or self.best_n is not None else None,
                     logprobs=s.logprobs[start:] if s.logprobs is not None else None,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
@@ -92,6 +104,9 @@ class RequestGroup:
             metrics["first_token_time"] = self.first_token_time
         if self.first_scheduled_time is not None:
             metrics["first_scheduled_time"] = self.first_scheduled_time
+        prompt_logprobs = self.prompt_logprobs_done
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs, self.prompt_logprobs_sent = (None if self.prompt_logprobs_sent else prompt_logprobs), True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -100,7 +115,20 @@ class RequestGroup:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
+            num_dropped_tokens=dropped,
         )
+
+    def _returned_samples(self) -> tuple[list[tuple[int, SampleState]], int]:
+        """(output index, sample) of the samples to return, and the tokens of those dropped.
+        best_of > n: the n with the highest cumulative logprob (ties: the lower sample index),
+        numbered 0..n-1 best first (as vLLM's best_of did)."""
+        ordered = sorted(self.samples.values(), key=lambda s: s.index)
+        if self.best_n is None:
+            return [(s.index, s) for s in ordered], 0
+        ranked = sorted(ordered, key=lambda s: -s.cumulative_logprob)
+        kept, rest = ranked[: self.best_n], ranked[self.best_n :]
+        return list(enumerate(kept)), sum(len(s.token_ids) for s in rest)
 
 
 class OutputProcessor:
@@ -169,15 +197,39 @@ class OutputProcessor:
                 self.remove(gid)
         return outputs, stopped
 
-    def _add_logprobs(self, sample: SampleState, lp: LogprobsLists | None) -> None:
-        if lp is None or sample.logprobs is None:
-            return
+    def _entries(self, lp: LogprobsLists) -> list[dict[int, Logprob]]:
+        """Per token: token id -> Logprob, the token itself first, then its top-k alternatives."""
+        out = []
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_ranks):
             entry = {ids[0]: Logprob(vals[0], rank, self._decode_token(ids[0]))}
             for r, (tid, val) in enumerate(zip(ids[1:], vals[1:]), start=1):
                 entry.setdefault(tid, Logprob(val, r, self._decode_token(tid)))
-            sample.logprobs.append(entry)
-            sample.cumulative_logprob += vals[0]
+            out.append(entry)
+        return out
+
+    def _add_logprobs(self, sample: SampleState, lp: LogprobsLists | None) -> None:
+        """Cumulative logprob always (best_of ranks by it); the entries when the caller asked."""
+        if lp is None:
+            return
+        sample.cumulative_logprob += sum(vals[0] for vals in lp.logprobs)
+        if sample.logprobs is not None:
+            sample.logprobs.extend(self._entries(lp))
+
+    def add_prompt_logprobs(self, chunks: dict[str, tuple[int, LogprobsLists]]) -> None:
+        """File a step's prompt-logprob chunks (`ModelRunnerOutput.prompt_logprobs`) by position;
+        positions a recompute after preemption sends again are already there and skipped."""
+        for rid, (start, lp) in chunks.items():
+            gid = self.owner.get(rid)
+            group = self.groups.get(gid) if gid is not None else None
+            if group is None or group.prompt_logprobs is None:
+                continue
+            have = len(group.prompt_logprobs)  # entries for prompt tokens 0 .. have-1
+            skip = have - (start + 1)
+            assert skip >= 0, f"{rid}: prompt logprobs from position {start}, but only {have} entries so far"
+            if skip >= len(lp.token_ids):
+                continue
+            rest = LogprobsLists(lp.token_ids[skip:], lp.logprobs[skip:], lp.sampled_ranks[skip:])
+            group.prompt_logprobs.extend(self._entries(rest))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.get(request_id)

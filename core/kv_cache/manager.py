@@ -102,8 +102,11 @@ class KVCacheManager:
         """Longest cached prefix of `request.all_token_ids`, in whole blocks, never covering the
         last token (its logits must be computed). Takes no reference: pass the blocks to
         `allocate_slots(..., new_computed_blocks=...)` before anything else touches the pool;
-        the lookup enters the hit-rate stats when that allocation succeeds."""
-        if not self.enable_prefix_caching:
+        the lookup enters the hit-rate stats when that allocation succeeds. A request that asked
+        for prompt logprobs gets no hit until it has them (the positions a hit skips would have no
+        logits; vLLM disables the cache for such requests): its recompute after outputs may hit."""
+        if not self.enable_prefix_caching or (request.sampling_params.prompt_logprobs is not None
+                                              and not request.output_token_ids):
             return [], 0
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

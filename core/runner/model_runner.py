@@ -30,6 +30,7 @@ from portside.kv_cache.budget import kv_cache_budget
 from portside.runner.pooler import PoolChunk, Pooler
 from portside.sample.bitmask import TokenBitmask
 from portside.sample.metadata import SamplingMetadata
+from portside.sample.prompt_logprobs import PromptLogprobsRows, compute_prompt_logprobs
 from portside.sampling_params import SamplingParams
 from portside.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
@@ -93,6 +94,10 @@ class BatchInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: row of hidden states to sample from
     sampled_req_ids: list[str]  # requests whose chunk reaches their last known token
+    # prompt_logprobs: the rows of requests that asked, their targets (the next prompt tokens)
+    prompt_rows: list[PromptLogprobsRows] = dataclasses.field(default_factory=list)
+    prompt_indices: torch.Tensor | None = None  # [M] rows of hidden states, after logits_indices
+    prompt_targets: torch.Tensor | None = None  # [M] int64
 
 
 class ModelRunner:
@@ -222,10 +227,12 @@ class ModelRunner:
             sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
             logprobs: dict[str, LogprobsLists] = {}
             pooled: dict[str, list[float]] = {}
+            prompt_lps: dict[str, tuple[int, LogprobsLists]] = {}
             if self.pooler is not None:
                 pooled = self.pooler.step(hidden, self._pool_chunks(batch, scheduler_output.num_scheduled_tokens))
-            elif batch.sampled_req_ids:
-                logits = self.graph_runner.logits(hidden, batch.logits_indices)
+            elif batch.sampled_req_ids or batch.prompt_rows:
+                logits, prompt_lps = self._logits(hidden, batch)
+            if self.pooler is None and batch.sampled_req_ids:
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
                 meta = self._sampling_metadata(batch.sampled_req_ids, states)
                 out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch.sampled_req_ids))
@@ -243,7 +250,17 @@ class ModelRunner:
                             logprobs[rid] = lists
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
-        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled)
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled,
+                                 prompt_logprobs=prompt_lps)
+
+    def _logits(self, hidden: torch.Tensor, batch: BatchInputs) -> tuple[torch.Tensor, dict[str, tuple[int, LogprobsLists]]]:
+        """The sampled rows' logits, and the prompt logprobs of the rows that asked: one LM head
+        call for both (under tensor parallelism it gathers the vocabulary as the sampled path does)."""
+        if batch.prompt_indices is None or batch.prompt_targets is None:
+            return self.graph_runner.logits(hidden, batch.logits_indices), {}
+        logits = self.graph_runner.logits(hidden, torch.cat([batch.logits_indices, batch.prompt_indices]))
+        num_sampled = len(batch.sampled_req_ids)
+        return logits[:num_sampled], compute_prompt_logprobs(logits[num_sampled:], batch.prompt_targets, batch.prompt_rows)
 
     def _pool_chunks(self, batch: BatchInputs, counts: dict[str, int]) -> list[PoolChunk]:
         """Each request's rows of this step (before its computed count advances)."""
@@ -311,6 +328,9 @@ class ModelRunner:
         logits_rows, sampled = [], []
         tables: list[list[int]] = []
         num_decodes = 0
+        prompt_rows: list[PromptLogprobsRows] = []
+        prompt_indices: list[int] = []
+        prompt_targets: list[int] = []
         for rid in req_ids:
             state = self.requests[rid]
             start, n = state.num_computed_tokens, counts[rid]
@@ -330,6 +350,13 @@ class ModelRunner:
             if end >= state.num_tokens:  # the chunk reaches the last known token: sample
                 logits_rows.append(qsl[-1] - 1)
                 sampled.append(rid)
+            k = state.sampling_params.prompt_logprobs
+            # positions predicting a prompt token; none in a recompute after outputs (sent already)
+            last = min(end, len(state.prompt_token_ids) - 1)
+            if k is not None and start < last and not state.output_token_ids:
+                prompt_rows.append(PromptLogprobsRows(rid, start, last - start, k))
+                prompt_indices.extend(range(qsl[-2], qsl[-2] + last - start))
+                prompt_targets.extend(state.prompt_token_ids[start + 1 : last + 1])
         table = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
         for i, b in enumerate(tables):
             table[i, : len(b)] = b
@@ -357,4 +384,7 @@ class ModelRunner:
             metadata=md,
             logits_indices=tensor(logits_rows, torch.int64),
             sampled_req_ids=sampled,
+            prompt_rows=prompt_rows,
+            prompt_indices=tensor(prompt_indices, torch.int64) if prompt_rows else None,
+            prompt_targets=tensor(prompt_targets, torch.int64) if prompt_rows else None,
         )

@@ -70,3 +70,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # task embed: req_id -> the pooled vector of a request whose prompt was completed this step
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # prompt_logprobs: req_id -> (first position p, lists): entry j holds the logprob of prompt
+    # token p + 1 + j (predicted at position p + j) first, then the top-k, for this step's chunk
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)

@@ -119,7 +119,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "logit_bias", "prompt", "messages", "structured_outputs", "prompt_logprobs",
+    "logit_bias", "prompt", "messages", "structured_outputs", "prompt_logprobs", "best_of",
 }  # fmt: skip
 
 

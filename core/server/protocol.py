@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from portside.sampling_params import MAX_BEST_OF
+
 MAX_N = 128  # OpenAI's documented upper bound for `n`
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no bound)
 
@@ -99,10 +101,11 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # sample best_of, return the n most likely
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM extra; capped by --max-logprobs
     # decoding strategies portside does not have yet: accepted only at their no-op values
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    prompt_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -137,8 +140,12 @@ class SamplingFields(OpenAIModel):
             raise ValueError("use_beam_search: beam search is not supported yet")
         if self.length_penalty != 1.0:
             raise ValueError("length_penalty: only used by beam search, which is not supported yet")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported yet (prompt logprobs are not computed)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true (as vLLM)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be at least n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of: greater than n cannot be streamed (the best samples are known only at the end)")
         return self
 
 
@@ -149,7 +156,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -174,10 +180,8 @@ class CompletionRequest(SamplingFields):
     def _check_unsupported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix: not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of equal to n is supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs is not supported (prompt logprobs are not computed)")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo: echo with logprobs is not supported when streaming")
         return self
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestStream
-from portside.outputs import CompletionOutput, Logprob, RequestOutput
+from portside.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from portside.sampling_params import RequestOutputKind, SamplingParams
 from portside.server.errors import APIError, bad_request, from_validation_error, from_value_error
 from portside.server.metrics import ServerMetrics
@@ -149,11 +149,12 @@ def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, p
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None,
                     structured: StructuredOutputsParams | None = None, skip_special_tokens: bool | None = None,
-                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+                    defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from request fields; a field left unset takes `defaults` (the model's
     generation config, `ServingContext.default_sampling`), else OpenAI's default. Without an
     explicit max_tokens the output length is also capped by a default max_tokens, as vLLM does.
-    A stream gets deltas (coalesced while its client is slow); any other request only its final output."""
+    A stream gets deltas (coalesced while its client is slow); any other request only its final output.
+    `prompt_logprobs`: at least this many prompt logprobs (completions' echo with logprobs)."""
     defaults = defaults or {}
 
     def pick(value: Any, name: str, fallback: Any) -> Any:
@@ -164,6 +165,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         max_tokens = min(max_tokens, defaults["max_tokens"])
     kwargs: dict[str, Any] = dict(
         n=req.n,
+        best_of=req.best_of,
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else max(prompt_logprobs, req.prompt_logprobs or 0),
         temperature=pick(req.temperature, "temperature", 1.0),
         top_p=pick(req.top_p, "top_p", 1.0),
         top_k=pick(req.top_k, "top_k", -1),
@@ -208,7 +211,7 @@ async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]]
     """Submit one request per prompt, all or none: the waiting limit counts every sequence of
     the batch (prompts x n) up front, and if one is refused those already accepted are aborted."""
     with engine_errors(ctx, "n"):
-        ctx.engine.check_capacity(sum(p.n for p in params))
+        ctx.engine.check_capacity(sum(p.num_samples for p in params))
     streams: list[RequestStream] = []
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
@@ -357,6 +360,17 @@ def completion_logprobs(ctx: ServingContext, c: CompletionOutput, k: int, text_o
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(ctx: ServingContext, pl: PromptLogprobs | None) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` response field: None for the first prompt token, then per token
+    id (the prompt token and its top-k) {logprob, rank, decoded_token}; -inf reads -9999.0."""
+    if pl is None:
+        return None
+    return [None if entry is None else {
+        tid: {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": ctx.decode_token(tid, lp)}
+        for tid, lp in entry.items()
+    } for entry in pl]  # fmt: skip
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

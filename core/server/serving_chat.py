@@ -27,6 +27,7 @@ from portside.server.serving_base import (
     new_id,
     openai_finish_reason,
     parse_body,
+    prompt_logprobs_json,
     resolve_max_tokens,
     sampling_params,
     sse,
@@ -126,14 +127,19 @@ def _response(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, t
         if ctx.reasoning_parser is not None:
             message["reasoning_content"] = reasoning
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(c, plan, bool(calls))})
-    return {
+    body = {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": req.model,
         "choices": choices,
-        "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
+        # best_of > n: the samples not returned count too
+        "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs) + out.num_dropped_tokens,
+                       out.num_cached_tokens),
     }
+    if req.prompt_logprobs is not None:  # vLLM's extra field: the rendered prompt's, on the response
+        body["prompt_logprobs"] = prompt_logprobs_json(ctx, out.prompt_logprobs)
+    return body
 
 
 @dataclass

@@ -24,11 +24,13 @@ from portside.server.serving_base import (
     new_id,
     openai_finish_reason,
     parse_body,
+    prompt_logprobs_json,
     resolve_max_tokens,
     sampling_params,
     sse,
     stream_error,
     submit_all,
+    top_entries,
     until_disconnected,
     usage,
 )
@@ -46,7 +48,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
     for ids in prompts_ids:
         max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", explicit, len(ids), ctx.max_model_len, "prompt")
         params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured,
-                                      defaults=ctx.default_sampling))
+                                      defaults=ctx.default_sampling,
+                                      prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None))
     request_id = new_id("cmpl")
     streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt", lora)
     created = int(time.time())
@@ -90,14 +93,20 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, crea
     prompt_tokens = completion_tokens = cached = 0
     for i, out in enumerate(finals):
         prompt_tokens += len(out.prompt_token_ids)
+        completion_tokens += out.num_dropped_tokens  # best_of > n: the samples not returned count too
         cached += out.num_cached_tokens
         prefix = echo[i] if echo is not None else ""
+        prompt_lps = prompt_logprobs_json(ctx, out.prompt_logprobs) if req.prompt_logprobs is not None else None
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             logprobs = completion_logprobs(ctx, c, req.logprobs, len(prefix)) if req.logprobs is not None else None
-            choices.append(
-                {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": openai_finish_reason(c.finish_reason)}
-            )
+            if logprobs is not None and echo is not None:
+                logprobs = _echo_logprobs(ctx, out, req.logprobs or 0, logprobs)
+            choice = {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                      "finish_reason": openai_finish_reason(c.finish_reason)}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_lps  # vLLM's extra field, on every choice of the prompt
+            choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     return {
         "id": request_id,
@@ -107,6 +116,32 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, crea
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached),
     }
+
+
+def _echo_logprobs(ctx: ServingContext, out: RequestOutput, k: int, completion: dict[str, Any]) -> dict[str, Any]:
+    """Echo with logprobs: the prompt tokens' logprobs before the completion's, as OpenAI's legacy
+    API and vLLM return them (the first prompt token has none: null, as theirs)."""
+    pl = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for tid, entry in zip(out.prompt_token_ids, pl):
+        lp = entry.get(tid) if entry is not None else None
+        token = ctx.decode_token(tid, lp)
+        tokens.append(token)
+        values.append(max(lp.logprob, -9999.0) if lp is not None else None)
+        top: dict[str, float] | None = None
+        if entry is not None:
+            top = {}
+            for i, alt in top_entries(entry, k):
+                top.setdefault(ctx.decode_token(i, alt), max(alt.logprob, -9999.0))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens + completion["tokens"], "token_logprobs": values + completion["token_logprobs"],
+            "top_logprobs": tops + completion["top_logprobs"], "text_offset": offsets + completion["text_offset"]}
 
 
 async def _stream(
