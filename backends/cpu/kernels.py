@@ -117,7 +117,8 @@ def build_key(cc: list[str], sources: tuple[Path, ...] | None = None, flags: tup
     return h.hexdigest()[:32]
 
 
-_BUILD_LOCK = threading.Lock()  # a background prebuild and the first use never compile one library twice
+_BUILD_LOCKS: dict[Path, threading.Lock] = {}  # per target: a background prebuild and the first use never
+_LOCKS_LOCK = threading.Lock()  # compile one library twice, and two libraries still build side by side
 SECONDS_PER_SOURCE = {".c": 2, ".cpp": 15}  # rough one-core compile times (torch headers: 5-25 s a .cpp), for the notice
 
 
@@ -132,7 +133,9 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
     with its expected and its actual time (a first run's only long silence otherwise)."""
     if target.exists():
         return False
-    with _BUILD_LOCK:
+    with _LOCKS_LOCK:
+        lock = _BUILD_LOCKS.setdefault(target, threading.Lock())
+    with lock:
         if target.exists():  # built by the thread that held the lock
             return False
         names = " ".join(src.name for src in sources)

@@ -76,7 +76,7 @@ def prebuild_in_background() -> threading.Thread:
     and a failure is left for `load()` / `unavailable_reason()` to report."""
 
     def work() -> None:
-        for step in (_build, lambda: kernels.build(*kernels.library_build_args())):
+        for step in (lambda: kernels.build(*kernels.library_build_args()), _build):  # the quick C library first
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - whatever it is, load() meets it again and reports it
