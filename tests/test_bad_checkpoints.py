@@ -61,6 +61,7 @@ def test_unknown_architecture(moe: Path, tmp_path: Path) -> None:
     _assert_exit_2(_generate(path), "FalconH1ForCausalLM", "Qwen3MoeForCausalLM")
 
 
+@pytest.mark.slow
 def test_missing_expert_tensor_is_named(moe: Path, tmp_path: Path) -> None:
     path = _copy(moe, tmp_path / "m")
     _edit_tensors(path, lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))

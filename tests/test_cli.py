@@ -44,6 +44,7 @@ def test_unavailable_device_exits_2_naming_devices_and_reasons(tiny_llama):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_device_and_missing_model_exit_2(tmp_path):
     proc = portside("generate", "hello", "--device", "no-such-device", "--model", str(tmp_path))
     assert proc.returncode == 2 and "no platform named 'no-such-device'" in proc.stderr
@@ -58,6 +59,7 @@ def test_bad_sampling_value_exits_2(tiny_llama):
     assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_a_local_model(tiny_llama):
     from portside.testing.tiny import hf_greedy
 

@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the whole kit in a subprocess: CI runs it
+
 
 def test_cpu_backend_passes_the_conformance_kit() -> None:
     proc = subprocess.run(

@@ -408,6 +408,7 @@ def test_a_kv_scale_of_the_wrong_size_names_the_tensor(clear_llama, tmp_path):
         load_model(ModelConfig(path=str(path)), CPU)
 
 
+@pytest.mark.slow
 def test_inductor_graphs_attend_over_an_8bit_cache_in_cpp(clear_llama, monkeypatch):
     """The inductor runner with an int8 cache: decode-only steps attend in C++ (the native decode
     plan over 8-bit caches: the Python backend sees prefill steps only), and the greedy tokens are

@@ -21,6 +21,7 @@ def test_ruff_is_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_mypy_is_clean(tmp_path: Path):
     """mypy over core/ as the package it is installed as (`portside`), as the typecheck job runs it."""
     pytest.importorskip("mypy", reason="mypy is not installed (pip install 'portside[test]')")

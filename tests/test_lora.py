@@ -77,6 +77,7 @@ def llm(base: Path) -> LLM:
                enable_lora=True, max_loras=2, max_lora_rank=16)
 
 
+@pytest.mark.slow
 def test_mixed_batch_matches_peft(llm: LLM, base: Path, adapters: list[LoRARequest]) -> None:
     before = llm.engine.stats().num_preemptions
     loras = [None, *adapters, adapters[0], None, adapters[2], adapters[1]]
@@ -97,6 +98,7 @@ def test_prefix_cache_is_per_adapter(llm: LLM, base: Path, adapters: list[LoRARe
     assert again[1].num_cached_tokens == 0  # another adapter's never is
 
 
+@pytest.mark.slow
 def test_tensor_parallel(base: Path, adapters: list[LoRARequest]) -> None:
     llm = LLM(model=str(base), device="cpu", max_model_len=64, block_size=4, tensor_parallel_size=2,
               enable_lora=True, max_loras=2, max_lora_rank=16)

@@ -176,6 +176,8 @@ GOOD_PLATFORM = '''
 from portside.backend_api import Availability, DeviceInfo, Platform
 from portside.attention.reference import ReferenceAttentionBackend
 
+pytestmark = pytest.mark.slow  # installs plugin packages and runs their kits and servers in subprocesses (CI runs them)
+
 class DupPlatform(Platform):
     name = "dup-device"
     device_type = "cpu"

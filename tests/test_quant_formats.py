@@ -53,11 +53,13 @@ WEIGHT_ONLY = [
 
 
 @pytest.mark.parametrize(("fmt", "kw"), WEIGHT_ONLY, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for f, kw in WEIGHT_ONLY])
+@pytest.mark.slow
 def test_weight_only_formats_match_transformers_on_dequantized_weights(llama: Path, tmp_path: Path, fmt: str, kw: dict) -> None:
     q, oracle = write_quantized(llama, tmp_path / fmt, fmt, **kw)
     assert _greedy(q) == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_gptq_with_biases_and_tied_embeddings(qwen2_tied: Path, tmp_path: Path) -> None:
     q, oracle = write_quantized(qwen2_tied, tmp_path / "gptq", "gptq", bits=4, group_size=32, desc_act=True)
     assert _greedy(q) == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]
@@ -111,6 +113,7 @@ ACT_QUANT = [
 
 
 @pytest.mark.parametrize(("fmt", "kw", "mode"), ACT_QUANT, ids=[f"{f}{'-static' if kw else ''}" for f, kw, _ in ACT_QUANT])
+@pytest.mark.slow
 def test_activation_quantized_formats(llama: Path, tmp_path: Path, fmt: str, kw: dict, mode: str) -> None:
     q, oracle = write_quantized(llama, tmp_path / fmt, fmt, **kw)
     assert _greedy(q) == [_hf_greedy_rounded(oracle, p, mode) for p in PROMPTS]
@@ -149,6 +152,7 @@ def test_online_with_quantized_activations(llama: Path, tmp_path: Path, method: 
     assert _greedy(llama, **kwargs) == [_hf_greedy_rounded(oracle, p, method) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_online_int8_moe_experts(tmp_path: Path) -> None:
     moe = make_tiny_model(tmp_path / "moe", "qwen3_moe")
     oracle = _write_online_oracle(moe, tmp_path / "oracle", "int8")
@@ -191,6 +195,7 @@ MOE = [("qwen3_moe", "gptq", dict(bits=4, group_size=16, desc_act=True)), ("mixt
 
 
 @pytest.mark.parametrize(("arch", "fmt", "kw"), MOE, ids=[f"{a}-{f}" for a, f, _ in MOE])
+@pytest.mark.slow
 def test_quantized_mixture_of_experts_checkpoints(tmp_path: Path, arch: str, fmt: str, kw: dict) -> None:
     """Every expert's gate/up/down quantized (as GPTQModel, AutoAWQ and llm-compressor write MoE
     models), the routers left in full precision: stacked quantized experts give transformers'
@@ -233,6 +238,7 @@ def test_broken_quantized_tensor_fails_at_load_naming_it(llama: Path, tmp_path: 
         LLM(model=str(q), **ENGINE)
 
 
+@pytest.mark.slow
 def test_broken_quantized_checkpoint_exits_2_from_the_cli(llama: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

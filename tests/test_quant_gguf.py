@@ -136,7 +136,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str, dict[str, str] | None]] = {
     # the experts' gate and up differ (w13 dequantized at load), their down in another type
     "mixtral-mixed": ("mixtral", {}, "Q4_0", {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q5_1"}),
 }
-_SLOW = {"qwen3_moe-Q4_K"}
+_SLOW = {"qwen3_moe-Q4_K", "llama-Q4_K", "llama-Q5_K", "mixtral-mixed", "llama-mixed", "llama-Q4_0"}  # CI runs them
 _DEQUANTIZED_AT_LOAD = {"mixtral-mixed"}  # by design: more than the file's bytes
 
 

@@ -187,6 +187,7 @@ def oracle(path: Path, prompt: list[int], sp: StructuredOutputsParams, max_token
     return out
 
 
+@pytest.mark.slow
 def test_greedy_constrained_equals_oracle_in_a_mixed_batch(tiny_llama: Path, backend: str) -> None:
     """Constrained and free rows in one batch, prompts crossing block boundaries, a token budget
     that chunks the long prompt, a pool small enough to preempt, then a prefix-cache hit."""

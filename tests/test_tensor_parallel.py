@@ -26,6 +26,8 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(device="cpu", max_model_len=128, block_size=4, num_kv_blocks=96)
 
+pytestmark = pytest.mark.slow  # every test starts worker processes (CI runs them)
+
 
 def prompts_for(llm: LLM) -> list[list[int]]:
     base = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog while a small cat sleeps " * 3)

@@ -251,6 +251,7 @@ def test_native_rejects_block_ids_outside_the_cache():
 # ---- the OpenVINO path ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_openvino_segments_match_eager_reference(tiny_llama):
     """The OpenVINO runner's hidden states equal the eager model over the reference attention,
     for a mixed decode + prefill-chunk batch through a paged cache."""

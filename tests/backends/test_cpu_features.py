@@ -255,6 +255,7 @@ def test_fused_moe_routes_as_the_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.slow
 def test_moe_experts_compile_as_one_operator(dtype):
     """Its data-dependent grouping is an opaque operator: a compiled graph holds it whole
     (fullgraph) and serves every token count."""
@@ -330,7 +331,7 @@ def feature_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
 
 
-@pytest.mark.parametrize("mode", ["eager", "inductor", "openvino"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("inductor", marks=pytest.mark.slow), pytest.param("openvino", marks=pytest.mark.slow)])
 def test_feature_and_moe_models_match_transformers(feature_model, mode):
     """Greedy tokens equal transformers' for prompts longer than the window, batched (steps mix
     decodes and prefill chunks) and alone (batch-1 decodes: the native kernel, or in inductor

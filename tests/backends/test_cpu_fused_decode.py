@@ -86,7 +86,11 @@ def test_fused_step_matches_the_model(variant, context, threads):
 ENGINE_CASES = [*((v, "eager") for v in VARIANTS), ("tied-hd32", "inductor")]
 
 
-@pytest.mark.parametrize(("variant", "mode"), ENGINE_CASES, indirect=["variant"], ids=[f"{v}-{m}" for v, m in ENGINE_CASES])
+@pytest.mark.parametrize(
+    ("variant", "mode"),
+    [pytest.param(v, m, marks=pytest.mark.slow) if m != "eager" else (v, m) for v, m in ENGINE_CASES],
+    indirect=["variant"], ids=[f"{v}-{m}" for v, m in ENGINE_CASES],
+)
 def test_engine_runs_batch1_decodes_fused_with_greedy_parity(variant, mode, monkeypatch):
     """One request at a time through the engine: every decode step runs in the fused step (and
     nothing else does), and greedy tokens equal transformers', across blocks and splits."""

@@ -22,6 +22,9 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [3, 9, 17, 30]
 
+# compiling a graph mode takes 10-25 s on a 2-core machine: those run under -m slow (CI)
+COMPILED_SLOW = [m if m == "eager" else pytest.param(m, marks=pytest.mark.slow) for m in GRAPH_MODES]
+
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_path(request, tmp_path_factory) -> Path:
@@ -70,7 +73,7 @@ def _runner(llm: LLM):
     return llm.engine.executor.runner.graph_runner
 
 
-@pytest.mark.parametrize("mode", GRAPH_MODES)
+@pytest.mark.parametrize("mode", COMPILED_SLOW)
 def test_greedy_parity_with_transformers(request, model_path, mode):
     """Attention through the Python (torch) backend; for qwen2 in the compiled modes, through the
     default one, on the engine of the tests below: the torch backend inside a compiled graph is
@@ -85,7 +88,7 @@ def test_greedy_parity_with_transformers(request, model_path, mode):
         assert out.outputs[0].token_ids == expected, f"{mode}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("mode", GRAPH_MODES)
+@pytest.mark.parametrize("mode", COMPILED_SLOW)
 def test_batch1_decode_parity_with_transformers(model_path, mode):
     """One request at a time: every decode step is a one-row batch (inductor: the graph whose
     linears `GemvAsReduction` rewrote), attention through the default (native when it builds)."""
@@ -95,6 +98,7 @@ def test_batch1_decode_parity_with_transformers(model_path, mode):
     assert out.outputs[0].token_ids == hf_greedy(model_path, prompt, MAX_TOKENS), mode
 
 
+@pytest.mark.slow
 def test_inductor_decode_steps_attend_in_cpp(model_path, monkeypatch):
     """With the native operators, a decode-only step's attention runs in C++
     (`portside_cpu_native::attention` with the plan `forward_context` installs): the Python
@@ -120,6 +124,7 @@ def test_inductor_decode_steps_attend_in_cpp(model_path, monkeypatch):
     assert calls and not any(calls)  # prefill (and mixed) steps only
 
 
+@pytest.mark.slow
 def test_openvino_really_executes(tiny_llama):
     """Every step goes through compiled OpenVINO models: the runner counts its inferences, and
     each segment is an OpenVINO CompiledModel on the CPU device with a dynamic token axis."""
@@ -137,6 +142,7 @@ def test_openvino_really_executes(tiny_llama):
     assert runner.num_ov_calls - before == steps * len(runner._compiled)
 
 
+@pytest.mark.slow
 def test_inductor_does_not_recompile_after_warmup(tiny_llama):
     """The inductor runner compiles the model body and the LM head at startup (two graphs each: 1 token and a
     symbolic count >= 2); batches of other shapes afterwards (prefill chunks, mixed steps, decodes

@@ -39,6 +39,7 @@ def _native_config() -> EngineConfig:
     return EngineConfig(model=ModelConfig(path="unused"), platform_options=(("cpu_attention", "native"),))
 
 
+@pytest.mark.slow
 def test_second_load_uses_the_cache(fresh):
     if kernels.native_unavailable_reason() is not None:
         pytest.skip(f"no working C compiler here: {kernels.native_unavailable_reason()}")

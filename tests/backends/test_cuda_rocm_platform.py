@@ -245,6 +245,7 @@ def _collectives_worker(rank: int, world_size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_communicators_over_gloo_two_ranks() -> None:
     """The NCCL/RCCL communicators' wiring, checked over gloo (no NCCL here) with two processes."""
     with socket.socket() as s:

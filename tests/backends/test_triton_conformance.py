@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the whole kit under the Triton interpreter: the triton leg runs it
+
 pytest.importorskip("triton")
 pytestmark = [
     pytest.mark.triton,

@@ -18,6 +18,8 @@ import pytest
 
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
+pytestmark = pytest.mark.slow  # engines under the Triton interpreter: the triton leg runs them
+
 pytest.importorskip("triton")
 pytestmark = [
     pytest.mark.triton,

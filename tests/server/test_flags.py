@@ -95,12 +95,14 @@ def _chat(server: HttpsServer, **extra: object) -> httpx.Response:
     return server.post("/v1/chat/completions", body)
 
 
+@pytest.mark.slow
 def test_https_with_the_self_signed_certificate(flagged: HttpsServer) -> None:
     assert flagged.get("/v1/models").json()["data"][0]["id"] == "tiny"
     with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets nowhere
         httpx.get(f"http://127.0.0.1:{flagged.port}/health", timeout=5).raise_for_status()
 
 
+@pytest.mark.slow
 def test_banner_names_what_is_served(flagged: HttpsServer, tiny_llama: Path) -> None:
     log = flagged.log()
     assert f"portside: serving {tiny_llama}\n" in log
@@ -112,6 +114,7 @@ def test_banner_names_what_is_served(flagged: HttpsServer, tiny_llama: Path) -> 
     assert "--trust-remote-code has no effect" in log
 
 
+@pytest.mark.slow
 def test_cors_preflight_and_headers(flagged: HttpsServer) -> None:
     pre = httpx.options(flagged.url + "/v1/chat/completions", verify=flagged.ssl, timeout=30, headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
@@ -124,6 +127,7 @@ def test_cors_preflight_and_headers(flagged: HttpsServer) -> None:
     assert "access-control-allow-origin" not in other.headers
 
 
+@pytest.mark.slow
 def test_root_path_routes_with_and_without_the_prefix(flagged: HttpsServer) -> None:
     assert flagged.get("/proxy/v1/models").status_code == 200
     assert flagged.get("/proxy/health").status_code == 200
@@ -131,6 +135,7 @@ def test_root_path_routes_with_and_without_the_prefix(flagged: HttpsServer) -> N
     assert flagged.get("/elsewhere/v1/models").status_code == 404
 
 
+@pytest.mark.slow
 def test_response_role_from_the_command_line_over_yaml(flagged: HttpsServer) -> None:
     r = _chat(flagged)
     assert r.status_code == 200, r.text
@@ -141,6 +146,7 @@ def test_response_role_from_the_command_line_over_yaml(flagged: HttpsServer) -> 
     assert '"role":"bot"' in first.replace(" ", "")
 
 
+@pytest.mark.slow
 def test_max_logprobs_from_yaml(flagged: HttpsServer) -> None:
     ok = _chat(flagged, logprobs=True, top_logprobs=3)
     assert ok.status_code == 200, ok.text
@@ -159,6 +165,7 @@ def _serve(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProces
     return proc, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_port_in_use_exits_2_before_loading(tiny_llama: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,8 @@ import pytest
 from openai_schemas import validate
 from server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # its own server, stopped by SIGTERM (CI runs it)
+
 
 @pytest.fixture(scope="module")
 def small_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:

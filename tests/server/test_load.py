@@ -6,9 +6,12 @@ import asyncio
 import json
 
 import httpx
+import pytest
 from helpers import post
 from openai_schemas import validate
 from server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # 64 concurrent streams (CI runs it)
 
 N = 64
 

@@ -16,6 +16,8 @@ from server_process import ServerProcess
 
 from portside.testing.tiny import make_tiny_lora
 
+pytestmark = pytest.mark.slow  # its own LoRA server and a peft oracle (CI runs it)
+
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

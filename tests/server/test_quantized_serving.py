@@ -7,7 +7,10 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 from server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # its own server on a quantized checkpoint (CI runs it)
 
 
 def test_quantized_server_reports_its_weight_memory(server: ServerProcess, tiny_llama: Path, tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # its own server with tight limits, and hostile clients (CI runs it)
+
 READ_TIMEOUT = 2.0
 STALL_TIMEOUT = 2.0
 MAX_CONNECTIONS = 12

@@ -20,6 +20,8 @@ from server_process import ServerProcess
 
 from portside.testing.tiny import HERMES_TOOLS_TEMPLATE, QWEN_MARKERS, make_tiny_model
 
+pytestmark = pytest.mark.slow  # its own server with tool and reasoning parsers (CI runs it)
+
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSG = [{"role": "user", "content": "Describe a city."}]
 CITY = {

@@ -146,6 +146,7 @@ def hf_mean_embedding(path: Path, ids: list[int]) -> np.ndarray:
     return torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
 
 
+@pytest.mark.slow
 def test_embeddings_match_transformers(embed_server: ServerProcess, tiny_llama: Path, hf_tok) -> None:
     texts = ["the", "The harbour town woke early.", TEXT + " The bakers lit their ovens."]
     r = post(embed_server, "/v1/embeddings", {"model": "tiny", "input": texts})
@@ -169,6 +170,7 @@ def test_embeddings_match_transformers(embed_server: ServerProcess, tiny_llama: 
     embed_server.wait_idle()  # every KV block back
 
 
+@pytest.mark.slow
 def test_embeddings_openai_client_and_truncation(embed_server: ServerProcess, tiny_llama: Path, hf_tok) -> None:
     import openai
 
@@ -184,6 +186,7 @@ def test_embeddings_openai_client_and_truncation(embed_server: ServerProcess, ti
     embed_server.wait_idle()
 
 
+@pytest.mark.slow
 def test_embeddings_of_messages(embed_server: ServerProcess, tiny_llama: Path, hf_tok) -> None:
     """vLLM's chat form: one conversation through the chat template (no generation prompt by default)."""
     r = post(embed_server, "/v1/embeddings", {"model": "tiny", "messages": MESSAGES})
@@ -200,6 +203,7 @@ def test_embeddings_of_messages(embed_server: ServerProcess, tiny_llama: Path, h
     assert_error(post(embed_server, "/v1/embeddings", {"messages": []}), 400, "messages")
 
 
+@pytest.mark.slow
 def test_embeddings_bad_input(embed_server: ServerProcess) -> None:
     def embed(body: dict) -> httpx.Response:  # type: ignore[type-arg]
         return post(embed_server, "/v1/embeddings", body)
@@ -219,6 +223,7 @@ def test_embeddings_bad_input(embed_server: ServerProcess) -> None:
     embed_server.wait_idle()
 
 
+@pytest.mark.slow
 def test_generation_refused_under_task_embed(embed_server: ServerProcess) -> None:
     r = post(embed_server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert_error(r, 400, says="task 'embed'")
@@ -227,6 +232,7 @@ def test_generation_refused_under_task_embed(embed_server: ServerProcess) -> Non
     assert post(embed_server, "/tokenize", {"prompt": "hi"}).status_code == 200  # the utilities serve both tasks
 
 
+@pytest.mark.slow
 def test_base64_is_not_the_schema_float_list(embed_server: ServerProcess) -> None:
     """OpenAI's schema types `embedding` as floats: a base64 body matches once decoded."""
     body = post(embed_server, "/v1/embeddings", {"input": "x", "encoding_format": "base64"}).json()
