@@ -109,7 +109,8 @@ def test_prefix_cache_hit_is_not_taken(model):
 
 
 def test_across_preemption(model):
-    # 12 blocks of 4 tokens for 3 requests of 20-24 prompt tokens + 16 outputs: some are preempted
+    # 16 blocks of 4 tokens for 3 requests of 20-24 prompt tokens + 16 outputs: some are preempted,
+    # one of them mid-prompt (its recompute sends positions 0.. again, which must not repeat)
     llm = LLM(model=str(model), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=16,
               max_num_batched_tokens=16)
     prompts = [prompt(llm, 22), prompt(llm, 20, 4), prompt(llm, 24, 8)]
