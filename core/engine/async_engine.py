@@ -186,7 +186,7 @@ class RequestStream:
     def _put(self, out: RequestOutput) -> None:
         if self.num_prompt_tokens == 0:
             self.num_prompt_tokens = len(out.prompt_token_ids)
-        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        new_tokens = sum(len(c.token_ids) for c in out.outputs) + out.num_dropped_tokens  # best_of: every sample
         self.num_generation_tokens = self.num_generation_tokens + new_tokens if self._delta else new_tokens
         if self._pending is not None and self._delta:
             self._pending.add(out)
