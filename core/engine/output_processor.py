@@ -1,8 +1,8 @@
 """Turns scheduler requests into `RequestOutput`s: detokenizes, applies stop strings, collects
 logprobs and prompt logprobs, and groups the samples of an n>1 request (of a best_of > n one,
-returning the n with the highest cumulative logprob once all have finished). Each request gets outputs of its
-`SamplingParams.output_kind`: cumulative, deltas (what is new since the last one: a stream's
-consumer never receives a copy of everything at every step) or the final one only."""
+returning the n with the highest cumulative logprob once all have finished). Each request gets
+outputs of its `SamplingParams.output_kind`: cumulative, deltas (what is new since the last one:
+a stream's consumer never receives a copy of everything at every step) or the final one only."""
 
 from __future__ import annotations
 
