@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # installs plugin packages and runs their kits and servers in subprocesses (CI runs them)
+
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = ROOT / "plugins" / "npu_example"
 PLUGIN_DIST = "portside-npu-example"
@@ -175,8 +177,6 @@ def test_nothing_in_portside_names_the_example_plugin() -> None:
 GOOD_PLATFORM = '''
 from portside.backend_api import Availability, DeviceInfo, Platform
 from portside.attention.reference import ReferenceAttentionBackend
-
-pytestmark = pytest.mark.slow  # installs plugin packages and runs their kits and servers in subprocesses (CI runs them)
 
 class DupPlatform(Platform):
     name = "dup-device"

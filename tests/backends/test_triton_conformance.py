@@ -16,10 +16,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the whole kit under the Triton interpreter: the triton leg runs it
-
 pytest.importorskip("triton")
 pytestmark = [
+    pytest.mark.slow,  # the triton leg runs it (-m "triton or xgrammar"); minutes under the interpreter
     pytest.mark.triton,
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton on CPU tensors: interpreter only"),
 ]

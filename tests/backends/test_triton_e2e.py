@@ -18,10 +18,9 @@ import pytest
 
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
-pytestmark = pytest.mark.slow  # engines under the Triton interpreter: the triton leg runs them
-
 pytest.importorskip("triton")
 pytestmark = [
+    pytest.mark.slow,  # the triton leg runs it (-m "triton or xgrammar"); minutes under the interpreter
     pytest.mark.triton,
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton on CPU tensors: interpreter only"),
 ]
