@@ -15,7 +15,9 @@ slots against the cache, returning an error code rather than reading out of boun
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,8 +138,9 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
         return False
     with _LOCKS_LOCK:
         lock = _BUILD_LOCKS.setdefault(target, threading.Lock())
-    with lock:
-        if target.exists():  # built by the thread that held the lock
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with lock, _process_lock(target):
+        if target.exists():  # built by the thread or process that held the lock
             return False
         names = " ".join(src.name for src in sources)
         jobs = max(1, min(len(sources), _cores()))
@@ -156,6 +160,18 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
             os.replace(tmp, target)  # atomic: other processes see no file or a whole one
         _notice(f"native cpu kernels built in {time.monotonic() - start:.1f} s ({target.parent})")
     return True
+
+
+@contextlib.contextmanager
+def _process_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock on `target`'s lock file: processes sharing the cache (test workers, several
+    servers started at once) wait for one build instead of each compiling the same library."""
+    with open(target.with_name(target.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cores() -> int:

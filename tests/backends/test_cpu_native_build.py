@@ -35,7 +35,8 @@ def test_a_build_says_so_compiles_in_parallel_and_links(sources, tmp_path, monke
     assert ctypes.CDLL(str(target)).ps_two() == 2  # both objects linked into one library
     assert kernels.build(["cc"], sources, FLAGS, (), target) is False  # cached: silent
     assert capfd.readouterr().err == ""
-    assert sorted(p.name for p in target.parent.iterdir()) == ["lib.so"]  # no objects or temporaries left
+    # no objects or temporaries left; the lock file stays (removing it would race another process)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["lib.so", "lib.so.lock"]
 
 
 def test_two_threads_asking_at_once_build_once(sources, tmp_path):
@@ -48,6 +49,22 @@ def test_two_threads_asking_at_once_build_once(sources, tmp_path):
     for t in threads:
         t.join()
     assert sorted(results) == [False, True]
+
+
+def test_two_processes_asking_at_once_build_once(sources, tmp_path):
+    """Test workers or servers sharing one cache wait for one build (a file lock), not compile twice."""
+    import subprocess
+
+    target = tmp_path / "lib.so"
+    slow_cc = tmp_path / "slow-cc"  # a compile that outlasts the two processes' start-up skew
+    slow_cc.write_text('#!/bin/sh\nsleep 4\nexec cc "$@"\n')
+    slow_cc.chmod(0o755)
+    script = (f"import pathlib; from portside.backends.cpu import kernels; "
+              f"print(kernels.build([{str(slow_cc)!r}], tuple(map(pathlib.Path, {[str(p) for p in sources]!r})), {FLAGS!r}, (), "
+              f"pathlib.Path({str(target)!r})))")
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
+    assert outs == ["False", "True"], outs
 
 
 def test_a_failing_source_is_named(sources, tmp_path, monkeypatch):
