@@ -110,10 +110,14 @@ class StatsLogger:
 def show_at_default_level(*loggers: logging.Logger) -> None:
     """Print these loggers' INFO lines to stderr even when the root level (`--log-level`,
     WARNING by default) would hide them: they are what an operator reads, and vLLM prints them
-    at its default level. Under a root level of INFO or lower they go through the root handlers."""
+    at its default level. Under a root level of INFO or lower they go through the root handlers;
+    a level above the default (`--log-level ERROR`) asked for quiet, and hides them too."""
+    root = logging.getLogger().getEffectiveLevel()
     for log in loggers:
+        if root > logging.WARNING:
+            continue
         log.setLevel(logging.INFO)
-        if logging.getLogger().getEffectiveLevel() <= logging.INFO or log.handlers:
+        if root <= logging.INFO or log.handlers:
             continue
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

@@ -154,3 +154,18 @@ def test_serve_prints_request_and_stats_lines_and_the_flags_silence_them(tiny_ll
     finally:
         loud.kill()
         quiet.kill()
+
+
+def test_default_level_shows_the_lines_and_a_quieter_level_hides_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from portside.server.request_log import show_at_default_level
+
+    root = logging.getLogger()
+    for level, shown in ((logging.WARNING, True), (logging.ERROR, False)):
+        log = logging.getLogger(f"portside.test_level_{level}")
+        monkeypatch.setattr(root, "level", level)
+        show_at_default_level(log)
+        assert log.isEnabledFor(logging.INFO) is shown, logging.getLevelName(level)
+        for h in list(log.handlers):
+            log.removeHandler(h)
