@@ -55,6 +55,7 @@ def _assert_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in proc.stderr, f"{needle!r} not in {proc.stderr!r}"
 
 
+@pytest.mark.slow
 def test_unknown_architecture(moe: Path, tmp_path: Path) -> None:
     path = _copy(moe, tmp_path / "m")
     _edit_config(path, architectures=["FalconH1ForCausalLM"])
@@ -68,6 +69,7 @@ def test_missing_expert_tensor_is_named(moe: Path, tmp_path: Path) -> None:
     _assert_exit_2(_generate(path), str(path), "missing 1 tensors", "model.layers.1.mlp.experts.2.up_proj.weight")
 
 
+@pytest.mark.slow
 def test_wrong_shape_is_named(moe: Path, tmp_path: Path) -> None:
     path = _copy(moe, tmp_path / "m")
     name = "model.layers.0.self_attn.q_norm.weight"
@@ -75,6 +77,7 @@ def test_wrong_shape_is_named(moe: Path, tmp_path: Path) -> None:
     _assert_exit_2(_generate(path), str(path), name, "(15,)")
 
 
+@pytest.mark.slow
 def test_expert_beyond_the_configured_count_is_named(moe: Path, tmp_path: Path) -> None:
     path = _copy(moe, tmp_path / "m")
     extra = "model.layers.0.mlp.experts.4.gate_proj.weight"  # the config says 4 experts (0-3)
@@ -82,6 +85,7 @@ def test_expert_beyond_the_configured_count_is_named(moe: Path, tmp_path: Path) 
     _assert_exit_2(_generate(path), extra)
 
 
+@pytest.mark.slow
 def test_unsupported_rope_type_is_named(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "m", "qwen3")
     cfg = json.loads((path / "config.json").read_text())

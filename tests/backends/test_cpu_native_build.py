@@ -51,6 +51,7 @@ def test_two_threads_asking_at_once_build_once(sources, tmp_path):
     assert sorted(results) == [False, True]
 
 
+@pytest.mark.slow
 def test_two_processes_asking_at_once_build_once(sources, tmp_path):
     """Test workers or servers sharing one cache wait for one build (a file lock), not compile twice."""
     import subprocess
