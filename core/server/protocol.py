@@ -162,19 +162,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _check_prompt(cls, v: Any) -> list[str] | list[list[int]]:
         """Normalise to a non-empty list of text prompts or of token-id prompts."""
-        if isinstance(v, str):
-            return [v]
-        if isinstance(v, list) and v:
-            if all(isinstance(p, str) for p in v):
-                return v
-            if all(_is_int(t) for t in v):
-                return [v]
-            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
-                return v
-        raise ValueError(
-            "must be a non-empty string, a list of strings, a non-empty list of token ids, "
-            "or a list of non-empty lists of token ids"
-        )
+        return _prompt_list(v, empty_text=True)
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
@@ -317,6 +305,23 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _prompt_list(v: Any, empty_text: bool) -> list[str] | list[list[int]]:
+    """OpenAI's prompt shapes (a string, strings, token ids, lists of token ids) as a non-empty list
+    of texts or of non-empty token-id lists; `empty_text` allows "" as a text."""
+    if isinstance(v, str) and (v or empty_text):
+        return [v]
+    if isinstance(v, list) and v:
+        if all(isinstance(p, str) and (p or empty_text) for p in v):
+            return v
+        if all(_is_int(t) for t in v):
+            return [v]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+            return v
+    strings = "strings" if empty_text else "non-empty strings"
+    raise ValueError(f"must be a non-empty string, a list of {strings}, a non-empty list of token ids, "
+                     "or a list of non-empty lists of token ids")
+
+
 class TokenizeRequest(OpenAIModel):
     """POST /tokenize: vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest
     (`messages`, through the chat template), told apart by which of the two is sent."""
@@ -389,19 +394,7 @@ class EmbeddingRequest(OpenAIModel):
     @classmethod
     def _check_input(cls, v: Any) -> list[str] | list[list[int]]:
         """Normalise to a non-empty list of non-empty texts or of non-empty token-id lists."""
-        if isinstance(v, str) and v:
-            return [v]
-        if isinstance(v, list) and v:
-            if all(isinstance(p, str) and p for p in v):
-                return v
-            if all(_is_int(t) for t in v):
-                return [v]
-            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
-                return v
-        raise ValueError(
-            "must be a non-empty string, a list of non-empty strings, a non-empty list of token ids, "
-            "or a list of non-empty lists of token ids"
-        )
+        return _prompt_list(v, empty_text=False)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

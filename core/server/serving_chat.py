@@ -48,9 +48,9 @@ REQUEST_TEMPLATE_BUDGET_S = 2.0  # render time a template sent with a request ma
 REQUEST_TEMPLATE_MAX_CHARS = 8 << 20  # and the most text it may render
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
-    req, large = await parse_body(ctx, request, ChatCompletionRequest)
-    lora = ctx.check_model(req.model)
+def check_template_fields(ctx: ServingContext, req: Any) -> None:
+    """The 400s for a request's own template (`chat_template`) and its variables
+    (`chat_template_kwargs`): chat completions and every endpoint that renders messages."""
     if req.chat_template is not None and not ctx.trust_request_chat_template:
         raise bad_request("chat_template: this server does not render templates sent with a request; its operator "
                           "can allow them with --trust-request-chat-template", "chat_template")
@@ -58,6 +58,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     if bad:
         raise bad_request(f"chat_template_kwargs: {bad[0]!r} is a parameter of the template call itself, not a "
                           "template variable", "chat_template_kwargs")
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
+    req, large = await parse_body(ctx, request, ChatCompletionRequest)
+    lora = ctx.check_model(req.model)
+    check_template_fields(ctx, req)
     plan = plan_tools(req, ctx.tool_parser, ctx.tokenizer)
     prompt_ids = await ctx.offload.run(_render, ctx, req, plan, large=large or req.chat_template is not None)
     requested, field_name = req.requested_max_tokens

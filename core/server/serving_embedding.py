@@ -23,7 +23,8 @@ from portside.server.serving_base import (
     submit_all,
     until_disconnected,
 )
-from portside.server.serving_tokenize import check_template_fields, render_messages
+from portside.server.serving_chat import check_template_fields
+from portside.server.serving_tokenize import render_messages
 
 
 def engine_task(ctx: ServingContext) -> str:

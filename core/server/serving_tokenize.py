@@ -13,9 +13,9 @@ from portside.server.errors import APIError, bad_request
 from portside.server.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from portside.server.serving_base import ServingContext, parse_body
 from portside.server.serving_chat import (
-    _RESERVED_TEMPLATE_KWARGS,
     REQUEST_TEMPLATE_BUDGET_S,
     REQUEST_TEMPLATE_MAX_CHARS,
+    check_template_fields,
 )
 from portside.server.tools import template_messages
 
@@ -38,17 +38,6 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> tuple[list[int], lis
     else:
         ids = render_messages(ctx, tok, req)
     return ids, tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-
-
-def check_template_fields(ctx: ServingContext, req: TokenizeRequest | EmbeddingRequest) -> None:
-    """The 400s chat completions give for a request's own template and its variables."""
-    if req.chat_template is not None and not ctx.trust_request_chat_template:
-        raise bad_request("chat_template: this server does not render templates sent with a request; its operator "
-                          "can allow them with --trust-request-chat-template", "chat_template")
-    bad = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {}))
-    if bad:
-        raise bad_request(f"chat_template_kwargs: {bad[0]!r} is a parameter of the template call itself, not a "
-                          "template variable", "chat_template_kwargs")
 
 
 def render_messages(ctx: ServingContext, tok: Any, req: TokenizeRequest | EmbeddingRequest) -> list[int]:
