@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -48,13 +49,16 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=2)
+
+    def wait_ready(self, timeout: float = 180.0) -> Self:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if self.health().status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -48,19 +48,8 @@ class HttpsServer(ServerProcess):
     def post(self, path: str, body: object) -> httpx.Response:
         return httpx.post(self.url + path, json=body, verify=self.ssl, timeout=60)
 
-    def wait_ready(self, timeout: float = 180.0) -> HttpsServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.get("/health").status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+    def health(self) -> httpx.Response:
+        return self.get("/health")
 
 
 @pytest.fixture(scope="module")
