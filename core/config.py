@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from portside.quant.config import QuantConfig
+from portside.spec_decode.config import SpeculativeConfig
 
 POOLING_TYPES = ("last", "mean", "cls")
 
@@ -104,6 +105,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None  # None: LoRA adapters disabled
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     device: str | None = None  # platform name; None: auto-detect
     # platform-specific options (e.g. {"cpu_graph": "inductor"}), validated by the platform
     platform_options: tuple[tuple[str, str], ...] = ()

@@ -20,6 +20,40 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding of one request (all its samples): steps that verified proposals,
+    tokens proposed, tokens accepted, and how often the proposal at each position was accepted
+    (entry i: position i + 1 of a proposal)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_proposed:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_proposed - len(self.num_accepted_tokens_per_pos)))
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def add(self, other: SpecDecodeStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -46,6 +80,7 @@ class RequestOutput:
     # prompt_logprobs: set once the whole prompt is computed (in DELTA outputs: on the first such output)
     prompt_logprobs: PromptLogprobs | None = None
     num_dropped_tokens: int = 0  # best_of > n: tokens of the samples not returned (they count in usage)
+    spec_decode_stats: SpecDecodeStats | None = None  # speculative decoding: proposals and acceptances so far
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (a slow consumer then
@@ -72,6 +107,8 @@ class RequestOutput:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.num_dropped_tokens = max(self.num_dropped_tokens, delta.num_dropped_tokens)
+        if delta.spec_decode_stats is not None:
+            self.spec_decode_stats = delta.spec_decode_stats  # cumulative: the latest is the whole
 
 
 @dataclass

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from portside.outputs import SpecDecodeStats
 from portside.sampling_params import SamplingParams
 
 
@@ -54,6 +55,9 @@ class Request:
     stop_reason: int | str | None = None
     structured: Any = None  # portside.structured.manager.StructuredState of a constrained sequence
     lora_request: Any = None  # portside.lora.request.LoRARequest: the adapter it runs with
+    # speculative decoding: the proposed next tokens to verify in its next step (after its last token)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_stats: SpecDecodeStats | None = None  # proposals verified and accepted so far
 
     @property
     def lora_id(self) -> int | None:

@@ -24,6 +24,7 @@ from portside.config import (
     SchedulerConfig,
 )
 from portside.engine.unsupported_args import add_unsupported_args
+from portside.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class EngineArgs:
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
     task: str = "generate"  # "generate", or "embed": prompts in, pooled vectors out (vLLM's --task / --runner pooling)
     pooling_type: str | None = None  # task embed: last (default), mean or cls
+    # speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    # "prompt_lookup_max": b} (a dict, or its JSON text from --speculative-config)
+    speculative_config: dict[str, Any] | str | None = None
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -126,6 +130,7 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
+            speculative=self._resolve_speculative(pooler),
             device=platform.name,
             platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
@@ -167,6 +172,12 @@ class EngineArgs:
         if self.trust_remote_code:
             logger.warning("--trust-remote-code has no effect: portside never runs model code from checkpoints "
                            "(it implements each architecture itself; see `portside models`)")
+
+    def _resolve_speculative(self, pooler: PoolerConfig | None) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and pooler is not None:
+            raise ValueError("speculative_config applies to text generation; task embed never decodes: drop one")
+        return spec
 
     def _resolve_pooler(self) -> PoolerConfig | None:
         task = {"pooling": "embed"}.get(self.task, self.task)  # vLLM's --runner pooling
@@ -244,6 +255,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="generate (text), or embed (= --runner pooling): /v1/embeddings and LLM.embed return each prompt's pooled final hidden state")
     g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls"], default=None,
                    help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own tokens, '
+                        'verified in one forward; greedy output unchanged)')
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
     add_unsupported_args(parser)
     g = parser.add_argument_group("LoRA adapters")

@@ -20,7 +20,7 @@ from portside.engine.executor import make_executor
 from portside.engine.output_processor import OutputProcessor, RequestGroup, SampleState
 from portside.generation_config import generation_defaults
 from portside.lora.registry import LoRARegistry
-from portside.outputs import RequestOutput
+from portside.outputs import RequestOutput, SpecDecodeStats
 from portside.platform import resolve_platform
 from portside.request import Request, RequestStatus
 from portside.sampling_params import SamplingParams
@@ -43,6 +43,8 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     weight_bytes: int = 0  # the loaded model's weights, every rank together
+    # speculative decoding since start (all zero without it)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # the latest step: tokens it computed, and the seconds since each request's previous tokens
     step_tokens: int = 0
     token_intervals: list[float] = field(default_factory=list)
@@ -94,6 +96,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             sliding_window=self.sliding_window,
             max_loras=config.lora.max_loras if config.lora is not None else 0,
+            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative is not None else 0,
         )
         self.loras = LoRARegistry(config.lora, config.model.path)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -108,6 +111,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.step_tokens = 0  # tokens the latest step computed (metrics)
         quant = config.model.quantization
+        if config.speculative is not None:
+            logger.info("speculative decoding: %s", config.speculative.describe())
         logger.info("portside engine ready: %s on %s, dtype %s%s, weights %.1f MiB, %d KV blocks of %d",
                     config.model.path, self.platform.name, config.model.dtype, f", {quant.describe()}" if quant else "",
                     self.weight_bytes / 2**20, num_blocks, block_size)
@@ -302,6 +307,7 @@ class LLMEngine:
             step_tokens=self.step_tokens,
             token_intervals=self.outputs.token_intervals,
             weight_bytes=self.weight_bytes,
+            spec_decode=s.spec_stats,
         )
 
     def apply_chat_template(

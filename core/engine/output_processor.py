@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portside.engine.detokenizer import IncrementalDetokenizer, find_stop
-from portside.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from portside.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SpecDecodeStats
 from portside.request import Request
 from portside.sampling_params import RequestOutputKind
 from portside.sched.output import LogprobsLists
@@ -52,6 +52,7 @@ class RequestGroup:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # DELTA: handed out already
     best_n: int | None = None  # best_of > n: how many samples to return (the rest are dropped)
+    spec_stats: dict[str, SpecDecodeStats] = field(default_factory=dict)  # speculative decoding, per sample
 
     @property
     def prompt_logprobs_done(self) -> PromptLogprobs | None:
@@ -117,7 +118,16 @@ class RequestGroup:
             metrics=metrics,
             prompt_logprobs=prompt_logprobs,
             num_dropped_tokens=dropped,
+            spec_decode_stats=self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> SpecDecodeStats | None:
+        if not self.spec_stats:
+            return None
+        total = SpecDecodeStats()
+        for stats in self.spec_stats.values():
+            total.add(stats)
+        return total
 
     def _returned_samples(self) -> tuple[list[tuple[int, SampleState]], int]:
         """(output index, sample) of the samples to return, and the tokens of those dropped.
@@ -175,7 +185,9 @@ class OutputProcessor:
                 group.last_token_time = now
             if req.num_cached_tokens > group.num_cached_tokens:
                 group.num_cached_tokens = req.num_cached_tokens
-            self._add_logprobs(sample, logprobs.get(req.request_id))
+            if req.spec_stats is not None:
+                group.spec_stats[req.request_id] = req.spec_stats
+            num_before = len(sample.token_ids)
             for tok in new_tokens:
                 sample.token_ids.append(tok)
                 delta = sample.detok.add(tok)
@@ -185,6 +197,8 @@ class OutputProcessor:
                     sample.finish_reason = "stop"
                     stopped.append(req.request_id)
                     break
+            # a step may bring several tokens (speculative decoding): none past a stop
+            self._add_logprobs(sample, logprobs.get(req.request_id), len(sample.token_ids) - num_before)
             if sample.finish_reason is None and req.is_finished:
                 sample.finish_reason = req.status.finish_reason
                 sample.stop_reason = req.stop_reason
@@ -207,10 +221,13 @@ class OutputProcessor:
             out.append(entry)
         return out
 
-    def _add_logprobs(self, sample: SampleState, lp: LogprobsLists | None) -> None:
-        """Cumulative logprob always (best_of ranks by it); the entries when the caller asked."""
+    def _add_logprobs(self, sample: SampleState, lp: LogprobsLists | None, num_tokens: int) -> None:
+        """Cumulative logprob always (best_of ranks by it); the entries when the caller asked;
+        for the first `num_tokens` tokens of `lp` (those kept)."""
         if lp is None:
             return
+        if num_tokens < len(lp.token_ids):
+            lp = LogprobsLists(lp.token_ids[:num_tokens], lp.logprobs[:num_tokens], lp.sampled_ranks[:num_tokens])
         sample.cumulative_logprob += sum(vals[0] for vals in lp.logprobs)
         if sample.logprobs is not None:
             sample.logprobs.extend(self._entries(lp))

@@ -19,7 +19,6 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
     ("--data-parallel-size", "-dp"): (("1",), "data parallelism is not implemented; run one `portside serve` per device group behind a load balancer"),
     ("--kv-transfer-config",): ((), "disaggregated prefill (KV-cache transfer between instances) is not implemented"),
     ("--cpu-offload-gb",): (("0",), "weights are not offloaded to host memory; use a quantized checkpoint or --quantization int8/fp8 to fit a model"),
-    ("--speculative-config",): ((), "speculative decoding is not implemented"),
     ("--load-format",): (("auto", "safetensors", "gguf"), "portside loads Hugging Face safetensors folders and .gguf files (auto, safetensors, gguf)"),
     ("--distributed-executor-backend",): (("mp", "uni"), "tensor-parallel workers run as local processes (mp); ray is not supported"),
     ("--enable-sleep-mode",): ((), "sleep mode (releasing device memory on request) is not implemented"),

@@ -92,8 +92,11 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: row of hidden states to sample from
+    logits_indices: torch.Tensor  # [num_rows]: rows of hidden states to sample from
     sampled_req_ids: list[str]  # requests whose chunk reaches their last known token
+    # speculative decoding: per sampled request, the proposals it verifies (its rows in
+    # logits_indices are 1 + len of them: its last token's, then each proposal's)
+    spec: list[list[int]] = dataclasses.field(default_factory=list)
     # prompt_logprobs: the rows of requests that asked, their targets (the next prompt tokens)
     prompt_rows: list[PromptLogprobsRows] = dataclasses.field(default_factory=list)
     prompt_indices: torch.Tensor | None = None  # [M] rows of hidden states, after logits_indices
@@ -158,7 +161,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.scratch_block = -1  # a block never handed out, for padded graph entries
-        self._last_sampling: tuple[list[str], SamplingMetadata] | None = None  # see _sampling_metadata
+        self._last_sampling: tuple[list[tuple[str, int]], SamplingMetadata] | None = None  # see _sampling_metadata
+        self.proposer = None
+        if config.speculative is not None:
+            from portside.spec_decode.ngram import NgramProposer
+
+            self.proposer = NgramProposer(config.speculative)
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -234,24 +242,44 @@ class ModelRunner:
                 logits, prompt_lps = self._logits(hidden, batch)
             if self.pooler is None and batch.sampled_req_ids:
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
-                meta = self._sampling_metadata(batch.sampled_req_ids, states)
-                out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch.sampled_req_ids))
-                token_ids = out.sampled_token_ids  # [num_sampled]
+                meta = self._sampling_metadata(states, batch.spec)
+                out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch))
+                token_ids = out.sampled_token_ids  # [num_rows]
                 if self.comm.world_size > 1:
                     # Every rank continues from rank 0's tokens, whatever its own sampler drew.
                     token_ids = self.comm.broadcast(token_ids.contiguous(), src=0)
-                tokens = token_ids.tolist()
-                for state, tok in zip(states, tokens):
-                    state.output_token_ids.append(tok)
-                    sampled[state.req_id] = [tok]
-                if out.logprobs is not None:
-                    for rid, lists in zip(batch.sampled_req_ids, out.logprobs.tolists(meta.num_logprobs)):
-                        if lists is not None:
-                            logprobs[rid] = lists
+                rows = token_ids.tolist()
+                row_lps = out.logprobs.tolists(meta.num_logprobs) if out.logprobs is not None else None
+                row = 0
+                for state, spec in zip(states, batch.spec):
+                    new = accepted_tokens(rows[row : row + 1 + len(spec)], spec)
+                    state.output_token_ids.extend(new)
+                    sampled[state.req_id] = new
+                    if row_lps is not None and row_lps[row] is not None:
+                        logprobs[state.req_id] = _join_logprobs(row_lps[row : row + len(new)])
+                    row += 1 + len(spec)
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
+            state = self.requests[rid]
+            state.num_computed_tokens += n
+            if rid in spec_scheduled:  # rejected proposals: their slots are written again next step
+                state.num_computed_tokens -= len(spec_scheduled[rid]) + 1 - len(sampled[rid])
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled,
-                                 prompt_logprobs=prompt_lps)
+                                 prompt_logprobs=prompt_lps, spec_token_ids=self._propose(sampled))
+
+    def _propose(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Speculative decoding: the next proposals of each request that sampled this step (none
+        under a grammar, whose masks follow only the tokens actually accepted)."""
+        if self.proposer is None:
+            return {}
+        proposals = {}
+        for rid, new in sampled.items():
+            state = self.requests[rid]
+            if new and state.sampling_params.structured_outputs is None:
+                spec = self.proposer.propose(state.prompt_token_ids + state.output_token_ids)
+                if spec:
+                    proposals[rid] = spec
+        return proposals
 
     def _logits(self, hidden: torch.Tensor, batch: BatchInputs) -> tuple[torch.Tensor, dict[str, tuple[int, LogprobsLists]]]:
         """The sampled rows' logits, and the prompt logprobs of the rows that asked: one LM head
@@ -259,7 +287,7 @@ class ModelRunner:
         if batch.prompt_indices is None or batch.prompt_targets is None:
             return self.graph_runner.logits(hidden, batch.logits_indices), {}
         logits = self.graph_runner.logits(hidden, torch.cat([batch.logits_indices, batch.prompt_indices]))
-        num_sampled = len(batch.sampled_req_ids)
+        num_sampled = len(batch.logits_indices)
         return logits[:num_sampled], compute_prompt_logprobs(logits[num_sampled:], batch.prompt_targets, batch.prompt_rows)
 
     def _pool_chunks(self, batch: BatchInputs, counts: dict[str, int]) -> list[PoolChunk]:
@@ -268,30 +296,39 @@ class ModelRunner:
         return [PoolChunk(rid, qsl[i], counts[rid], self.requests[rid].num_computed_tokens,
                           len(self.requests[rid].prompt_token_ids)) for i, rid in enumerate(batch.req_ids)]
 
-    def _token_bitmask(self, so: SchedulerOutput, sampled_req_ids: list[str]) -> TokenBitmask | None:
+    def _token_bitmask(self, so: SchedulerOutput, batch: BatchInputs) -> TokenBitmask | None:
         """The step's grammar masks (waiting for them here, after the forward) on the device."""
         if so.grammar is None:
             return None
-        index = {rid: i for i, rid in enumerate(sampled_req_ids)}
+        index, row = {}, 0
+        for rid, spec in zip(batch.sampled_req_ids, batch.spec):  # a constrained request has no proposals
+            index[rid] = row
+            row += 1 + len(spec)
         rows = torch.tensor([index[rid] for rid in so.grammar.req_ids], dtype=torch.int64, device=self.device)
         return TokenBitmask(rows=rows, bitmask=so.grammar.get().to(self.device))
 
-    def _sampling_metadata(self, req_ids: list[str], states: list[CachedRequestState]) -> SamplingMetadata:
-        """The step's sampling metadata: last step's when it samples the same requests in the same
-        order and nothing in it depends on the tokens sampled since (`SamplingMetadata.reusable`),
-        as in a steady run of decodes; else built anew (the build costs ~0.1 ms a step at batch 1,
-        more than the greedy sampling it feeds)."""
-        if self._last_sampling is not None and self._last_sampling[0] == req_ids:
+    def _sampling_metadata(self, states: list[CachedRequestState], spec: list[list[int]]) -> SamplingMetadata:
+        """The step's sampling metadata, a row per sampled position: a request verifying proposals
+        has one for its last token and one for each proposal, each row sampling as if the
+        proposals before it were accepted (its output so far includes them: penalties, min_tokens
+        and a seeded row's generator are then exactly those of the run without speculation).
+        Last step's when it samples the same rows in the same order and nothing in it depends on
+        the tokens sampled since (`SamplingMetadata.reusable`), as in a steady run of decodes;
+        else built anew (the build costs ~0.1 ms a step at batch 1, more than the greedy sampling
+        it feeds)."""
+        layout = [(s.req_id, len(p)) for s, p in zip(states, spec)]
+        if self._last_sampling is not None and self._last_sampling[0] == layout:
             return self._last_sampling[1]
+        rows = [(s, s.output_token_ids + p[:j]) for s, p in zip(states, spec) for j in range(len(p) + 1)]
         meta = SamplingMetadata.build(
-            [s.sampling_params for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
+            [s.sampling_params for s, _ in rows],
+            [s.prompt_token_ids for s, _ in rows],
+            [out for _, out in rows],
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        self._last_sampling = (req_ids, meta) if meta.reusable else None
+        self._last_sampling = (layout, meta) if meta.reusable else None
         return meta
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -325,7 +362,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seq_lens, qsl = [], [0]
-        logits_rows, sampled = [], []
+        logits_rows, sampled, spec_of_sampled = [], [], []
         tables: list[list[int]] = []
         num_decodes = 0
         prompt_rows: list[PromptLogprobsRows] = []
@@ -336,7 +373,9 @@ class ModelRunner:
             start, n = state.num_computed_tokens, counts[rid]
             end = start + n
             blocks = state.block_ids
-            ids.extend(state.token_slice(start, end))
+            spec = so.scheduled_spec_decode_tokens.get(rid, [])
+            ids.extend(state.token_slice(start, end - len(spec)))
+            ids.extend(spec)
             positions.extend(range(start, end))
             if n == 1:  # plain Python for a single token: a numpy call costs more than its work
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -347,9 +386,10 @@ class ModelRunner:
             seq_lens.append(end)
             qsl.append(qsl[-1] + n)
             tables.append(blocks)
-            if end >= state.num_tokens:  # the chunk reaches the last known token: sample
-                logits_rows.append(qsl[-1] - 1)
+            if end - len(spec) >= state.num_tokens:  # the chunk reaches the last known token: sample
+                logits_rows.extend(range(qsl[-1] - 1 - len(spec), qsl[-1]))
                 sampled.append(rid)
+                spec_of_sampled.append(spec)
             k = state.sampling_params.prompt_logprobs
             # positions predicting a prompt token; none in a recompute after outputs (sent already)
             last = min(end, len(state.prompt_token_ids) - 1)
@@ -384,7 +424,28 @@ class ModelRunner:
             metadata=md,
             logits_indices=tensor(logits_rows, torch.int64),
             sampled_req_ids=sampled,
+            spec=spec_of_sampled,
             prompt_rows=prompt_rows,
             prompt_indices=tensor(prompt_indices, torch.int64) if prompt_rows else None,
             prompt_targets=tensor(prompt_targets, torch.int64) if prompt_rows else None,
         )
+
+
+def accepted_tokens(sampled: list[int], spec: list[int]) -> list[int]:
+    """What a step yields for a request that verified `spec`: `sampled[j]` is the token drawn at
+    the position after proposal j (j = 0: after its last token) as if proposals 0..j-1 were
+    accepted. Proposal j is accepted when the draw before it equals it; the yield is the accepted
+    proposals plus the first draw that disagrees, or the draw after the last proposal. With a
+    deterministic proposer this is exact rejection sampling: proposal t is accepted with the
+    target's probability p(t), and a rejection yields a draw from p conditioned on not t."""
+    j = 0
+    while j < len(spec) and sampled[j] == spec[j]:
+        j += 1
+    return sampled[: j + 1]
+
+
+def _join_logprobs(rows: list[LogprobsLists | None]) -> LogprobsLists:
+    """Consecutive one-token rows of one request as one multi-token LogprobsLists."""
+    return LogprobsLists(token_ids=[ids for r in rows if r is not None for ids in r.token_ids],
+                         logprobs=[lp for r in rows if r is not None for lp in r.logprobs],
+                         sampled_ranks=[k for r in rows if r is not None for k in r.sampled_ranks])

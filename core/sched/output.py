@@ -46,6 +46,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # structured output: the grammar masks of the requests that sample under one this step
     grammar: GrammarBitmask | None = None
+    # speculative decoding: req_id -> proposals scheduled after its last token (counted in
+    # num_scheduled_tokens); the runner samples each of those positions
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -73,3 +76,5 @@ class ModelRunnerOutput:
     # prompt_logprobs: req_id -> (first position p, lists): entry j holds the logprob of prompt
     # token p + 1 + j (predicted at position p + j) first, then the top-k, for this step's chunk
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    # speculative decoding: req_id -> proposed tokens to verify after the ones sampled this step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

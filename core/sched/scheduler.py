@@ -9,6 +9,13 @@ and a prefix-cache hit or a fork simply starts a request with `num_computed_toke
 Blocks run out -> preemption by recompute: the victim (policy.py) frees its blocks, goes back
 to the waiting queue with `num_computed_tokens = 0`, and the runner is told to forget it.
 
+Speculative decoding (`num_spec_tokens` > 0): a running request's proposals
+(`Request.spec_token_ids`, from the runner's previous output) are scheduled after its last token
+and count in the token budget; `update_from_output` takes the rejected ones back off
+`num_computed_tokens` before anything is entered in the prefix cache, so their KV slots are
+simply overwritten by the next step. A request may then hold one block more than its tokens
+need (kept for the next step's proposals).
+
 Sliding window (`sliding_window`: the window of a model whose every layer has the same one):
 after each step a request's blocks wholly out of the window are freed (`KVCacheManager.
 free_out_of_window_blocks`), so a request holds about (W + chunk) / block_size blocks at a time
@@ -23,6 +30,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from portside.kv_cache.manager import KVCacheManager, cdiv
+from portside.outputs import SpecDecodeStats
 from portside.request import Request, RequestStatus
 from portside.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from portside.sched.policy import make_policy
@@ -44,8 +52,10 @@ class Scheduler:
         max_model_len: int,
         sliding_window: int | None = None,
         max_loras: int = 0,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
+        self.num_spec_tokens = num_spec_tokens  # proposals per request and step (0: no speculation)
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the runner's slots); 0: no LoRA
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -58,6 +68,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # for the next output's finished_req_ids
         self._num_sent_blocks: dict[str, int] = {}  # req_id -> block ids the runner knows
         self._in_flight: dict[str, int] = {}  # scheduled by the last schedule(), not yet updated
+        self.spec_stats = SpecDecodeStats()  # every request's proposals and acceptances since start
 
     # ---- intake ------------------------------------------------------------------------------
 
@@ -85,7 +96,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
         preempted: list[Request] = []
-        budget = self._schedule_running(scheduled, preempted, budget)
+        spec: dict[str, list[int]] = {}
+        budget = self._schedule_running(scheduled, preempted, budget, spec)
         new_reqs: list[Request] = []
         if not preempted:  # the pool is exhausted: admitting now would only thrash
             self._schedule_waiting(scheduled, new_reqs, budget)
@@ -94,6 +106,7 @@ class Scheduler:
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self._finished_ids | {r.request_id for r in preempted},
+            scheduled_spec_decode_tokens={rid: toks for rid, toks in spec.items() if rid in scheduled},
         )
         self._finished_ids = set()
         new_ids = {r.request_id for r in new_reqs}
@@ -106,13 +119,14 @@ class Scheduler:
         self._in_flight = dict(scheduled)
         return output
 
-    def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request], budget: int) -> int:
-        """One decode token or the next prefill chunk for each running request, preempting when
-        the pool runs dry. Returns the budget left."""
+    def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request], budget: int,
+                          spec: dict[str, list[int]]) -> int:
+        """One decode token (plus its proposals, into `spec`) or the next prefill chunk for each
+        running request, preempting when the pool runs dry. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} has nothing to compute: the runner sampled no token for it"
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.policy.pick_victim(self.running)
@@ -125,6 +139,9 @@ class Scheduler:
                     break
             else:
                 scheduled[request.request_id] = num_new
+                num_spec = request.num_computed_tokens + num_new - request.num_tokens  # proposals that fit the budget
+                if num_spec > 0:
+                    spec[request.request_id] = request.spec_token_ids[:num_spec]
                 budget -= num_new
                 i += 1
         return budget
@@ -198,6 +215,7 @@ class Scheduler:
         self.kv.free(request)
         self.running.remove(request)
         self._num_sent_blocks.pop(request.request_id, None)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -240,13 +258,19 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) after it was scheduled
             request.num_computed_tokens += num_tokens
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            self.kv.free_out_of_window_blocks(request)  # hashed just above, so still findable
+            new_tokens = runner_output.sampled_token_ids.get(req_id, [])
+            spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if spec:  # the rejected proposals' KV is not the sequence's: rolled back before caching
+                num_accepted = len(new_tokens) - 1
+                request.num_computed_tokens -= len(spec) - num_accepted
+                self._record_spec(request, len(spec), num_accepted)
+            request.spec_token_ids = []
+            if not spec:  # (accepted proposals are cached below, once their tokens are appended)
+                self._cache_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
             if request.max_tokens == 0:  # a pooling request (task embed): done once its prompt is computed
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
-            new_tokens = runner_output.sampled_token_ids.get(req_id, [])
             for token in new_tokens:
                 request.output_token_ids.append(token)
                 if self._check_stop(request, token):
@@ -254,12 +278,35 @@ class Scheduler:
                 if request.structured is not None and request.structured.accept(token):
                     request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None  # output complete
                     break
+            if spec:  # a stop among the accepted proposals drops the tokens after it: their KV too
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                self._cache_blocks(request)
             if request.is_finished:
                 self._free_finished(request)
+            elif self.num_spec_tokens:
+                request.spec_token_ids = self._usable_proposals(request, runner_output.spec_token_ids.get(req_id))
             if new_tokens or request.is_finished:
                 touched.append(request)
         self._in_flight = {}
         return touched
+
+    def _cache_blocks(self, request: Request) -> None:
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        self.kv.free_out_of_window_blocks(request)  # hashed just above, so still findable
+
+    def _usable_proposals(self, request: Request, proposals: list[int] | None) -> list[int]:
+        """The runner's proposals cut to what the request may still produce: the step yields one
+        token more than it verifies, and every verified position needs a KV slot."""
+        if not proposals or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)
+        return proposals[: max(0, min(room, self.num_spec_tokens))]
+
+    def _record_spec(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        if request.spec_stats is None:
+            request.spec_stats = SpecDecodeStats()
+        request.spec_stats.record(num_proposed, num_accepted)
+        self.spec_stats.record(num_proposed, num_accepted)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         """Set the finished status if `token` (just appended) ends the request. A stop token
@@ -347,10 +394,12 @@ class Scheduler:
             assert 0 <= request.num_computed_tokens <= request.num_tokens <= self.max_model_len, request
             pending = self._in_flight.get(request.request_id, 0)
             num_blocks = len(self.kv.req_to_blocks.get(request.request_id, []))
-            # at most one partly filled block per sequence
-            assert num_blocks == cdiv(request.num_computed_tokens + pending, self.block_size), (
-                f"{request} holds {num_blocks} blocks"
-            )
+            # at most one partly filled block per sequence; with speculation, blocks allocated for
+            # rejected proposals stay for the next step's
+            needed = cdiv(request.num_computed_tokens + pending, self.block_size)
+            most = cdiv(request.num_computed_tokens + max(pending, 1 + self.num_spec_tokens), self.block_size) \
+                if self.num_spec_tokens else needed
+            assert needed <= num_blocks <= most, f"{request} holds {num_blocks} blocks"
             # freed out-of-window blocks: all the dead ones, except right after admission with a
             # prefix hit or fork (freed after its first step)
             num_null = self.kv.num_null_blocks(request.request_id)

@@ -147,3 +147,20 @@ class _EngineCollector(Collector):
                      get("prompt_tokens_total"))
         yield family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
                      get("generation_tokens_total"))
+        yield from self._spec_decode(getattr(s, "spec_decode", None))
+
+    def _spec_decode(self, spec: Any) -> Iterator[Any]:
+        """Speculative decoding counters, as vLLM's (zeros without speculation)."""
+        for name, attr, doc in (
+            ("vllm:spec_decode_num_drafts", "num_drafts", "Number of spec decoding drafts."),
+            ("vllm:spec_decode_num_draft_tokens", "num_draft_tokens", "Number of draft tokens."),
+            ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Number of accepted tokens."),
+        ):
+            f = CounterMetricFamily(name, doc, labels=LABELS)
+            f.add_metric(self._labels, float(getattr(spec, attr, 0)))
+            yield f
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        for pos, n in enumerate(getattr(spec, "num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([*self._labels, str(pos)], float(n))
+        yield per_pos
