@@ -1,8 +1,8 @@
 """portside: a hardware-portable LLM inference and serving engine."""
 
 from portside.lora.request import LoRARequest
-from portside.outputs import CompletionOutput, Logprob, RequestOutput
-from portside.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from portside.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from portside.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -10,6 +10,9 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
     "RequestOutput",

@@ -112,6 +112,26 @@ class RequestOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One finished beam: `tokens` are the prompt's and the generated ones (an EOS that ended it
+    included), `text` the generated part decoded, `cum_logprob` the sum of its tokens' logprobs."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str = ""
+    score: float = 0.0  # what beams are ranked by: cum_logprob / generated_len ** length_penalty
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+@dataclass
+class BeamSearchOutput:
+    """What `LLM.beam_search` returns per prompt: up to beam_width sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class EmbeddingOutput:
     embedding: list[float]
 

@@ -7,9 +7,32 @@ from dataclasses import dataclass, field
 
 from portside.structured.params import GuidedDecodingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams"]
+__all__ = ["SamplingParams", "BeamSearchParams", "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 MAX_BEST_OF = 20  # samples a best_of > n request may draw (OpenAI's documented limit for best_of)
+MAX_BEAM_WIDTH = 32  # beams per prompt (each step ranks 2 x width candidates per beam)
+
+
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` parameters, as vLLM's. Beams are ranked as transformers' `generate(
+    num_beams=beam_width, do_sample=False, length_penalty=...)` ranks them: cumulative logprob
+    over (generated length) ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # accepted for vLLM parity; only 0 (deterministic beams) is supported
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # accepted for vLLM parity (beams stop at EOS only)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an integer from 1 to {MAX_BEAM_WIDTH}, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 for beam search, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError("beam search ranks beams by the model's own logprobs: temperature must be 0")
 
 
 class RequestOutputKind(enum.Enum):

@@ -10,9 +10,10 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from portside.engine.args import EngineArgs
+from portside.engine.beam_search import BeamSearchState
 from portside.engine.llm_engine import LLMEngine
-from portside.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from portside.sampling_params import RequestOutputKind, SamplingParams
+from portside.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
 
@@ -77,6 +78,41 @@ class LLM:
         `LoRARequest` for every prompt, or a list of them (None entries: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (text, token ids or a prompt dict), as vLLM's
+        `LLM.beam_search`; each output's `.sequences` are the best `beam_width` beams, best first,
+        ranked as transformers ranks them (`portside.engine.beam_search`). Every live beam of
+        every prompt is one request per step, batched together; beams share their KV blocks
+        through the prefix cache."""
+        engine = self.engine
+        k = 2 * params.beam_width
+        limit = engine.config.model.max_logprobs
+        if 0 <= limit < k:
+            raise ValueError(f"beam search with beam_width {params.beam_width} ranks the top {k} logprobs of each beam: "
+                             f"raise max_logprobs (--max-logprobs, now {limit}) to at least {k}")
+        eos = [t for t in [engine.eos_token_id, *engine.extra_eos_ids] if t is not None]
+        states = [BeamSearchState(engine.prompt_token_ids(p), params, eos, engine.max_model_len)
+                  for p in _as_prompt_list(prompts)]
+        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="step") as bar:
+            while any(not s.done for s in states):
+                live = [s for s in states if not s.done]
+                beams = [(s, b) for s in live for b in s.beam_prompts()]
+                outs = self._run([{"prompt_token_ids": b} for _, b in beams], step, False, None,
+                                 add_special_tokens=False, lora_request=lora_request)
+                for s in live:
+                    s.advance([o.outputs[0].logprobs[0] for (owner, _), o in zip(beams, outs) if owner is s])
+                bar.update(1)
+        decode = engine.tokenizer.decode
+        return [BeamSearchOutput(sequences=s.sequences(lambda ids: decode(ids, skip_special_tokens=True)))
+                for s in states]
 
     def chat(
         self,

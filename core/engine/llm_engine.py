@@ -148,21 +148,9 @@ class LLMEngine:
                 raise ValueError(f"{name}: {k} requested, more than the {limit} allowed (max_logprobs, "
                                  "the server's --max-logprobs); ask for fewer")
         self.loras.check(lora_request)
-        shown: str | None = None
-        if isinstance(prompt, dict):
-            value = prompt.get("prompt_token_ids", prompt.get("prompt"))
-            if value is None:
-                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-            if not isinstance(value, str) and isinstance(prompt.get("prompt"), str):
-                shown = prompt["prompt"]
-            prompt = value
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            prompt_text, prompt_ids = shown, list(prompt)
+        prompt_text, prompt_ids = self._prompt(prompt, add_special_tokens)
         self._validate(prompt_ids, params)
         if self.task == "embed" and (params.num_samples != 1 or params.structured_outputs is not None
                                      or params.prompt_logprobs is not None):
@@ -222,6 +210,25 @@ class LLMEngine:
         for req in requests:
             self.scheduler.add_request(req)
         self.prompt_tokens_total += len(prompt_ids)
+
+    def prompt_token_ids(self, prompt: str | list[int] | dict[str, Any], add_special_tokens: bool = True) -> list[int]:
+        """A prompt as `add_request` takes it, as token ids."""
+        return self._prompt(prompt, add_special_tokens)[1]
+
+    def _prompt(self, prompt: str | list[int] | dict[str, Any], add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        """(text shown in outputs, token ids) of a prompt: text, ids, or a prompt dict (with both,
+        the ids are the prompt and the text is what outputs show)."""
+        shown: str | None = None
+        if isinstance(prompt, dict):
+            value = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            if value is None:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            if not isinstance(value, str) and isinstance(prompt.get("prompt"), str):
+                shown = prompt["prompt"]
+            prompt = value
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return shown, list(prompt)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()
