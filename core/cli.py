@@ -129,11 +129,12 @@ def parse_args(parser: Parser, argv: list[str]) -> argparse.Namespace:
     if getattr(args, "config", None):
         sub = parser.subparser(args.command)
         try:
-            tokens, positional = config_argv(args.config, sub)
+            tokens, positional, top_tokens = config_argv(args.config, sub, top=parser)
         except ConfigFileError as e:
             sub.error(str(e))
         at = argv.index(args.command) + 1
-        args, extra = parser.parse_known_args(argv[:at] + tokens + argv[at:])
+        # the file's flags go before the command line's (which win), the program's own before the subcommand
+        args, extra = parser.parse_known_args(top_tokens + argv[:at] + tokens + argv[at:])
         for dest, value in positional.items():
             if getattr(args, dest, None) is None:
                 setattr(args, dest, str(value))

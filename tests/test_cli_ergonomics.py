@@ -4,6 +4,7 @@ suggestions for misspelt flags and subcommands under the subcommand's own usage,
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -122,28 +123,86 @@ def test_models_table_fits_80_columns(capsys: pytest.CaptureFixture[str], monkey
             assert all(line[s - 1] == " " and line[s] != " " for s in starts), line
 
 
-def test_unsupported_vllm_flags_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, flag in [
-        (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 2"),
-        (("-pp", "4"), "-pp 4"),
-        (("--cpu-offload-gb", "8"), "--cpu-offload-gb 8"),
-        (("--speculative-config", '{"method": "ngram"}'), "--speculative-config"),
-        (("--kv-transfer-config", "{}"), "--kv-transfer-config"),
-        (("--load-format", "bitsandbytes"), "--load-format bitsandbytes"),
-        (("--distributed-executor-backend", "ray"), "--distributed-executor-backend ray"),
-        (("--enable-sleep-mode",), "--enable-sleep-mode"),
-        (("--mm-processor-kwargs", "{}"), "--mm-processor-kwargs"),
-        (("--limit-mm-per-prompt", "image=2"), "--limit-mm-per-prompt"),
-    ]:
-        code, err = parse("serve", *argv, capsys=capsys)
+@pytest.mark.parametrize(("argv", "flag"), [
+    (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 2"),
+    (("-pp", "4"), "-pp 4"),
+    (("--cpu-offload-gb", "8"), "--cpu-offload-gb 8"),
+    (("--kv-transfer-config", "{}"), "--kv-transfer-config"),
+    (("--load-format", "bitsandbytes"), "--load-format bitsandbytes"),
+    (("--distributed-executor-backend", "ray"), "--distributed-executor-backend ray"),
+    (("--enable-sleep-mode",), "--enable-sleep-mode"),
+    (("--mm-processor-kwargs", "{}"), "--mm-processor-kwargs"),
+    (("--limit-mm-per-prompt", "image=2"), "--limit-mm-per-prompt"),
+    (("--tokenizer-mode", "mistral"), "--tokenizer-mode mistral"),
+    (("--tokenizer-mode", "slow"), "--tokenizer-mode slow"),
+    (("--revision", "v1.0"), "--revision"),
+    (("--code-revision", "main"), "--code-revision"),
+    (("--tokenizer-revision", "abc123"), "--tokenizer-revision"),
+    (("--hf-config-path", "/cfg"), "--hf-config-path"),
+    (("--config-format", "mistral"), "--config-format mistral"),
+    (("--model-impl", "transformers"), "--model-impl transformers"),
+    (("--skip-tokenizer-init",), "--skip-tokenizer-init"),
+    (("--override-generation-config", '{"temperature": 0.5}'), "--override-generation-config"),
+    (("--hf-overrides", "{}"), "--hf-overrides"),
+    (("--rope-scaling", '{"rope_type": "yarn"}'), "--rope-scaling"),
+    (("--rope-theta", "1000000"), "--rope-theta"),
+    (("--disable-sliding-window",), "--disable-sliding-window"),
+    (("--enable-expert-parallel",), "--enable-expert-parallel"),
+    (("--preemption-mode", "swap"), "--preemption-mode swap"),
+    (("--num-gpu-blocks-override", "100"), "--num-gpu-blocks-override"),
+    (("--kv-cache-memory-bytes", "4800M"), "--kv-cache-memory-bytes"),
+    (("--logits-processors", "mod:Cls"), "--logits-processors"),
+    (("--quantization-param-path", "scales.json"), "--quantization-param-path"),
+])  # fmt: skip
+def test_unsupported_vllm_flags_say_so(argv: tuple[str, ...], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (("serve",), ("generate", "hi")):
+        code, err = parse(*command, *argv, capsys=capsys)
         assert code == 2 and f"portside does not support {flag} (yet): " in err, (argv, err)
-    # the values that ask for nothing portside lacks are fine
+        assert "unknown flag" not in err and "unrecognized arguments" not in err
+
+
+def test_unsupported_vllm_flags_accept_their_harmless_values() -> None:
     args = parse_args(build_parser(), ["serve", "-pp", "1", "--load-format", "safetensors", "--swap-space", "0",
-                                       "--distributed-executor-backend", "mp", "--cpu-offload-gb", "0"])
-    assert args.command == "serve"
-    # vLLM's default --swap-space 4 tunes nothing here: accepted, with a warning saying why
-    args = parse_args(build_parser(), ["serve", "--swap-space", "4"])
-    assert args.command == "serve" and "--swap-space has no effect: preempted requests are recomputed" in capsys.readouterr().err
+                                       "--distributed-executor-backend", "mp", "--cpu-offload-gb", "0",
+                                       "--tokenizer-mode", "auto", "--config-format", "hf", "--model-impl", "auto",
+                                       "--preemption-mode", "recompute", "--speculative-config", '{"method": "ngram"}'])
+    assert args.command == "serve" and args.speculative_config == '{"method": "ngram"}'  # supported since issue 22
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (("--swap-space", "4"), "preempted requests are recomputed"),  # vLLM's default --swap-space 4
+    (("--download-dir", "/models"), "portside downloads no checkpoints"),
+    (("--hf-token",), "never contacts the Hugging Face Hub"),  # vLLM's `--hf-token` alone: use the stored token
+    (("--hf-token", "hf_xxx"), "never contacts the Hugging Face Hub"),
+    (("--ignore-patterns", "original/**"), "portside downloads no checkpoints"),
+    (("--max-parallel-loading-workers", "2"), "weights load in one pass"),
+    (("--disable-frontend-multiprocessing",), "share one process"),
+    (("--disable-async-output-proc",), "after each step"),
+    (("--async-scheduling",), "after the previous one finishes"),
+    (("--compilation-config", '{"level": 3}'), "--enforce-eager turns them off"),
+    (("-O3",), "--enforce-eager turns them off"),
+    (("--max-seq-len-to-capture", "8192"), "--enforce-eager turns them off"),
+    (("--cuda-graph-sizes", "1", ), "--enforce-eager turns them off"),
+    (("--disable-custom-all-reduce",), "the platform's collective op"),
+    (("--use-v2-block-manager",), "the only one"),
+    (("--num-scheduler-steps", "8"), "multi-step scheduling does not exist here"),
+    (("--num-lookahead-slots", "4"), "--speculative-config"),
+    (("--scheduler-delay-factor", "0.5"), "no separate limit on partial prefills"),
+    (("--max-num-partial-prefills", "2"), "no separate limit on partial prefills"),
+    (("--max-long-partial-prefills", "1"), "no separate limit on partial prefills"),
+    (("--long-prefill-token-threshold", "512"), "no separate limit on partial prefills"),
+    (("--tokenizer-pool-size", "4"), "offload threads"),
+    (("--enable-reasoning",), "--reasoning-parser NAME alone"),
+    (("--enable-log-requests",), "logged by default"),
+    (("--disable-fastapi-docs",), "no /docs"),
+])  # fmt: skip
+def test_vllm_tuning_flags_without_effect_warn(argv: tuple[str, ...], why: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Flags whose subject does not exist here, with the same results either way: accepted (the
+    rest of the command line still parses), with a warning saying why they do nothing."""
+    args = parse_args(build_parser(), ["serve", "m", *argv, "--port", "9001"])
+    assert (args.command, args.model, args.port) == ("serve", "m", 9001)
+    err = capsys.readouterr().err
+    assert f"portside: warning: {argv[0][:2] if argv[0] == '-O3' else argv[0]} has no effect: " in err and why in err, err
 
 
 def test_vllm_flags_reach_engine_args() -> None:
@@ -168,6 +227,35 @@ def test_config_yaml_applied_and_overridden(tmp_path: Path) -> None:
     args = parse_args(build_parser(), ["serve", "/models/y", "--config", str(cfg), "--no-enforce-eager"
                                        if False else "--host", "127.0.0.1"])
     assert args.model == "/models/y" and args.host == "127.0.0.1" and args.port == 9000
+
+
+def test_config_yaml_sets_the_programs_own_flags_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag is settable from the file: --log-level goes before the subcommand on a command
+    line, and a file key of it used to exit 2 as unknown."""
+    cfg = tmp_path / "c.yaml"
+    for command, more in ((["serve"], "port: 8001\n"), (["generate", "hi"], "max-tokens: 7\n")):
+        cfg.write_text("log-level: INFO\ndisable-custom-all-reduce: true\nnum-scheduler-steps: 8\n" + more)
+        args = parse_args(build_parser(), [*command, "--config", str(cfg)])
+        assert args.log_level == "INFO" and (args.port if command == ["serve"] else args.max_tokens) in (8001, 7)
+        assert "--num-scheduler-steps has no effect" in capsys.readouterr().err  # a vLLM tuning flag from the file
+    cfg.write_text("log-level: INFO\n")
+    args = parse_args(build_parser(), ["--log-level", "DEBUG", "serve", "--config", str(cfg)])
+    assert args.log_level == "DEBUG"  # the command line still wins
+    cfg.write_text("log_levl: INFO\n")
+    code, err = parse("serve", "--config", str(cfg), capsys=capsys)
+    assert code == 2 and "unknown key 'log_levl'; did you mean --log-level?" in err
+    # every flag of both parsers has a key the file accepts
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        sub = parser.subparser(command)
+        for action in sub._actions + parser._actions:
+            flag = next((s for s in action.option_strings if s.startswith("--")), None)
+            if flag is None or flag in ("--help", "--config") or isinstance(action, argparse._SubParsersAction):
+                continue
+            from portside.cli_config import config_argv
+
+            cfg.write_text(f"{flag[2:]}: null\n")  # null: known, and left unset
+            assert config_argv(str(cfg), sub, top=parser) == ([], {}, []), flag
 
 
 def test_config_yaml_unknown_key_suggests_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

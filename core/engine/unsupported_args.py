@@ -2,9 +2,10 @@
 
 Each is accepted where its value asks for nothing portside lacks (`--pipeline-parallel-size 1`,
 `--load-format safetensors`); any other value exits 2 with "portside does not support ...",
-naming what to do instead, rather than argparse's generic "unrecognized arguments". A few tuning
-flags whose subject does not exist here (`--swap-space`) are accepted with a warning, so vLLM
-command lines keep working.
+naming what to do instead, rather than argparse's generic "unrecognized arguments". Tuning flags
+whose subject does not exist here, and whose results are the same either way (`--swap-space`,
+`--num-scheduler-steps`, `--compilation-config`, `--download-dir`), are accepted with a warning
+saying why they have no effect, so vLLM command lines keep working.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
+
+_HUB = "portside never contacts a model hub: pass a local folder (or .gguf file) checked out at the revision you want"
+_SCHEDULER = ("each step's token budget (--max-num-batched-tokens) goes to running requests, then to waiting ones in "
+              "order; there is no separate limit on partial prefills")
+_GRAPHS = "graph capture and compilation are the platform's: --enforce-eager turns them off, --cpu-graph picks the cpu mode"
 
 # flag (aliases) -> (values that are fine as they are, why not / what instead); () : any use fails
 UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
@@ -22,11 +28,61 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
     ("--load-format",): (("auto", "safetensors", "gguf"), "portside loads Hugging Face safetensors folders and .gguf files (auto, safetensors, gguf)"),
     ("--distributed-executor-backend",): (("mp", "uni"), "tensor-parallel workers run as local processes (mp); ray is not supported"),
     ("--enable-sleep-mode",): ((), "sleep mode (releasing device memory on request) is not implemented"),
+    ("--tokenizer-mode",): (("auto", "hf"), "the tokenizer is the model's Hugging Face (fast) tokenizer, loaded with transformers (auto)"),
+    ("--revision",): ((), _HUB),
+    ("--code-revision",): ((), _HUB + "; no model code is ever run from a checkpoint"),
+    ("--tokenizer-revision",): ((), _HUB + " (--tokenizer FOLDER for another tokenizer)"),
+    ("--hf-config-path",): ((), "the model's own config.json is read; edit it in a copy of the model folder"),
+    ("--config-format",): (("auto", "hf"), "checkpoints are read in Hugging Face format (config.json)"),
+    ("--model-impl",): (("auto", "vllm"), "models run portside's own implementations (`portside models`); transformers' are not used"),
+    ("--skip-tokenizer-init",): ((), "the tokenizer is always loaded (prompts are text or token ids either way)"),
+    ("--override-generation-config",): ((), "write the values into a generation_config.json and pass its folder with "
+                                            "--generation-config DIR, or set them per request"),
+    ("--hf-overrides", "--rope-scaling", "--rope-theta"): ((), "config.json is used as it is; change the value in a copy "
+                                                               "of the model folder"),
+    ("--disable-sliding-window",): ((), "sliding-window layers always attend over their window, as the model was trained"),
+    ("--enable-expert-parallel",): ((), "expert parallelism is not implemented; mixture-of-experts layers are sharded "
+                                        "with --tensor-parallel-size"),
+    ("--preemption-mode",): (("recompute",), "preempted requests are recomputed; swapping to host memory is not implemented"),
+    ("--num-gpu-blocks-override",): ((), "size the KV cache with --num-kv-blocks N (portside's name for it)"),
+    ("--kv-cache-memory-bytes",): ((), "size the KV cache with --kv-cache-memory BYTES (portside's name for it)"),
+    ("--logits-processors", "--logits-processor-pattern"): ((), "custom logits processors are not supported"),
+    ("--quantization-param-path",): ((), "KV-cache scales come from the checkpoint (--kv-cache-dtype fp8)"),
 }
-ZERO_ARG = {"--enable-sleep-mode"}
+# flags that take no value (the rest take one; "?" an optional one)
+NARGS: dict[str, int | str] = {
+    "--enable-sleep-mode": 0, "--skip-tokenizer-init": 0, "--disable-sliding-window": 0, "--enable-expert-parallel": 0,
+    "--disable-frontend-multiprocessing": 0, "--disable-custom-all-reduce": 0, "--use-v2-block-manager": 0,
+    "--disable-async-output-proc": 0, "--async-scheduling": 0, "--enable-reasoning": 0, "--enable-log-requests": 0,
+    "--disable-fastapi-docs": 0, "--hf-token": "?",
+}  # fmt: skip
 # flags accepted with any value and a warning: what they tune does not exist here, and results are the same
 NO_EFFECT: dict[tuple[str, ...], str] = {
     ("--swap-space",): "preempted requests are recomputed, never swapped to host memory",
+    ("--download-dir",): "portside downloads no checkpoints (models are local folders or .gguf files; the default model is "
+                         "cached under ~/.cache/portside or $PORTSIDE_CACHE)",
+    ("--hf-token",): "portside never contacts the Hugging Face Hub",
+    ("--ignore-patterns",): "portside downloads no checkpoints",
+    ("--max-parallel-loading-workers",): "weights load in one pass per process",
+    ("--disable-frontend-multiprocessing",): "the API server and the engine share one process (the engine runs in its "
+                                             "own thread)",
+    ("--disable-async-output-proc",): "outputs are processed after each step, in order",
+    ("--async-scheduling",): "each step is scheduled after the previous one finishes",
+    ("--compilation-config", "-O"): _GRAPHS,
+    ("--max-seq-len-to-capture",): _GRAPHS,
+    ("--cuda-graph-sizes",): _GRAPHS,
+    ("--disable-custom-all-reduce",): "tensor-parallel all-reduce is the platform's collective op",
+    ("--use-v2-block-manager",): "the paged KV-cache manager is the only one (vLLM's v2 block manager is its default too)",
+    ("--num-scheduler-steps",): "every engine step is scheduled (multi-step scheduling does not exist here, nor in vLLM V1)",
+    ("--num-lookahead-slots",): "speculative tokens get their slots from --speculative-config",
+    ("--scheduler-delay-factor",): _SCHEDULER,
+    ("--max-num-partial-prefills",): _SCHEDULER,
+    ("--max-long-partial-prefills",): _SCHEDULER,
+    ("--long-prefill-token-threshold",): _SCHEDULER,
+    ("--tokenizer-pool-size",): "prompts are tokenized by the server's offload threads",
+    ("--enable-reasoning",): "--reasoning-parser NAME alone turns reasoning parsing on",
+    ("--enable-log-requests",): "a line per finished request is logged by default (--disable-log-requests turns it off)",
+    ("--disable-fastapi-docs",): "portside serves no /docs, /redoc or /openapi.json pages",
 }
 # flag prefixes handled when argparse finds them unknown (any value)
 UNSUPPORTED_PREFIXES = {
@@ -49,7 +105,7 @@ class UnsupportedFlag(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, ok: tuple[str, ...] = (), reason: str = "", **kwargs: Any) -> None:
         self.ok, self.reason = ok, reason
-        kwargs["nargs"] = 0 if option_strings[0] in ZERO_ARG else None
+        kwargs["nargs"] = NARGS.get(option_strings[0])
         super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
@@ -64,6 +120,7 @@ class NoEffectFlag(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, reason: str = "", **kwargs: Any) -> None:
         self.reason = reason
+        kwargs["nargs"] = NARGS.get(option_strings[0])
         super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
