@@ -59,11 +59,17 @@ async def create_embedding(ctx: ServingContext, request: Request) -> Any:
     for i, out in enumerate(finals):
         assert out.pooled is not None, f"{out.request_id}: a finished embedding request without its vector"
         data.append({"index": i, "object": "embedding", "embedding": _encode(out.pooled, req.encoding_format)})
-    prompt_tokens = sum(len(p) for p in prompts)
     return JSONResponse({
         "id": request_id, "object": "list", "created": int(time.time()), "model": req.model or ctx.served_model_names[0],
-        "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        "data": data, "usage": embedding_usage(sum(len(p) for p in prompts)),
     })  # fmt: skip
+
+
+def embedding_usage(prompt_tokens: int) -> dict[str, Any]:
+    """vLLM's UsageInfo as its /v1/embeddings returns it: OpenAI's prompt_tokens and total_tokens,
+    plus completion_tokens 0 and prompt_tokens_details null, in vLLM's field order."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
+            "prompt_tokens_details": None}
 
 
 def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
