@@ -149,6 +149,9 @@ class OutputProcessor:
         # seconds between a request's tokens, one per request that got tokens in the latest step
         # after its first (the engine clears it at the start of each step)
         self.token_intervals: list[float] = []
+        # token id -> its text alone (Logprob.decoded_token): at most one entry per vocabulary id,
+        # so the top-k alternatives of every position (n=128 x 480 tokens x 21: 1.3M) cost a lookup
+        self._token_text: dict[int, str] = {}
 
     def add(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -156,7 +159,12 @@ class OutputProcessor:
             self.owner[rid] = group.request_id
 
     def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's text alone, decoded here on the engine thread: the server uses
+        `Logprob.decoded_token` and never decodes logprob tokens on its event loop."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def process(self, requests: list[Request], logprobs: dict[str, LogprobsLists]) -> tuple[list[RequestOutput], list[str]]:
         """Update groups from the requests the scheduler advanced. Returns the outputs to emit and

@@ -3,10 +3,11 @@
 Parsing a large body, tokenizing a prompt, rendering a chat template and decoding an echoed
 prompt take time proportional to what the client sent (a 5 MB prompt: seconds). They run on
 two bounded lanes of worker threads: requests with a small body use the `small` lane and
-everything else (large bodies, templates the client supplied) the `large` one, so a client
-sending huge or expensive requests delays only others like it, never /health or a short
-request. Each worker thread tokenizes with its own copy of the tokenizer (a Hugging Face fast
-tokenizer must not be used by threads that may change its settings concurrently).
+everything else (large bodies, templates the client supplied, the bodies of large non-streamed
+responses: logprobs of many tokens) the `large` one, so a client sending huge or expensive
+requests delays only others like it, never /health or a short request. Each worker thread
+tokenizes with its own copy of the tokenizer (a Hugging Face fast tokenizer must not be used by
+threads that may change its settings concurrently).
 """
 
 from __future__ import annotations
@@ -33,10 +34,18 @@ class Offload:
         self._base = tokenizer
         self._copy_lock = threading.Lock()
         self._local = threading.local()
-        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"portside-{name}") for name in ("small", "large")}
+        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"portside-{name}", initializer=self._mark_worker)
+                       for name in ("small", "large")}
         self._queued = dict.fromkeys(self._lanes, 0)
         self.max_queued = dict(zip(self._lanes, max_queued))
         self.retry_after_s = retry_after_s
+
+    def _mark_worker(self) -> None:
+        self._local.worker = True
+
+    def on_worker(self) -> bool:
+        """Whether the calling thread is one of the lanes' workers."""
+        return getattr(self._local, "worker", False)
 
     def tokenizer(self) -> Any:
         """This worker thread's own tokenizer."""
@@ -46,10 +55,12 @@ class Offload:
                 tok = self._local.tokenizer = copy.deepcopy(self._base)
         return tok
 
-    async def run(self, fn: Callable[..., T], *args: Any, large: bool) -> T:
-        """`fn(*args)` on a worker of the lane; a client that leaves first cancels it if it has not started."""
+    async def run(self, fn: Callable[..., T], *args: Any, large: bool, refusable: bool = True) -> T:
+        """`fn(*args)` on a worker of the lane; a client that leaves first cancels it if it has not started.
+        `refusable=False`: queued even past the bound (the body of a response whose generation is
+        done: their number is bounded by the requests the engine admitted), still counted in it."""
         lane = "large" if large else "small"
-        if self._queued[lane] >= self.max_queued[lane]:
+        if refusable and self._queued[lane] >= self.max_queued[lane]:
             raise APIError(503, "the server is busy preparing other requests; retry later", code="server_busy",
                            headers={"Retry-After": str(self.retry_after_s)})
         self._queued[lane] += 1

@@ -11,12 +11,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -101,9 +101,12 @@ class ServingContext:
         return lora
 
     def decode_token(self, token_id: int, lp: Logprob | None = None) -> str:
+        """A token's text alone: the engine thread's (`Logprob.decoded_token`) where there is one,
+        else decoded with this thread's tokenizer (response bodies may be built on a worker)."""
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
-        return self.tokenizer.decode([token_id])
+        tok = self.offload.tokenizer() if self.offload.on_worker() else self.tokenizer
+        return tok.decode([token_id])
 
 
 async def parse_body(ctx: ServingContext, request: Request, model: type[M]) -> tuple[M, bool]:
@@ -380,6 +383,81 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+# a non-streamed response holding more values than this (tokens, logprob alternatives, prompt
+# logprobs, text in 64-character units) is built and encoded off the event loop: at a few
+# microseconds a value, one under it stalls the loop for at most some tens of milliseconds
+LARGE_RESPONSE_VALUES = 8192
+_JSON_PIECE_VALUES = 2048  # values per json.dumps call when encoding a large body
+
+
+def response_values(finals: list[RequestOutput]) -> int:
+    """About how many values the non-streamed response of `finals` holds (see LARGE_RESPONSE_VALUES)."""
+    total = 0
+    for out in finals:
+        pl = out.prompt_logprobs
+        prompt = len(pl) * len(pl[-1] or ()) if pl else 0  # completions repeat it on every choice
+        for c in out.outputs:
+            lp = c.logprobs
+            total += len(c.text) // 64 + len(c.token_ids) + (len(lp) * len(lp[-1]) if lp else 0) + prompt
+    return total
+
+
+async def json_response(ctx: ServingContext, build: Callable[[], dict[str, Any]], values: int) -> Response:
+    """The JSON response of a non-streamed request: `build()` and its encoding on the event loop
+    when it holds up to LARGE_RESPONSE_VALUES values, else on the large offload lane (not
+    refused when the lane is busy: the generation is done), encoded in pieces."""
+    if values <= LARGE_RESPONSE_VALUES:
+        return JSONResponse(build())
+    body = await ctx.offload.run(lambda: encode_json(build()), large=True, refusable=False)
+    return Response(body, media_type="application/json")
+
+
+def encode_json(obj: Any) -> bytes:
+    """`obj` as JSONResponse encodes it (the same bytes), but in pieces of about
+    _JSON_PIECE_VALUES values, each one json.dumps call: a C call holds the GIL throughout, and
+    one over a whole 24 MB body would stall the event loop for seconds."""
+    pieces: list[bytes] = []
+    _encode_pieces(obj, pieces)
+    return b"".join(pieces)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+def _weight(obj: Any) -> int:
+    """About how many scalar values `obj` holds (a list counted by its first and last elements)."""
+    if isinstance(obj, dict):
+        return max(1, sum(_weight(v) for v in obj.values()))
+    if isinstance(obj, (list, tuple)) and obj:
+        return len(obj) * max(_weight(obj[0]), _weight(obj[-1]))
+    return 1
+
+
+def _encode_pieces(obj: Any, out: list[bytes]) -> None:
+    if not isinstance(obj, (dict, list)) or _weight(obj) <= _JSON_PIECE_VALUES or \
+            (isinstance(obj, dict) and not all(isinstance(k, str) for k in obj)):
+        out.append(_dumps(obj).encode())
+        return
+    if isinstance(obj, dict):
+        out.append(b"{")
+        for j, (key, value) in enumerate(obj.items()):
+            out.append(f"{',' if j else ''}{_dumps(key)}:".encode())
+            _encode_pieces(value, out)
+        out.append(b"}")
+        return
+    step = max(1, _JSON_PIECE_VALUES // max(_weight(obj[0]), _weight(obj[-1])))
+    out.append(b"[")
+    for i in range(0, len(obj), step):
+        if i:
+            out.append(b",")
+        if step == 1:
+            _encode_pieces(obj[i], out)
+        else:
+            out.append(_dumps(obj[i : i + step])[1:-1].encode())
+    out.append(b"]")
 
 
 def sse(payload: dict[str, Any]) -> str:

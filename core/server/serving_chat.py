@@ -4,13 +4,13 @@ structured output, tool calls (`portside.server.tools`) and reasoning split from
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from portside.chat_template import render_chat_ids
 from portside.outputs import CompletionOutput, RequestOutput
@@ -23,12 +23,14 @@ from portside.server.serving_base import (
     ServingContext,
     chat_logprobs,
     collect,
+    json_response,
     merged,
     new_id,
     openai_finish_reason,
     parse_body,
     prompt_logprobs_json,
     resolve_max_tokens,
+    response_values,
     sampling_params,
     sse,
     stream_error,
@@ -83,7 +85,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
         body = _stream(ctx, req, plan, thinking, request_id, created, merged(streams), len(prompt_ids))
         return EngineStreamingResponse(body, streams)
     (final,) = await until_disconnected(request, collect(merged(streams), 1))
-    return JSONResponse(_response(ctx, req, plan, thinking, request_id, created, final))
+    build = functools.partial(_response, ctx, req, plan, thinking, request_id, created, final)
+    return await json_response(ctx, build, response_values([final]))
 
 
 def _render(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
