@@ -50,15 +50,22 @@ class PlatformEntry:
             return {"attention": f"error: {e}", "graph": "-", "collectives": "-"}
 
 
-def _package_of(entry_point: Any) -> str:
-    """The distribution that declares `entry_point` (stevedore's cached entry points lack it)."""
+def _package_of(entry_point: Any, declared: dict[tuple[str, str], str] | None = None) -> str:
+    """The distribution that declares `entry_point` (stevedore's cached entry points lack it);
+    `declared` maps (name, value) to it for every entry point of the group (`_declared_packages`)."""
     dist_name = getattr(getattr(entry_point, "dist", None), "name", None)
     if dist_name:
         return dist_name
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == entry_point.name and ep.value == entry_point.value and ep.dist is not None:
-            return ep.dist.name
-    return "unknown package"
+    if declared is None:
+        declared = _declared_packages()
+    return declared.get((entry_point.name, entry_point.value), "unknown package")
+
+
+def _declared_packages() -> dict[tuple[str, str], str]:
+    """(name, value) -> distribution for the group's entry points: one scan of every installed
+    distribution's metadata (~0.3 s with a few hundred installed), so one per discovery."""
+    return {(ep.name, ep.value): ep.dist.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+            if ep.dist is not None}  # fmt: skip
 
 
 def _load_entry(name: str, package: str, register: Any) -> PlatformEntry:
@@ -117,8 +124,11 @@ def discover_platforms() -> list[PlatformEntry]:
         manager = ExtensionManager(
             namespace=ENTRY_POINT_GROUP, invoke_on_load=False, on_load_failure_callback=on_load_failure
         )
+    declared: dict[tuple[str, str], str] | None = None
     for ext in manager:
-        entries.append(_load_entry(ext.name, _package_of(ext.entry_point), ext.plugin))
+        if declared is None and getattr(getattr(ext.entry_point, "dist", None), "name", None) is None:
+            declared = _declared_packages()
+        entries.append(_load_entry(ext.name, _package_of(ext.entry_point, declared), ext.plugin))
     return sorted(entries, key=lambda e: (not e.availability, -(e.platform.priority if e.platform else 0), e.name))
 
 
