@@ -82,6 +82,7 @@ def test_equals_transformers(llm, model, w, lp):
     assert set(reasons) == {"length"}
 
 
+@pytest.mark.slow  # end-to-end, over 5 s on 2 cores: CI's legs run it (issue 25: the quick suite under 5 min)
 def test_beams_ending_at_eos_and_early_stopping(tmp_path):
     """A frequent continuation made an extra EOS (generation_config.json), so beams end at it
     and transformers' early-stopping heuristic decides when the search is over."""

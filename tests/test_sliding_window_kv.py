@@ -173,6 +173,7 @@ def test_mistral_window_generates_past_what_the_pool_could_hold(tmp_path) -> Non
         llm.shutdown()
 
 
+@pytest.mark.slow  # end-to-end, over 5 s on 2 cores: CI's legs run it (issue 25: the quick suite under 5 min)
 def test_gemma2_mixed_layers_keep_every_block(tmp_path) -> None:
     from portside import LLM
     from portside.testing.tiny import hf_greedy, make_tiny_model
