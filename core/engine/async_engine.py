@@ -8,6 +8,11 @@ thread-safe) is only ever touched from that thread.
 Each request gets a `RequestStream`: an async iterator of `RequestOutput`s (of the request's
 `output_kind`; unread ones coalesced) that ends after the finished one. Closing a stream before
 it finishes aborts the request; the engine frees its KV blocks on the next step.
+
+While it runs, full garbage collections (`FullCollections`) happen when the engine is idle, not
+whenever the heap has grown by a quarter: a collection holds the GIL for as long as it scans, and
+the live heap of a request with logprobs is large (n=128 x 160 tokens x 21 `Logprob`s: 0.3-0.5 s
+pauses every few seconds of it, stalling the event loop and every other request).
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -116,6 +123,72 @@ def _malloc_trim() -> Any:
         return None
 
 
+IDLE_GC_S = 1.0  # a full garbage collection once the engine has been idle this long after working
+BUSY_GC_INTERVAL_S = 120.0  # and one at least this often while it never goes idle
+
+
+class FullCollections:
+    """Full (oldest-generation) garbage collections moved off the request path.
+
+    Python collects its oldest generation whenever a quarter more objects than at the last full
+    collection have survived into it, and such a collection scans the whole heap with the GIL
+    held. The objects a request with logprobs keeps until it finishes (a dict and k+1 `Logprob`s
+    per token) make that scan take 0.3-0.5 s, several times a request: every thread stalls,
+    the event loop included. Instead, `start` collects and freezes the start-up heap (the model,
+    modules and tokenizer: never scanned again, as vLLM does), and sets the oldest generation's
+    threshold out of reach; the engine thread then collects in full once it has been idle for
+    IDLE_GC_S after working and every finished output it handed out has been let go (a 24 MB
+    response may still be being built from one: its objects would make the scan long), and at
+    least every BUSY_GC_INTERVAL_S regardless (which bounds how long cyclic garbage that reached
+    the oldest generation waits). The younger generations are collected as usual. `stop`
+    restores the threshold and unfreezes.
+    """
+
+    def __init__(self, busy_interval_s: float = BUSY_GC_INTERVAL_S) -> None:
+        self.busy_interval_s = busy_interval_s
+        self.dirty = False  # worked since the last full collection
+        self.last = time.monotonic()
+        self._thresholds: tuple[int, int, int] | None = None
+        self._held = 0  # finished outputs handed out and still alive somewhere
+        self._lock = threading.Lock()
+
+    def hold(self, out: RequestOutput) -> None:
+        """`out` (finished) was handed out: no idle collection until it is let go."""
+        with self._lock:
+            self._held += 1
+        weakref.finalize(out, self._let_go)
+
+    def _let_go(self) -> None:  # any thread: the one that drops the last reference
+        with self._lock:
+            self._held -= 1
+
+    def due_when_idle(self) -> bool:
+        return self.dirty and (self._held == 0 or time.monotonic() - self.last > self.busy_interval_s)
+
+    def start(self) -> None:
+        gc.collect()
+        gc.freeze()
+        self._thresholds = gc.get_threshold()
+        gc.set_threshold(self._thresholds[0], self._thresholds[1], 1 << 30)
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        if self._thresholds is not None:
+            gc.set_threshold(*self._thresholds)
+            gc.unfreeze()
+            self._thresholds = None
+
+    def collect(self) -> None:
+        gc.collect()
+        self.dirty, self.last = False, time.monotonic()
+
+    def before_step(self) -> None:
+        """Called before each engine step: a full collection when one is overdue."""
+        self.dirty = True
+        if time.monotonic() - self.last > self.busy_interval_s:
+            self.collect()
+
+
 class RequestStream:
     """The outputs of one request, in order; ends after the finished output.
 
@@ -203,9 +276,11 @@ class RequestStream:
 class AsyncLLMEngine:
     """Runs a `SyncEngine` on a background thread and streams outputs to asyncio callers.
 
-    `max_waiting_requests` bounds the requests that have been accepted but not yet produced a
-    token; past it `add_request` raises `QueueFullError`. `on_request_done` is called on the
-    event loop with a `RequestRecord` for every request that ends.
+    `max_waiting_requests` bounds the sequences (a request's n samples each) that have been
+    accepted but not yet produced a token; past it `add_request` raises `QueueFullError`.
+    `on_request_done` is called on the event loop with a `RequestRecord` for every request that
+    ends. `manage_gc`: full garbage collections while it runs as `FullCollections` says
+    (process-wide; restored by `shutdown`).
     """
 
     def __init__(
@@ -215,6 +290,7 @@ class AsyncLLMEngine:
         max_waiting_requests: int | None = None,
         on_request_done: Callable[[RequestRecord], None] | None = None,
         on_step: Callable[[Any], None] | None = None,
+        manage_gc: bool = True,
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
@@ -229,6 +305,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_stats: Any = None
+        self._gc = FullCollections() if manage_gc else None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -238,6 +315,8 @@ class AsyncLLMEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._last_stats = self.engine.stats()
+        if self._gc is not None:
+            self._gc.start()
         self._thread = threading.Thread(target=self._run, name="portside-engine-loop", daemon=True)
         self._thread.start()
 
@@ -296,6 +375,8 @@ class AsyncLLMEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        if self._gc is not None:
+            self._gc.stop()
         self.engine.shutdown()
 
     # ---- requests --------------------------------------------------------------------------
@@ -387,6 +468,8 @@ class AsyncLLMEngine:
             reasons = {c.finish_reason for c in out.outputs}  # a delta holds the samples that finished now
             stream.length_only = stream.length_only and reasons <= {"length", None}
             stream._put(out)
+            if out.finished and self._gc is not None:
+                self._gc.hold(out)
             if out.finished:
                 del self._streams[out.request_id]
                 stream.finished = True
@@ -438,16 +521,28 @@ class AsyncLLMEngine:
                 if idle and worked and time.monotonic() - last_trim > 1.0:  # at most once a second
                     release_free_memory()
                     worked, last_trim = False, time.monotonic()
+                collect = False
                 with self._cv:
                     while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
-                        self._cv.wait()
+                        if self._gc is None or not self._gc.dirty:
+                            self._cv.wait()
+                        elif not self._cv.wait(timeout=IDLE_GC_S) and self._gc.due_when_idle():
+                            collect = True  # idle that long, nothing handed out still held: collect now
+                            break
                     commands, self._commands = self._commands, []
                     stop = self._stop
+                if collect:
+                    assert self._gc is not None
+                    self._gc.collect()
+                    release_free_memory()  # what the collection freed, too
+                    continue
                 aborted = self._apply(commands, loop)
                 if stop and not self.engine.has_unfinished_requests():
                     break
                 if self.engine.has_unfinished_requests() or aborted:
                     worked = True
+                    if self._gc is not None:
+                        self._gc.before_step()
                     outputs = self.engine.step()
                     loop.call_soon_threadsafe(self._on_step, outputs, self.engine.stats())
         except BaseException as e:  # the loop must report, never vanish silently

@@ -4,7 +4,6 @@ structured output, tool calls (`portside.server.tools`) and reasoning split from
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from portside.server.serving_base import (
     SSE_DONE,
     ChoiceCursor,
     EngineStreamingResponse,
+    ResponseBuilder,
     ServingContext,
     chat_logprobs,
     collect,
@@ -85,8 +85,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
         body = _stream(ctx, req, plan, thinking, request_id, created, merged(streams), len(prompt_ids))
         return EngineStreamingResponse(body, streams)
     (final,) = await until_disconnected(request, collect(merged(streams), 1))
-    build = functools.partial(_response, ctx, req, plan, thinking, request_id, created, final)
-    return await json_response(ctx, build, response_values([final]))
+    build, values = ResponseBuilder(_response, ctx, req, plan, thinking, request_id, created, final, outputs=[final]), response_values([final])
+    del final  # build holds the only reference: a large output is freed off the loop
+    return await json_response(ctx, build, values)
 
 
 def _render(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:

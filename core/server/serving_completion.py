@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +16,7 @@ from portside.server.serving_base import (
     SSE_DONE,
     ChoiceCursor,
     EngineStreamingResponse,
+    ResponseBuilder,
     ServingContext,
     collect,
     completion_logprobs,
@@ -58,7 +58,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
     if req.stream:
         return EngineStreamingResponse(_stream(ctx, req, request_id, created, merged(streams), prompts_ids, echo), streams)
     finals = await until_disconnected(request, collect(merged(streams), len(streams)))
-    return await json_response(ctx, functools.partial(_response, ctx, req, request_id, created, finals, echo), response_values(finals))
+    build, values = ResponseBuilder(_response, ctx, req, request_id, created, finals, echo, outputs=finals), response_values(finals)
+    del finals  # build holds the only reference: a large output is freed off the loop
+    return await json_response(ctx, build, values)
 
 
 def _tokenize(ctx: ServingContext, prompt: list[Any], echo: bool) -> tuple[list[list[int]], list[str] | None]:
