@@ -131,3 +131,136 @@ def test_a_platform_without_lora_refuses_it(base: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(CpuPlatform, "supports_lora", False)  # as the tpu platform declares
     with pytest.raises(ValueError, match="LoRA adapters .* not supported on the cpu platform"):
         LLM(model=str(base), device="cpu", max_model_len=64, num_kv_blocks=16, enable_lora=True)
+
+
+@pytest.mark.slow
+def test_host_cache_is_lru_bounded_by_max_cpu_loras(base: Path, adapters: list[LoRARequest],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """One device slot, two adapters kept on the host, three adapters used in turn: the least
+    recently used one is evicted from the host (and read from disk again when it comes back),
+    the host never holds more than two, and every answer still equals peft's."""
+    from portside.lora.manager import LoRAModelManager
+
+    llm = LLM(model=str(base), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=32, enable_lora=True,
+              max_loras=1, max_cpu_loras=2, max_lora_rank=16)
+    try:
+        manager = llm.engine.executor.runner.lora
+        assert isinstance(manager, LoRAModelManager)
+        reads: list[int] = []
+        sizes: list[int] = []
+        resolve, host_weights = manager.resolve, manager._host_weights
+
+        def counting_resolve(lora_request):  # type: ignore[no-untyped-def]
+            reads.append(lora_request.lora_int_id)
+            return resolve(lora_request)
+
+        def watched_host_weights(lora_request):  # type: ignore[no-untyped-def]
+            out = host_weights(lora_request)
+            sizes.append(len(manager._host))
+            return out
+
+        monkeypatch.setattr(manager, "resolve", counting_resolve)
+        monkeypatch.setattr(manager, "_host_weights", watched_host_weights)
+        a0, a1, a2 = adapters
+        prompt = prompts_for(llm, [9])[0]
+        for lora in (a0, a1, a2, a0, a2, a1):
+            check(llm, base, [prompt], [lora])
+        # a0, a1 read; a2 evicts a0; a0 read again (evicts a1); a2 from the host; a1 read again
+        assert reads == [1, 2, 3, 1, 2]
+        assert list(manager._host) == [3, 2]  # least recently used first
+        assert max(sizes) == 2 and len(sizes) == 6  # every slot fill went through the host cache
+        # all three in one batch: one slot, so one adapter at a time, the host still at two
+        check(llm, base, prompts_for(llm, [6, 11, 4, 8]), [a2, a0, None, a1])
+        assert max(sizes) == 2 and len(manager._host) == 2
+        assert llm.engine.stats().num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_parse_lora_modules() -> None:
+    from portside.server.lora import LoRAModule, parse_lora_modules
+
+    assert parse_lora_modules(["sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "tiny"}',
+                               "eq=/a/b=c"]) == [
+        LoRAModule("sql", "/a/sql"), LoRAModule("chat", "/a/chat", "tiny"), LoRAModule("eq", "/a/b=c")]
+    assert parse_lora_modules([]) == []
+
+
+@pytest.mark.parametrize(("values", "match"), [
+    (["sql"], r"'sql': expected NAME=PATH or a JSON object"),
+    (["=/a/sql"], r"'=/a/sql': expected NAME=PATH"),
+    (["sql="], r"'sql=': expected NAME=PATH"),
+    (['{"name": "sql"}'], r"JSON entries need \"name\" and \"path\""),
+    (['{"path": "/a/sql"}'], r"JSON entries need \"name\" and \"path\""),
+    (['{"name": "sql", "path": }'], r"JSON entries need"),  # not JSON
+    (['{"name": null, "path": "/a/sql"}'], r"\"name\" and \"path\" must be non-empty strings"),
+    (['{"name": "sql", "path": ""}'], r"\"name\" and \"path\" must be non-empty strings"),
+    (['{"name": "sql", "path": "/a", "base_model_name": 3}'], r"base_model_name must be a string"),
+    (["sql=/a/sql", '{"name": "sql", "path": "/b/sql"}'], r"adapter names must be unique, got \['sql', 'sql'\]"),
+])  # fmt: skip
+def test_parse_lora_modules_errors(values: list[str], match: str) -> None:
+    from portside.server.lora import parse_lora_modules
+
+    with pytest.raises(ValueError, match=r"--lora-modules.*" + match):
+        parse_lora_modules(values)
+
+
+def _lora_scheduler(max_loras: int, max_num_seqs: int = 16):  # type: ignore[no-untyped-def]
+    from portside.config import SchedulerConfig
+    from portside.sched.scheduler import Scheduler
+
+    config = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs, policy="fcfs",
+                             enable_chunked_prefill=True)
+    return Scheduler(config, 4, 128, False, 64, max_loras=max_loras)
+
+
+def _lora_request(req_id: str, lora: LoRARequest | None, max_tokens: int):  # type: ignore[no-untyped-def]
+    from portside.request import Request
+
+    return Request(req_id, [3, 4, 5, 6, 7], SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
+                   lora_request=lora)
+
+
+def _step(sched) -> tuple[list[str], set[int]]:  # type: ignore[no-untyped-def]
+    """One step in which every scheduled request samples a token: (scheduled ids, their adapters)."""
+    from portside.sched.output import ModelRunnerOutput
+
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    loras = {sched.requests[r].lora_id for r in ids} - {None}
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids={r: [9] for r in ids}))
+    sched.check_integrity()
+    return ids, loras
+
+
+def test_scheduler_admits_no_more_adapters_than_slots() -> None:
+    """max_loras=2: a waiting request whose adapter would be a third one in the batch is passed
+    over (not waited on: the requests behind it are admitted), and admitted once an adapter's
+    requests have all finished; requests on the base model or an adapter already running are
+    never held back by the rule."""
+    l1, l2, l3 = (LoRARequest(f"l{i}", i, f"/x/l{i}") for i in (1, 2, 3))
+    sched = _lora_scheduler(max_loras=2)
+    for req_id, lora, n in [("a", l1, 2), ("b", l2, 4), ("c", l3, 2), ("d", None, 2), ("e", l1, 2), ("f", l3, 1)]:
+        sched.add_request(_lora_request(req_id, lora, n))
+    ids, loras = _step(sched)
+    assert ids == ["a", "b", "d", "e"] and loras == {1, 2}  # c and f (l3) wait
+    ids, loras = _step(sched)  # a, d and e finish this step; l1 still runs during it
+    assert ids == ["a", "b", "d", "e"] and loras == {1, 2}
+    ids, loras = _step(sched)  # l1 is gone: l3 takes its slot
+    assert ids == ["b", "c", "f"] and loras == {2, 3}
+    while sched.requests:
+        _, loras = _step(sched)
+        assert len(loras) <= 2
+
+
+def test_scheduler_with_one_slot_runs_one_adapter_at_a_time() -> None:
+    l1, l2 = LoRARequest("l1", 1, "/x/l1"), LoRARequest("l2", 2, "/x/l2")
+    sched = _lora_scheduler(max_loras=1)
+    for i in range(6):
+        sched.add_request(_lora_request(f"r{i}", (l1, l2, None)[i % 3], 3))
+    seen: list[set[int]] = []
+    while sched.requests:
+        _, loras = _step(sched)
+        assert len(loras) <= 1
+        seen.append(loras)
+    assert {1} in seen and {2} in seen

@@ -30,9 +30,14 @@ def parse_lora_modules(values: list[str]) -> list[LoRAModule]:
         if v.lstrip().startswith("{"):
             try:
                 d = json.loads(v)
-                modules.append(LoRAModule(str(d["name"]), str(d["path"]), d.get("base_model_name")))
-            except (ValueError, KeyError, TypeError) as e:
+                name, path, parent = d["name"], d["path"], d.get("base_model_name")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"--lora-modules {v!r}: JSON entries need \"name\" and \"path\" ({e})") from None
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                raise ValueError(f"--lora-modules {v!r}: \"name\" and \"path\" must be non-empty strings")
+            if parent is not None and not isinstance(parent, str):
+                raise ValueError(f"--lora-modules {v!r}: base_model_name must be a string")
+            modules.append(LoRAModule(name, path, parent))
         else:
             name, sep, path = v.partition("=")
             if not sep or not name or not path:
