@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +121,95 @@ def test_runtime_updates_need_the_flags(server: ServerProcess) -> None:
     """The shared server has no --enable-lora: the endpoints say what is missing."""
     r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}, headers=server.headers, timeout=10)
     assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_two_adapters_and_the_base_answer_concurrently(srv: ServerProcess, tiny_llama: Path,
+                                                        adapters: dict[str, Path]) -> None:
+    """Requests for both adapters and the base model fired at once (one batch of mixed adapters)
+    answer what each answers alone, which is transformers' (+ peft's) greedy continuation."""
+    from transformers import AutoTokenizer
+
+    from portside.testing.tiny import hf_greedy
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = [5, 17, 42, 9, 33, 8]
+    want = {"tiny": [tok.decode([t]) for t in hf_greedy(tiny_llama, prompt, 8)]}
+    for name in ("sql", "chat"):
+        want[name] = [tok.decode([t]) for t in peft_greedy(tiny_llama, adapters[name], prompt, 8)]
+    assert len({tuple(v) for v in want.values()}) == 3  # three different answers: a mix-up shows
+    for name, expected in want.items():
+        assert tokens(complete(srv, name)) == expected, f"{name} alone"
+
+    names = ["sql", "tiny", "chat"] * 4
+    barrier = threading.Barrier(len(names))
+    results: dict[int, httpx.Response] = {}
+
+    def fire(i: int, name: str) -> None:
+        barrier.wait()
+        results[i] = complete(srv, name)
+
+    running: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:  # the running batch's size while the requests are in flight
+        while not done.is_set():
+            running.append(srv.metrics()["portside_num_requests_running"])
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=fire, args=(i, name)) for i, name in enumerate(names)]
+    poller = threading.Thread(target=poll)
+    poller.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    poller.join()
+    assert len(results) == len(names)
+    assert max(running) >= 3, running  # they really shared batches
+    for i, name in enumerate(names):
+        assert tokens(results[i]) == want[name], f"request {i} ({name}) in the concurrent batch"
+    srv.wait_idle()
+
+
+def _load(srv: ServerProcess, name: str, path: Path) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+
+
+def _model_cards(srv: ServerProcess) -> list[dict[str, object]]:
+    return httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]
+
+
+def test_bad_adapters_loaded_at_run_time_are_refused(srv: ServerProcess, tiny_llama: Path, adapters: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    """An adapter of a rank above --max-lora-rank and one whose weights are garbage: a 400 naming
+    the problem, /v1/models unchanged, the name not taken, the server idle and still serving."""
+    models = _model_cards(srv)
+    big = make_tiny_lora(tiny_llama, tmp_path / "big", r=16, seed=14)  # the server's --max-lora-rank is 8
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text((adapters["sql"] / "adapter_config.json").read_text())
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x93garbage, not a safetensors file" * 40)
+
+    r = _load(srv, "big", big)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_path" and "rank 16 is above the maximum LoRA rank 8" in err["message"]
+    assert "--max-lora-rank" in err["message"]
+
+    r = _load(srv, "corrupt", corrupt)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_path" and str(corrupt) in err["message"] and "unreadable" in err["message"]
+
+    assert _model_cards(srv) == models
+    for name in ("big", "corrupt"):
+        assert complete(srv, name).status_code == 404
+    srv.wait_idle()
+    # nothing of the failed loads stays behind: the name is free, the server serves as before
+    r = _load(srv, "corrupt", adapters["late"])
+    assert r.status_code == 200, r.text
+    assert complete(srv, "corrupt").status_code == 200 and complete(srv, "sql").status_code == 200
+    assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "corrupt"}, timeout=10).status_code == 200
+    assert _model_cards(srv) == models
+    srv.wait_idle()
