@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from portside.sampling_params import MAX_BEST_OF
+from portside.sampling_params import MAX_BEAM_WIDTH, MAX_BEST_OF
 
 MAX_N = 128  # OpenAI's documented upper bound for `n`
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no bound)
@@ -67,6 +67,14 @@ class StreamOptions(OpenAIModel):
         return self
 
 
+# fields a beam-search request may not set (their defaults are fine)
+BEAM_SEARCH_EXCLUDES = (
+    "stream", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "top_p", "top_k",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+)
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields both endpoints share (OpenAI's plus vLLM's extras)."""
 
@@ -103,9 +111,20 @@ class SamplingFields(OpenAIModel):
     guided_decoding_backend: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # sample best_of, return the n most likely
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM extra; capped by --max-logprobs
-    # decoding strategies portside does not have yet: accepted only at their no-op values
+    # beam search (vLLM's extra fields): n is the beam width
     use_beam_search: bool = False
     length_penalty: float = 1.0
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by the model's own logprobs and stops at EOS or max_tokens:
+        a field that would change that is refused, never ignored."""
+        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+            raise ValueError(f"n: the beam width with use_beam_search, from 1 to {MAX_BEAM_WIDTH}, got {self.n}")
+        if "temperature" in self.model_fields_set and self.temperature not in (None, 0, 0.0):
+            raise ValueError("temperature: beam search is deterministic; use 0 (or leave it out) with use_beam_search")
+        for name in BEAM_SEARCH_EXCLUDES:
+            if name in self.model_fields_set and getattr(self, name, None) not in (None, False, [], {}):
+                raise ValueError(f"{name}: not supported with use_beam_search")
 
     @field_validator("stop")
     @classmethod
@@ -137,9 +156,9 @@ class SamplingFields(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported yet")
-        if self.length_penalty != 1.0:
-            raise ValueError("length_penalty: only used by beam search, which is not supported yet")
+            self._check_beam_search()
+        elif self.length_penalty != 1.0:
+            raise ValueError("length_penalty: only used with use_beam_search")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when stream is true (as vLLM)")
         if self.best_of is not None and self.best_of < self.n:

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from portside.chat_template import render_chat_ids
 from portside.outputs import CompletionOutput, RequestOutput
+from portside.server.beam_search import beam_search
 from portside.server.errors import bad_request
 from portside.server.protocol import ChatCompletionRequest
 from portside.server.serving_base import (
@@ -78,13 +79,16 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_k, renames={"max_tokens": field_name},
                              structured=structured, skip_special_tokens=plan.skip_special_tokens, defaults=ctx.default_sampling)
     request_id = new_id("chatcmpl")
-    streams = await submit_all(ctx, request_id, [prompt_ids], [params], req.priority, "messages", lora)
     created = int(time.time())
     thinking = ctx.reasoning_parser is not None and bool(ctx.reasoning_parser.prompt_opens_reasoning(prompt_ids))
-    if req.stream:
-        body = _stream(ctx, req, plan, thinking, request_id, created, merged(streams), len(prompt_ids))
-        return EngineStreamingResponse(body, streams)
-    (final,) = await until_disconnected(request, collect(merged(streams), 1))
+    if req.use_beam_search:
+        (final,) = await beam_search(ctx, request, request_id, [prompt_ids], [max_tokens], req, lora, "messages")
+    else:
+        streams = await submit_all(ctx, request_id, [prompt_ids], [params], req.priority, "messages", lora)
+        if req.stream:
+            body = _stream(ctx, req, plan, thinking, request_id, created, merged(streams), len(prompt_ids))
+            return EngineStreamingResponse(body, streams)
+        (final,) = await until_disconnected(request, collect(merged(streams), 1))
     build, values = ResponseBuilder(_response, ctx, req, plan, thinking, request_id, created, final, outputs=[final]), response_values([final])
     del final  # build holds the only reference: a large output is freed off the loop
     return await json_response(ctx, build, values)

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from portside.outputs import RequestOutput
+from portside.server.beam_search import beam_search
 from portside.server.errors import bad_request
 from portside.server.protocol import CompletionRequest
 from portside.server.serving_base import (
@@ -53,11 +54,16 @@ async def create_completion(ctx: ServingContext, request: Request) -> Any:
                                       defaults=ctx.default_sampling,
                                       prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None))
     request_id = new_id("cmpl")
-    streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt", lora)
     created = int(time.time())
-    if req.stream:
-        return EngineStreamingResponse(_stream(ctx, req, request_id, created, merged(streams), prompts_ids, echo), streams)
-    finals = await until_disconnected(request, collect(merged(streams), len(streams)))
+    if req.use_beam_search:
+        finals = await beam_search(ctx, request, request_id, prompts_ids, [p.max_tokens or 1 for p in params], req, lora,
+                                   "prompt")
+    else:
+        streams = await submit_all(ctx, request_id, prompts_ids, params, req.priority, "prompt", lora)
+        if req.stream:
+            return EngineStreamingResponse(_stream(ctx, req, request_id, created, merged(streams), prompts_ids, echo),
+                                           streams)
+        finals = await until_disconnected(request, collect(merged(streams), len(streams)))
     build, values = ResponseBuilder(_response, ctx, req, request_id, created, finals, echo, outputs=finals), response_values(finals)
     del finals  # build holds the only reference: a large output is freed off the loop
     return await json_response(ctx, build, values)

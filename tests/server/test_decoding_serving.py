@@ -73,3 +73,47 @@ def test_bad_speculative_config_exits_2(tiny_llama: Path, value: str, message: s
                         "--speculative-config", value], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
+
+
+# ---- beam search (the shared server) ---------------------------------------------------------------
+
+
+def test_use_beam_search_on_completions_and_chat(server: ServerProcess, tiny_llama: Path) -> None:
+    """n beams, best first, equal to LLM.beam_search (itself checked against transformers);
+    chat through the chat template; usage counts every returned beam's tokens."""
+    from transformers import AutoTokenizer
+
+    from portside import BeamSearchParams
+    from portside.engine.beam_search import BeamSearchState
+    from portside.testing.tiny import hf_logits
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    ids = tok("the quick brown fox jumps over").input_ids
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": ids, "n": 3, "max_tokens": 6, "use_beam_search": True,
+                                         "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("CreateCompletionResponse", body)
+
+    # the same search with transformers' logits as the engine (fp32: the same ranking)
+    state = BeamSearchState(ids, BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5), [tok.eos_token_id], 256)
+    from portside.outputs import Logprob
+
+    while not state.done:
+        tops = []
+        for beam in state.beam_prompts():
+            lp = hf_logits(tiny_llama, beam)[-1].log_softmax(-1)
+            vals, toks = lp.topk(6)
+            tops.append({t: Logprob(v) for t, v in zip(toks.tolist(), vals.tolist())})
+        state.advance(tops)
+    want = state.sequences(lambda g: tok.decode(g, skip_special_tokens=True))
+    assert [c["text"] for c in body["choices"]] == [s.text for s in want]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == sum(len(s.tokens) - len(ids) for s in want)
+
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}],
+                                                 "n": 2, "max_tokens": 5, "use_beam_search": True})
+    assert chat.status_code == 200, chat.text
+    validate("CreateChatCompletionResponse", chat.json())
+    assert len(chat.json()["choices"]) == 2
+    server.wait_idle()

@@ -1,0 +1,57 @@
+"""`use_beam_search` on /v1/completions and chat (vLLM's extra field, `n` the beam width): the
+same `BeamSearchState` as `LLM.beam_search`, stepped over the async engine. Each step every live
+beam of every prompt is one request returning its top 2n logprobs; the finished beams come back
+as one `RequestOutput` per prompt (beam i as choice i, best first), so the endpoints build their
+usual responses from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from portside.engine.beam_search import BeamSearchState
+from portside.outputs import CompletionOutput, RequestOutput
+from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from portside.server.errors import bad_request
+from portside.server.serving_base import ServingContext, collect, merged, submit_all, until_disconnected
+
+
+async def beam_search(ctx: ServingContext, request: Request, request_id: str, prompts: list[list[int]],
+                      max_tokens: list[int], req: Any, lora: Any, prompt_param: str) -> list[RequestOutput]:
+    """The best `req.n` beams of each prompt, as transformers' `generate(num_beams=n)` ranks them."""
+    k = 2 * req.n
+    if 0 <= ctx.max_logprobs < k:
+        raise bad_request(f"n: beam search with width {req.n} ranks the top {k} logprobs of each beam, more than the "
+                          f"{ctx.max_logprobs} this server allows (--max-logprobs)", "n")
+    engine = ctx.engine.engine
+    eos = [t for t in [engine.eos_token_id, *engine.extra_eos_ids] if t is not None]
+    states = [BeamSearchState(ids, BeamSearchParams(beam_width=req.n, max_tokens=m, length_penalty=req.length_penalty,
+                                                    ignore_eos=req.ignore_eos), eos, ctx.max_model_len)
+              for ids, m in zip(prompts, max_tokens)]
+    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    n_step = 0
+    while any(not s.done for s in states):
+        live = [s for s in states if not s.done]
+        beams = [(s, b) for s in live for b in s.beam_prompts()]
+        streams = await submit_all(ctx, f"{request_id}-beam{n_step}", [b for _, b in beams], [step] * len(beams),
+                                   req.priority, prompt_param, lora)
+        outs = await until_disconnected(request, collect(merged(streams), len(streams)))
+        for s in live:
+            s.advance([o.outputs[0].logprobs[0] for (owner, _), o in zip(beams, outs) if owner is s])
+        n_step += 1
+    return await ctx.offload.run(_outputs, ctx, request_id, states, req.skip_special_tokens, large=False, refusable=False)
+
+
+def _outputs(ctx: ServingContext, request_id: str, states: list[BeamSearchState], skip_special: bool) -> list[RequestOutput]:
+    tok = ctx.offload.tokenizer()
+    outputs = []
+    for s in states:
+        seqs = s.sequences(lambda ids: tok.decode(ids, skip_special_tokens=skip_special))
+        n = len(s.prompt_ids)
+        outputs.append(RequestOutput(
+            request_id=request_id, prompt=None, prompt_token_ids=s.prompt_ids, finished=True,
+            outputs=[CompletionOutput(index=i, text=q.text, token_ids=q.tokens[n:], cumulative_logprob=q.cum_logprob,
+                                      logprobs=None, finish_reason=q.finish_reason) for i, q in enumerate(seqs)],
+        ))  # fmt: skip
+    return outputs
