@@ -545,6 +545,7 @@ class AsyncLLMEngine:
                         self._gc.before_step()
                     outputs = self.engine.step()
                     loop.call_soon_threadsafe(self._on_step, outputs, self.engine.stats())
+                    del outputs  # held here while idle, they would keep FullCollections waiting
         except BaseException as e:  # the loop must report, never vanish silently
             logger.exception("engine step loop died")
             try:
