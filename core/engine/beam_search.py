@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from portside.outputs import BeamSearchSequence, Logprob
+from portside.outputs import BeamSearchSequence, Logprob, RequestOutput
 from portside.sampling_params import BeamSearchParams
 
 
@@ -83,6 +83,13 @@ class BeamSearchState:
             self.improvable = best_possible > self.finished[-1][0]
         if not self.improvable:
             self.live = []
+
+    @staticmethod
+    def top_logprobs(out: RequestOutput) -> dict[int, Logprob]:
+        """A beam step request's output -> its next-token top logprobs."""
+        lps = out.outputs[0].logprobs
+        assert lps, "a beam step request returns its top logprobs"
+        return lps[0]
 
     def sequences(self, decode) -> list[BeamSearchSequence]:
         """The finished beams, best first (`decode`: token ids -> text)."""

@@ -108,7 +108,7 @@ class LLM:
                 outs = self._run([{"prompt_token_ids": b} for _, b in beams], step, False, None,
                                  add_special_tokens=False, lora_request=lora_request)
                 for s in live:
-                    s.advance([o.outputs[0].logprobs[0] for (owner, _), o in zip(beams, outs) if owner is s])
+                    s.advance([s.top_logprobs(o) for (owner, _), o in zip(beams, outs) if owner is s])
                 bar.update(1)
         decode = engine.tokenizer.decode
         return [BeamSearchOutput(sequences=s.sequences(lambda ids: decode(ids, skip_special_tokens=True)))

@@ -219,16 +219,16 @@ class LLMEngine:
         """(text shown in outputs, token ids) of a prompt: text, ids, or a prompt dict (with both,
         the ids are the prompt and the text is what outputs show)."""
         shown: str | None = None
+        value: Any = prompt
         if isinstance(prompt, dict):
             value = prompt.get("prompt_token_ids", prompt.get("prompt"))
             if value is None:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
             if not isinstance(value, str) and isinstance(prompt.get("prompt"), str):
                 shown = prompt["prompt"]
-            prompt = value
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return shown, list(prompt)
+        if isinstance(value, str):
+            return value, self.tokenizer.encode(value, add_special_tokens=add_special_tokens)
+        return shown, list(value)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()

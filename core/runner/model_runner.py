@@ -362,7 +362,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seq_lens, qsl = [], [0]
-        logits_rows, sampled, spec_of_sampled = [], [], []
+        logits_rows: list[int] = []
+        sampled: list[str] = []
+        spec_of_sampled: list[list[int]] = []
         tables: list[list[int]] = []
         num_decodes = 0
         prompt_rows: list[PromptLogprobsRows] = []

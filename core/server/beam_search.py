@@ -24,7 +24,7 @@ async def beam_search(ctx: ServingContext, request: Request, request_id: str, pr
     if 0 <= ctx.max_logprobs < k:
         raise bad_request(f"n: beam search with width {req.n} ranks the top {k} logprobs of each beam, more than the "
                           f"{ctx.max_logprobs} this server allows (--max-logprobs)", "n")
-    engine = ctx.engine.engine
+    engine: Any = ctx.engine.engine  # the LLMEngine behind the async front
     eos = [t for t in [engine.eos_token_id, *engine.extra_eos_ids] if t is not None]
     states = [BeamSearchState(ids, BeamSearchParams(beam_width=req.n, max_tokens=m, length_penalty=req.length_penalty,
                                                     ignore_eos=req.ignore_eos), eos, ctx.max_model_len)
@@ -38,7 +38,7 @@ async def beam_search(ctx: ServingContext, request: Request, request_id: str, pr
                                    req.priority, prompt_param, lora)
         outs = await until_disconnected(request, collect(merged(streams), len(streams)))
         for s in live:
-            s.advance([o.outputs[0].logprobs[0] for (owner, _), o in zip(beams, outs) if owner is s])
+            s.advance([s.top_logprobs(o) for (owner, _), o in zip(beams, outs) if owner is s])
         n_step += 1
     return await ctx.offload.run(_outputs, ctx, request_id, states, req.skip_special_tokens, large=False, refusable=False)
 

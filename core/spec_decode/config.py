@@ -44,13 +44,13 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; use one of {', '.join(METHODS)}")
         k = value.get("num_speculative_tokens")
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if not (isinstance(k, int) and _is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer from 1 to "
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
         lo, hi = (_DEFAULT_LOOKUP if lo is None else lo), (_DEFAULT_LOOKUP if hi is None else hi)
-        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+        if not (isinstance(lo, int) and isinstance(hi, int) and _is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
             raise ValueError("speculative_config: prompt_lookup_min and prompt_lookup_max must be integers with "
                              f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
