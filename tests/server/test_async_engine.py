@@ -72,6 +72,79 @@ def test_stream_abort_queue_bound_and_shutdown(sync_engine) -> None:  # type: ig
     assert "bad" not in by_id and "c2" not in by_id
 
 
+def test_waiting_limit_counts_sequences(sync_engine) -> None:  # type: ignore[no-untyped-def]
+    """--max-waiting-requests counts waiting sequences (n x prompts), not requests: two waiting
+    requests of n=3 and n=4 leave room for one more sequence under a limit of 8, so a third
+    request of n=2 (or a batch of two prompts: `submit_all` checks their sum) is shed with
+    QueueFullError (503), and a batch that could never wait at once is a ValueError (400)."""
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(sync_engine, max_waiting_requests=8)
+        engine.start()
+        longer = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        running = []
+        for i in range(2):  # both batch slots (max_num_seqs=2) busy: every sequence after them waits
+            running.append(await engine.add_request(f"r{i}", [5, 6], longer))
+            await running[-1].__aiter__().__anext__()  # its first token: no longer waiting
+        short = dict(max_tokens=4, ignore_eos=True)
+        waiting = [await engine.add_request("n3", [5, 6], SamplingParams(n=3, **short)),  # type: ignore[arg-type]
+                   await engine.add_request("n4", [5, 6], SamplingParams(n=4, **short))]  # type: ignore[arg-type]
+        assert engine.num_waiting == 7  # two requests, seven sequences
+        with pytest.raises(QueueFullError, match="7 sequences of at most 8"):
+            await engine.add_request("n2", [5, 6], SamplingParams(n=2, **short))  # type: ignore[arg-type]
+        with pytest.raises(QueueFullError):
+            engine.check_capacity(2)  # two prompts x n=1, as submit_all checks a batch
+        with pytest.raises(ValueError, match="9 sequences"):
+            engine.check_capacity(9)  # more than may ever wait: the request's own fault
+        waiting.append(await engine.add_request("n1", [5, 6], SamplingParams(**short)))  # type: ignore[arg-type]
+        assert engine.num_waiting == 8  # the one sequence that still fitted
+        for s in [*running, *waiting]:
+            s.close()
+        await engine.shutdown(timeout=5)
+
+    asyncio.run(main())
+
+
+def test_full_collections_wait_for_idle_and_released_outputs(sync_engine) -> None:  # type: ignore[no-untyped-def]
+    """Logprob tokens are decoded on the engine thread (the server never decodes them on its event
+    loop), and full garbage collections run on the engine thread only once it is idle and the
+    finished outputs it handed out are let go: never while a response may be built from them.
+    The start-up heap is frozen; shutdown restores the collector as it was."""
+    import gc
+
+    from portside.engine.async_engine import IDLE_GC_S
+    from portside.sampling_params import RequestOutputKind
+
+    def full_collections() -> int:
+        return gc.get_stats()[2]["collections"]
+
+    async def main() -> None:
+        before = gc.get_threshold()
+        engine = AsyncLLMEngine(sync_engine)
+        engine.start()
+        assert gc.get_threshold()[2] > 1 << 20 and gc.get_freeze_count() > 0
+        params = SamplingParams(n=2, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                                output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+        (out,) = [o async for o in engine.generate("g", [5, 6, 7], params)]
+        entries = [e for c in out.outputs for e in c.logprobs or []] + [e for e in out.prompt_logprobs or [] if e]
+        assert len(entries) == 2 * 8 + 2
+        assert all(lp.decoded_token == sync_engine.tokenizer.decode([t]) for e in entries for t, lp in e.items())
+        del entries
+        held = full_collections()
+        await asyncio.sleep(IDLE_GC_S * 2.5)  # idle, but `out` is still held
+        assert full_collections() == held
+        del out
+        for _ in range(100):
+            if full_collections() > held:
+                break
+            await asyncio.sleep(0.05)
+        assert full_collections() > held, "no full collection once idle with the outputs let go"
+        await engine.shutdown(timeout=5)
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+    asyncio.run(main())
+
+
 def test_delta_outputs_and_a_slow_reader(sync_engine) -> None:  # type: ignore[no-untyped-def]
     """DELTA outputs concatenate to the CUMULATIVE result; what a reader has not taken is folded
     into one pending output (not one copy per step); FINAL_ONLY hands out one output."""

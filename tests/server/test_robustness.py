@@ -5,12 +5,16 @@ connections are capped, hang-ups are aborts, and secrets stay out of the log."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import re
 import socket
 import statistics
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,17 +25,34 @@ pytestmark = pytest.mark.slow  # its own server with tight limits, and hostile c
 READ_TIMEOUT = 2.0
 STALL_TIMEOUT = 2.0
 MAX_CONNECTIONS = 12
+LONG_CONTEXT = 200_000  # x 32 characters a token: a 5 MB text prompt is under the head the server cuts
+
+
+def _server(model: Path, log: Path, max_model_len: int, kv_blocks: int) -> ServerProcess:
+    return ServerProcess(
+        model, log, "--max-model-len", str(max_model_len), "--block-size", "16", "--num-kv-blocks", str(kv_blocks),
+        "--max-num-seqs", "160",  # an n=128 request leaves room in the batch for the probes' short requests
+        "--trust-request-chat-template", "--read-timeout", str(READ_TIMEOUT), "--stream-stall-timeout", str(STALL_TIMEOUT),
+        "--max-connections", str(MAX_CONNECTIONS), "--uvicorn-log-level", "info",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("robust") / "server.log"
-    proc = ServerProcess(
-        tiny_llama, log,
-        "--max-model-len", "512", "--block-size", "16", "--num-kv-blocks", "4200", "--max-num-seqs", "128",
-        "--trust-request-chat-template", "--read-timeout", str(READ_TIMEOUT), "--stream-stall-timeout", str(STALL_TIMEOUT),
-        "--max-connections", str(MAX_CONNECTIONS), "--uvicorn-log-level", "info",
-    )  # fmt: skip
+    """The tests' server: a KV pool an n=128 x 480-token request nearly fills, so that one such
+    request makes it resident (the stalled reader's growth is then its buffers alone)."""
+    proc = _server(tiny_llama, tmp_path_factory.mktemp("robust") / "server.log", 512, 4200)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def long_srv(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """As `srv`, with a context long enough that a 5 MB text prompt is tokenized whole, not
+    refused after its head (its KV pool, 100 MB, is mostly never touched: no memory test here)."""
+    proc = _server(tiny_llama, tmp_path_factory.mktemp("robust_long") / "server.log", LONG_CONTEXT, LONG_CONTEXT // 16 + 100)
     try:
         yield proc.wait_ready()
     finally:
@@ -79,52 +100,170 @@ def _aborts(srv: ServerProcess) -> float:
     return srv.metrics().get('portside_requests_total{outcome="abort"}', 0.0)
 
 
-def test_hostile_requests_leave_health_and_short_requests_fast(srv: ServerProcess) -> None:
-    """A 5 MB text prompt, an expensive request template and a large grammar run at once;
-    /health and a short completion still answer within 100 ms (median of the probes)."""
+SHORT = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+
+
+@dataclass
+class Answer:
+    """A hostile request's answer: its status, body size and JSON (a large body: per choice,
+    how many logprob positions it has and the fewest and most alternatives at one)."""
+
+    status: int
+    size: int
+    body: Any
+
+
+def _send(url: str, data: bytes) -> Answer:
+    """POST `data` (JSON) to `url`, in a process of its own: neither encoding a 5 MB body nor
+    receiving a 24 MB one may take the probing process's GIL from its probes."""
+    r = httpx.post(url, content=data, headers={"content-type": "application/json"}, timeout=300)
+    if len(r.content) < 1 << 20:
+        return Answer(r.status_code, len(r.content), r.json())
+    tops = [ch["logprobs"]["top_logprobs"] for ch in r.json()["choices"]]
+    return Answer(r.status_code, len(r.content), [(len(t), min(map(len, t)), max(map(len, t))) for t in tops])
+
+
+def _probe_while(srv: ServerProcess, hostile: dict[str, tuple[str, dict[str, object]]], mark: Callable[[], bool] = bool,
+                 ) -> tuple[dict[str, Answer], list[tuple[float, float, bool]]]:
+    """Send the `hostile` requests at once and, until the last is answered, probe /health and a
+    short completion in turn. Returns the hostile answers and, per probe, (/health's latency,
+    the short completion's latency, in seconds, and what `mark()` said before the probe)."""
+    probes: list[tuple[float, float, bool]] = []
+    with httpx.Client(base_url=srv.url, timeout=30) as c, \
+            ProcessPoolExecutor(len(hostile), mp_context=multiprocessing.get_context("fork")) as pool:
+        for _ in range(3):  # warm: the small lane's worker has made its tokenizer copy, connections are up
+            assert c.get("/health").status_code == 200 and c.post("/v1/completions", json=SHORT).status_code == 200
+        futures = {name: pool.submit(_send, srv.url + path, json.dumps(body).encode()) for name, (path, body) in hostile.items()}
+        time.sleep(0.3)  # the hostile requests are being read and worked on
+        deadline = time.monotonic() + 300
+        while not all(f.done() for f in futures.values()) and time.monotonic() < deadline:
+            marked = mark()
+            t0 = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            t1 = time.perf_counter()
+            assert c.post("/v1/completions", json=SHORT).status_code == 200
+            probes.append((t1 - t0, time.perf_counter() - t1, marked))
+            time.sleep(0.05)
+        results = {name: f.result(timeout=10) for name, f in futures.items()}
+    assert len(probes) >= 3, "the hostile requests finished before the probes ran"
+    return results, probes
+
+
+def _percentile(values: list[float], q: int) -> float:
+    return sorted(values)[min(len(values) - 1, len(values) * q // 100)]
+
+
+def _assert_fast(latencies: list[float], what: str, q: int, ceiling: float) -> None:
+    """The q-th percentile of `latencies` within 100 ms and every one under `ceiling` seconds.
+
+    Not every one within 100 ms: on a 2-core runner, shared, every thread of the server and the
+    probing client itself waits for a core now and then behind the hostile work (the tokenizer's
+    2.2M tokens, the template's loops, the grammar compiler, 128 sequences and a 24 MB body:
+    each keeps a core busy for seconds), for tens of milliseconds at a time. The ceilings still
+    catch every stall this test was written for, each over a quarter of a second: the 5 MB prompt
+    (1.6-5 s), the template (2.4 s), the 24 MB body built and encoded on the loop (3.8 s), its ids
+    converted or its objects freed in one go (0.3-0.9 s), full garbage collections (0.3-0.5 s)."""
+    assert _percentile(latencies, q) < 0.1 and max(latencies) < ceiling, f"{what} took {_slowest(latencies)}"
+
+
+def _assert_health_fast(latencies: list[float]) -> None:
+    # /health touches the event loop alone: 99% within 100 ms, none over 0.25 s
+    _assert_fast(latencies, "/health", 99, 0.25)
+
+
+def _assert_short_fast(latencies: list[float], what: str) -> None:
+    # a short completion also crosses the small offload lane and the engine thread (about ten
+    # hand-offs of the GIL): 95% within 100 ms, none over 0.5 s
+    _assert_fast(latencies, what, 95, 0.5)
+
+
+def _slowest(latencies: list[float]) -> str:
+    return (f"up to {max(latencies):.3f} s (95th percentile {_percentile(latencies, 95):.3f} s, median "
+            f"{statistics.median(latencies):.3f} s, of {len(latencies)} probes)")
+
+
+def test_hostile_requests_leave_health_and_short_requests_fast(long_srv: ServerProcess) -> None:
+    """A 5 MB text prompt (tokenized whole: 2.2M tokens), an expensive request template and a
+    large grammar run at once; until the last hostile request is answered, /health and a short
+    completion answer within 100 ms (nearly always, and never slowly: see `_assert_fast`)."""
     nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 90 + 10}}}[0-9]+"}
                                                for i in range(1500)}}  # fmt: skip
-    hostile = {
+    results, probes = _probe_while(long_srv, {
         "prompt": ("/v1/completions", {"model": "tiny", "prompt": "hello world " * (5 * 2**20 // 12), "max_tokens": 1}),
         "template": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template": nested}),
         "grammar": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "guided_json": schema}),
-    }
-    results: dict[str, httpx.Response] = {}
-
-    def send(name: str) -> None:
-        path, body = hostile[name]
-        results[name] = httpx.post(srv.url + path, json=body, timeout=120)
-
-    threads = [threading.Thread(target=send, args=(name,)) for name in hostile]
-    for t in threads:
-        t.start()
-    time.sleep(0.3)  # the hostile requests are being read and worked on
-    health, short = [], []
-    with httpx.Client(base_url=srv.url, timeout=30) as c:
-        while len(health) < 10 and any(t.is_alive() for t in threads):
-            t0 = time.perf_counter()
-            assert c.get("/health").status_code == 200
-            health.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}).status_code == 200
-            short.append(time.perf_counter() - t0)
-            time.sleep(0.05)
-    for t in threads:
-        t.join()
-    assert len(health) >= 3, "the hostile requests finished before the probes ran"
-    assert statistics.median(health) < 0.1, health
-    assert statistics.median(short) < 0.1, short
-    assert results["prompt"].status_code == 400 and "maximum context length" in results["prompt"].json()["error"]["message"]
+    })  # fmt: skip
+    health, short = [p[0] for p in probes], [p[1] for p in probes]
+    _assert_health_fast(health)
+    _assert_short_fast(short, "a short completion")
+    refusal = results["prompt"].body["error"]["message"]
+    assert results["prompt"].status == 400 and "maximum context length" in refusal, refusal
+    counted = re.search(r"has (\d+) tokens", refusal)
+    assert counted and int(counted[1]) > 2_000_000, refusal  # tokenized whole (2.2M tokens), not cut after its head
     template = results["template"]
-    assert template.status_code == 400 and "longer than" in template.json()["error"]["message"], template.text
-    assert results["grammar"].status_code == 200, results["grammar"].text
+    assert template.status == 400 and "longer than" in template.body["error"]["message"], template.body
+    assert results["grammar"].status == 200, results["grammar"].body
+
+
+def test_a_large_output_leaves_health_and_short_requests_fast(srv: ServerProcess) -> None:
+    """One non-streamed n=128 x 480-token completion with 20 logprobs a token: a 24 MB body of
+    1.3M logprob entries to build, encode and free. /health answers within 100 ms throughout
+    (nearly always, and never slowly: see `_assert_fast`).
+    While the 128 sequences generate, a short completion shares the engine's steps with them (it
+    waits for the step in progress and its own: a matter of engine capacity, not of the event
+    loop; here under a second); once they are done, while the body is built, encoded, sent and
+    freed, it answers as during the hostile requests above."""
+    log_before = len(srv.log())
+
+    def generated() -> bool:  # the engine is done with the 128 sequences: the request log has their line
+        return "output_tokens=61440" in srv.log()[log_before:]
+
+    results, probes = _probe_while(srv, {
+        "logprobs": ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 128, "max_tokens": 480, "ignore_eos": True, "logprobs": 20}),
+    }, mark=generated)  # fmt: skip
+    big = results["logprobs"]
+    assert big.status == 200 and big.size > 20 << 20, big
+    # 480 positions a choice, each with up to 21 alternatives (fewer where their texts collide)
+    assert len(big.body) == 128 and all(n == 480 and 1 <= least and most <= 21 for n, least, most in big.body)
+    health = [p[0] for p in probes]
+    _assert_health_fast(health)
+    during, after = [p[1] for p in probes if not p[2]], [p[1] for p in probes if p[2]]
+    assert during and max(during) < 1.0, f"while generating, a short completion took {_slowest(during)}"
+    assert len(after) >= 3, "the body was answered before the probes saw the generation end"
+    _assert_short_fast(after, "while the body was built, sent and freed, a short completion")
+
+
+def test_large_bodies_are_encoded_in_pieces_to_the_same_bytes() -> None:
+    """`encode_json` (large bodies, on a worker) gives JSONResponse's bytes, in json.dumps calls
+    of at most ~2048 values; `release` empties what it encoded a slice at a time."""
+    from fastapi.responses import JSONResponse
+
+    from portside.server import serving_base
+
+    top = [{f"t\"{j}é": -j / 7 for j in range(20)} for _ in range(480)]
+    choice = {"text": "héllo" * 100, "logprobs": {"tokens": ["a", "é"] * 240, "token_logprobs": [-0.5] * 480, "top_logprobs": top},
+              "prompt_logprobs": [None] + [{5: {"logprob": -1.0, "rank": 1, "decoded_token": "x"}}] * 300}  # fmt: skip
+    bodies = [{"id": "x", "choices": [dict(choice, index=i) for i in range(16)], "usage": {"total_tokens": 1}},
+              {"a": []}, {"a": [[]] * 5000}, [1] * 10000, {"x": None}, "plain"]  # fmt: skip
+    calls: list[int] = []
+    dumps = serving_base._dumps
+    serving_base._dumps = lambda obj: (calls.append(serving_base._weight(obj)), dumps(obj))[1]  # type: ignore[assignment]
+    try:
+        for body in bodies:
+            assert serving_base.encode_json(body) == JSONResponse(body).body
+    finally:
+        serving_base._dumps = dumps  # type: ignore[assignment]
+    assert len(calls) > 100 and max(calls) <= 2 * serving_base._JSON_PIECE_VALUES
+    big, top_copy = bodies[0], list(top)
+    serving_base.release(big)
+    assert big == {} and top == [] and len(top_copy) == 480  # emptied, large containers within too
 
 
 def test_stalled_reader_costs_little_memory_and_is_cut_off(srv: ServerProcess) -> None:
     # ~10 MB of events: more than the socket buffers hold, so a reader that stops stalls the server's writes
     body = {"model": "tiny", "prompt": "hi", "n": 128, "max_tokens": 480, "ignore_eos": True, "stream": True}
-    warm = body | {"max_tokens": 48}  # read to the end first: the allocator's working set for 128 streams
+    warm = dict(body)  # read to the end first: the working set of the same 128 streams, so only buffers are measured
     with httpx.stream("POST", srv.url + "/v1/completions", json=warm, timeout=120) as r:
         assert sum(len(b) for b in r.iter_bytes()) > 0
     srv.wait_idle()
