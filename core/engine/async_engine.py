@@ -154,9 +154,12 @@ class FullCollections:
 
     def hold(self, out: RequestOutput) -> None:
         """`out` (finished) was handed out: no idle collection until it is let go."""
+        try:
+            weakref.finalize(out, self._let_go)
+        except TypeError:  # an output type without weak references: not waited for
+            return
         with self._lock:
             self._held += 1
-        weakref.finalize(out, self._let_go)
 
     def _let_go(self) -> None:  # any thread: the one that drops the last reference
         with self._lock:
