@@ -319,7 +319,8 @@ class ModelRunner:
         layout = [(s.req_id, len(p)) for s, p in zip(states, spec)]
         if self._last_sampling is not None and self._last_sampling[0] == layout:
             return self._last_sampling[1]
-        rows = [(s, s.output_token_ids + p[:j]) for s, p in zip(states, spec) for j in range(len(p) + 1)]
+        rows = [(s, s.output_token_ids + p[:j] if j else s.output_token_ids) for s, p in zip(states, spec)
+                for j in range(len(p) + 1)]
         meta = SamplingMetadata.build(
             [s.sampling_params for s, _ in rows],
             [s.prompt_token_ids for s, _ in rows],
