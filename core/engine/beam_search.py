@@ -4,8 +4,9 @@ Each step every live beam is one request: its prompt is the beam's tokens, it co
 position and returns the top 2w logprobs (the raw log-softmax). The engine's prefix cache gives
 each beam its full KV blocks back from the previous step (shared between beams through the block
 manager's reference counts), so a step recomputes at most the partial last block of each beam.
-`BeamSearchState` is the bookkeeping (no engine in it), stepped by `LLM.beam_search` and by the
-server's `use_beam_search`:
+`BeamSearchState` is one prompt's bookkeeping and `BeamSearchBatch` a round over several (no
+engine in either); `LLM.beam_search` and the server's `use_beam_search` only run each round's
+requests (`step_params`):
 
 - candidates: every live beam's top 2w continuations, the best 2w over all by cumulative
   logprob (transformers keeps 2w so that w survive even if w of them end);
@@ -23,7 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from portside.outputs import BeamSearchSequence, Logprob, RequestOutput
-from portside.sampling_params import BeamSearchParams
+from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+
+def step_params(beam_width: int, max_logprobs: int) -> SamplingParams:
+    """The parameters of every beam's one-token request (greedy, top 2w raw logprobs, only the
+    final output). ValueError when the engine's `max_logprobs` cannot return 2w."""
+    k = 2 * beam_width
+    if 0 <= max_logprobs < k:
+        raise ValueError(f"beam search with beam_width {beam_width} ranks the top {k} logprobs of each beam, more than "
+                         f"max_logprobs (--max-logprobs) {max_logprobs} allows: raise max_logprobs to at least {k}")
+    return SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass
@@ -84,15 +96,35 @@ class BeamSearchState:
         if not self.improvable:
             self.live = []
 
-    @staticmethod
-    def top_logprobs(out: RequestOutput) -> dict[int, Logprob]:
-        """A beam step request's output -> its next-token top logprobs."""
-        lps = out.outputs[0].logprobs
-        assert lps, "a beam step request returns its top logprobs"
-        return lps[0]
-
     def sequences(self, decode) -> list[BeamSearchSequence]:
         """The finished beams, best first (`decode`: token ids -> text)."""
         return [BeamSearchSequence(tokens=self.prompt_ids + b.tokens, cum_logprob=b.cum_logprob, text=decode(b.tokens),
                                    score=score, finish_reason=reason, logprobs=b.logprobs)
                 for score, b, reason in self.finished]
+
+
+class BeamSearchBatch:
+    """One round over several prompts' searches: `prompts()` lists every live beam's tokens (one
+    request each), `advance(outputs)` takes those requests' outputs in the same order."""
+
+    def __init__(self, states: list[BeamSearchState]) -> None:
+        self.states = states
+        self._owners: list[BeamSearchState] = []
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.states)
+
+    def prompts(self) -> list[list[int]]:
+        self._owners = [s for s in self.states for _ in s.live]
+        return [b for s in self.states for b in s.beam_prompts()]
+
+    def advance(self, outputs: list[RequestOutput]) -> None:
+        tops: dict[int, list[dict[int, Logprob]]] = {}
+        for owner, out in zip(self._owners, outputs, strict=True):
+            lps = out.outputs[0].logprobs
+            assert lps, "a beam step request returns its top logprobs"
+            tops.setdefault(id(owner), []).append(lps[0])
+        for s in self.states:
+            if not s.done:
+                s.advance(tops[id(s)])

@@ -10,7 +10,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from portside.engine.args import EngineArgs
-from portside.engine.beam_search import BeamSearchState
+from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.engine.llm_engine import LLMEngine
 from portside.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -92,27 +92,17 @@ class LLM:
         every prompt is one request per step, batched together; beams share their KV blocks
         through the prefix cache."""
         engine = self.engine
-        k = 2 * params.beam_width
-        limit = engine.config.model.max_logprobs
-        if 0 <= limit < k:
-            raise ValueError(f"beam search with beam_width {params.beam_width} ranks the top {k} logprobs of each beam: "
-                             f"raise max_logprobs (--max-logprobs, now {limit}) to at least {k}")
-        eos = [t for t in [engine.eos_token_id, *engine.extra_eos_ids] if t is not None]
-        states = [BeamSearchState(engine.prompt_token_ids(p), params, eos, engine.max_model_len)
-                  for p in _as_prompt_list(prompts)]
-        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
+        step = step_params(params.beam_width, engine.config.model.max_logprobs)
+        batch = BeamSearchBatch([BeamSearchState(engine.prompt_token_ids(p), params, engine.eos_token_ids,
+                                                 engine.max_model_len) for p in _as_prompt_list(prompts)])
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="step") as bar:
-            while any(not s.done for s in states):
-                live = [s for s in states if not s.done]
-                beams = [(s, b) for s in live for b in s.beam_prompts()]
-                outs = self._run([{"prompt_token_ids": b} for _, b in beams], step, False, None,
-                                 add_special_tokens=False, lora_request=lora_request)
-                for s in live:
-                    s.advance([s.top_logprobs(o) for (owner, _), o in zip(beams, outs) if owner is s])
+            while not batch.done:
+                batch.advance(self._run([{"prompt_token_ids": b} for b in batch.prompts()], step, False, None,
+                                        add_special_tokens=False, lora_request=lora_request))
                 bar.update(1)
         decode = engine.tokenizer.decode
         return [BeamSearchOutput(sequences=s.sequences(lambda ids: decode(ids, skip_special_tokens=True)))
-                for s in states]
+                for s in batch.states]
 
     def chat(
         self,

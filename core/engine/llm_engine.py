@@ -61,6 +61,8 @@ class LLMEngine:
         self.platform.seed(config.model.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
         self.eos_token_id, self.extra_eos_ids = _eos_ids(config.model.path, self.tokenizer)
+        # every id that ends a sequence (the tokenizer's and generation_config.json's)
+        self.eos_token_ids = [t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None]
         self.reasoning_parser = _reasoning_parser(args.reasoning_parser, self.tokenizer)  # before the model loads: fail fast
         self.max_model_len = config.model.max_model_len
         self.task = config.model.task  # "generate" or "embed"
@@ -103,9 +105,8 @@ class LLMEngine:
         self.vocab_size = self.executor.vocab_size
         from portside.structured.manager import StructuredOutputManager
 
-        eos = [t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None]
-        self.structured = StructuredOutputManager(args.structured_outputs_backend, self.tokenizer, self.vocab_size, eos,
-                                                  self.reasoning_parser)
+        self.structured = StructuredOutputManager(args.structured_outputs_backend, self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids, self.reasoning_parser)
         self.weight_bytes: int = self.executor.weight_bytes
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

@@ -260,12 +260,13 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             new_tokens = runner_output.sampled_token_ids.get(req_id, [])
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if spec:  # the rejected proposals' KV is not the sequence's: rolled back before caching
+            request.spec_token_ids = []
+            if spec:  # the rejected proposals' KV is not the sequence's: rolled back, and the
+                # accepted ones cached below, once their tokens are appended
                 num_accepted = len(new_tokens) - 1
                 request.num_computed_tokens -= len(spec) - num_accepted
                 self._record_spec(request, len(spec), num_accepted)
-            request.spec_token_ids = []
-            if not spec:  # (accepted proposals are cached below, once their tokens are appended)
+            else:
                 self._cache_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing

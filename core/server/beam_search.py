@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import Request
 
-from portside.engine.beam_search import BeamSearchState
+from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.outputs import CompletionOutput, RequestOutput
-from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from portside.sampling_params import BeamSearchParams
 from portside.server.errors import bad_request
 from portside.server.serving_base import ServingContext, collect, merged, submit_all, until_disconnected
 
@@ -20,27 +20,25 @@ from portside.server.serving_base import ServingContext, collect, merged, submit
 async def beam_search(ctx: ServingContext, request: Request, request_id: str, prompts: list[list[int]],
                       max_tokens: list[int], req: Any, lora: Any, prompt_param: str) -> list[RequestOutput]:
     """The best `req.n` beams of each prompt, as transformers' `generate(num_beams=n)` ranks them."""
-    k = 2 * req.n
-    if 0 <= ctx.max_logprobs < k:
-        raise bad_request(f"n: beam search with width {req.n} ranks the top {k} logprobs of each beam, more than the "
-                          f"{ctx.max_logprobs} this server allows (--max-logprobs)", "n")
+    try:
+        step = step_params(req.n, ctx.max_logprobs)
+    except ValueError as e:
+        raise bad_request(f"n: {e}", "n") from None
     engine: Any = ctx.engine.engine  # the LLMEngine behind the async front
-    eos = [t for t in [engine.eos_token_id, *engine.extra_eos_ids] if t is not None]
-    states = [BeamSearchState(ids, BeamSearchParams(beam_width=req.n, max_tokens=m, length_penalty=req.length_penalty,
-                                                    ignore_eos=req.ignore_eos), eos, ctx.max_model_len)
-              for ids, m in zip(prompts, max_tokens)]
-    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    batch = BeamSearchBatch([
+        BeamSearchState(ids, BeamSearchParams(beam_width=req.n, max_tokens=m, length_penalty=req.length_penalty,
+                                              ignore_eos=req.ignore_eos), engine.eos_token_ids, ctx.max_model_len)
+        for ids, m in zip(prompts, max_tokens)
+    ])  # fmt: skip
     n_step = 0
-    while any(not s.done for s in states):
-        live = [s for s in states if not s.done]
-        beams = [(s, b) for s in live for b in s.beam_prompts()]
-        streams = await submit_all(ctx, f"{request_id}-beam{n_step}", [b for _, b in beams], [step] * len(beams),
-                                   req.priority, prompt_param, lora)
-        outs = await until_disconnected(request, collect(merged(streams), len(streams)))
-        for s in live:
-            s.advance([s.top_logprobs(o) for (owner, _), o in zip(beams, outs) if owner is s])
+    while not batch.done:
+        beams = batch.prompts()
+        streams = await submit_all(ctx, f"{request_id}-beam{n_step}", beams, [step] * len(beams), req.priority,
+                                   prompt_param, lora)
+        batch.advance(await until_disconnected(request, collect(merged(streams), len(streams))))
         n_step += 1
-    return await ctx.offload.run(_outputs, ctx, request_id, states, req.skip_special_tokens, large=False, refusable=False)
+    return await ctx.offload.run(_outputs, ctx, request_id, batch.states, req.skip_special_tokens, large=False,
+                                 refusable=False)
 
 
 def _outputs(ctx: ServingContext, request_id: str, states: list[BeamSearchState], skip_special: bool) -> list[RequestOutput]:
