@@ -457,7 +457,7 @@ def release(obj: Any) -> None:
             release(value)
         obj.clear()
         return
-    step = max(1, _JSON_PIECE_VALUES // max(_weight(obj[0]), _weight(obj[-1])))
+    step = _piece_step(obj)
     while obj:
         if step == 1:
             release(obj[-1])
@@ -486,6 +486,11 @@ def _weight(obj: Any) -> int:
     return 1
 
 
+def _piece_step(items: list[Any]) -> int:
+    """How many elements of a non-empty list make a piece of about _JSON_PIECE_VALUES values."""
+    return max(1, _JSON_PIECE_VALUES // max(_weight(items[0]), _weight(items[-1])))
+
+
 def _encode_pieces(obj: Any, out: list[bytes]) -> None:
     if not isinstance(obj, (dict, list)) or _weight(obj) <= _JSON_PIECE_VALUES or \
             (isinstance(obj, dict) and not all(isinstance(k, str) for k in obj)):
@@ -498,7 +503,7 @@ def _encode_pieces(obj: Any, out: list[bytes]) -> None:
             _encode_pieces(value, out)
         out.append(b"}")
         return
-    step = max(1, _JSON_PIECE_VALUES // max(_weight(obj[0]), _weight(obj[-1])))
+    step = _piece_step(obj)
     out.append(b"[")
     for i in range(0, len(obj), step):
         if i:
