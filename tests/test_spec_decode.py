@@ -74,7 +74,7 @@ class ScriptedProposer:
 
 
 def use_proposer(llm: LLM, proposer) -> None:
-    llm.engine.executor.runner.proposer = proposer
+    llm.engine.executor.runner.ngram = proposer
 
 
 # ---- units -------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_config_parsing_and_errors():
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}': "prompt_lookup_min",
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}': "prompt_lookup_min",
         '{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}': "unknown field(s) lookahead",
-        '{"model": "/models/draft", "num_speculative_tokens": 2}': "draft-model speculation",
+        '{"method": "medusa", "num_speculative_tokens": 2}': "'medusa' is not implemented",
     }
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

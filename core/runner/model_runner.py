@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,10 @@ from portside.sample.metadata import SamplingMetadata
 from portside.sample.prompt_logprobs import PromptLogprobsRows, compute_prompt_logprobs
 from portside.sampling_params import SamplingParams
 from portside.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from portside.spec_decode.draft_model import DraftModelProposer
+    from portside.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +166,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.scratch_block = -1  # a block never handed out, for padded graph entries
         self._last_sampling: tuple[list[tuple[str, int]], SamplingMetadata] | None = None  # see _sampling_metadata
-        self.proposer = None
-        if config.speculative is not None:
+        # speculative decoding: one proposer, prompt lookup or a draft model
+        self.ngram: NgramProposer | None = None
+        self.draft: DraftModelProposer | None = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            from portside.spec_decode.draft_model import DraftModelProposer
+
+            self.draft = DraftModelProposer(config, platform, comm, self.device, rank, self.attn_backend,
+                                            self.block_size, self.vocab_size)
+        elif config.speculative is not None:
             from portside.spec_decode.ngram import NgramProposer
 
-            self.proposer = NgramProposer(config.speculative)
+            self.ngram = NgramProposer(config.speculative)
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -180,6 +191,8 @@ class ModelRunner:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = self.kv_cache_spec().bytes_per_block(self.block_size)
+        if self.draft is not None:  # the draft's KV lives in the same blocks
+            per_block += self.draft.kv_cache_spec().bytes_per_block(self.block_size)
         budget = kv_cache_budget(cache, self.platform.device_info(), self.platform.default_kv_cache_memory)
         num_blocks = int(budget // per_block)
         # Never more than every sequence at full length, twice over (the rest is prefix cache).
@@ -199,24 +212,12 @@ class ModelRunner:
         self.scratch_block = num_blocks
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks)
 
     def _dummy_decode_context(self, num_decodes: int) -> ForwardContext:
-        """A decode-only batch of `num_decodes` one-token requests writing to the scratch block."""
-        d = self.device
-        slot = self.scratch_block * self.block_size
-        md = AttentionMetadata(
-            slot_mapping=torch.full((num_decodes,), slot, dtype=torch.int64, device=d),
-            query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32, device=d),
-            seq_lens=torch.ones(num_decodes, dtype=torch.int32, device=d),
-            block_tables=torch.full((num_decodes, 1), self.scratch_block, dtype=torch.int32, device=d),
-            max_query_len=1,
-            max_seq_len=1,
-            block_size=self.block_size,
-            query_start_loc_cpu=list(range(num_decodes + 1)),
-            seq_lens_cpu=[1] * num_decodes,
-            num_decode_tokens=num_decodes,
-        )
-        return ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(md))
+        return dummy_decode_context(self.attn_backend, self.kv_caches, self.scratch_block, self.block_size, self.device,
+                                    num_decodes)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -270,15 +271,18 @@ class ModelRunner:
     def _propose(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Speculative decoding: the next proposals of each request that sampled this step (none
         under a grammar, whose masks follow only the tokens actually accepted)."""
-        if self.proposer is None:
+        if self.ngram is None and self.draft is None:
             return {}
+        states = [self.requests[rid] for rid, new in sampled.items()
+                  if new and self.requests[rid].sampling_params.structured_outputs is None]
+        if self.draft is not None:
+            return self.draft.propose(states)
+        assert self.ngram is not None
         proposals = {}
-        for rid, new in sampled.items():
-            state = self.requests[rid]
-            if new and state.sampling_params.structured_outputs is None:
-                spec = self.proposer.propose(state.prompt_token_ids + state.output_token_ids)
-                if spec:
-                    proposals[rid] = spec
+        for state in states:
+            spec = self.ngram.propose(state.prompt_token_ids + state.output_token_ids)
+            if spec:
+                proposals[state.req_id] = spec
         return proposals
 
     def _logits(self, hidden: torch.Tensor, batch: BatchInputs) -> tuple[torch.Tensor, dict[str, tuple[int, LogprobsLists]]]:
@@ -337,6 +341,8 @@ class ModelRunner:
             self._last_sampling = None  # a request id may come back as another request
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.draft is not None:
+                self.draft.forget(rid)
             if self.pooler is not None:
                 self.pooler.forget(rid)
         for new in so.scheduled_new_reqs:
@@ -432,6 +438,25 @@ class ModelRunner:
             prompt_indices=tensor(prompt_indices, torch.int64) if prompt_rows else None,
             prompt_targets=tensor(prompt_targets, torch.int64) if prompt_rows else None,
         )
+
+
+def dummy_decode_context(backend: Any, kv_caches: list[torch.Tensor], scratch_block: int, block_size: int,
+                         device: torch.device, num_decodes: int) -> ForwardContext:
+    """A decode-only batch of `num_decodes` one-token requests writing to the scratch block (for capture)."""
+    slot = scratch_block * block_size
+    md = AttentionMetadata(
+        slot_mapping=torch.full((num_decodes,), slot, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.ones(num_decodes, dtype=torch.int32, device=device),
+        block_tables=torch.full((num_decodes, 1), scratch_block, dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=1,
+        block_size=block_size,
+        query_start_loc_cpu=list(range(num_decodes + 1)),
+        seq_lens_cpu=[1] * num_decodes,
+        num_decode_tokens=num_decodes,
+    )
+    return ForwardContext(backend, kv_caches, backend.prepare(md))
 
 
 def accepted_tokens(sampled: list[int], spec: list[int]) -> list[int]:

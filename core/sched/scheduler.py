@@ -14,7 +14,9 @@ Speculative decoding (`num_spec_tokens` > 0): a running request's proposals
 and count in the token budget; `update_from_output` takes the rejected ones back off
 `num_computed_tokens` before anything is entered in the prefix cache, so their KV slots are
 simply overwritten by the next step. A request may then hold one block more than its tokens
-need (kept for the next step's proposals).
+need (kept for the next step's proposals). A draft model (`num_lookahead_tokens` = k) writes the
+KV of the k proposals it makes after the step's new token, so a chunk that ends a request's known
+tokens also gets k lookahead slots (never past max_model_len).
 
 Sliding window (`sliding_window`: the window of a model whose every layer has the same one):
 after each step a request's blocks wholly out of the window are freed (`KVCacheManager.
@@ -53,9 +55,11 @@ class Scheduler:
         sliding_window: int | None = None,
         max_loras: int = 0,
         num_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.num_spec_tokens = num_spec_tokens  # proposals per request and step (0: no speculation)
+        self.num_lookahead_tokens = num_lookahead_tokens  # KV slots past a step's tokens (a draft model's)
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the runner's slots); 0: no LoRA
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -128,7 +132,8 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} has nothing to compute: the runner sampled no token for it"
-            while self.kv.allocate_slots(request, num_new) is None:
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            while self.kv.allocate_slots(request, num_new + lookahead) is None:
                 victim = self.policy.pick_victim(self.running)
                 budget += scheduled.pop(victim.request_id, 0)  # undo if it was scheduled earlier
                 if self.running.index(victim) < i:
@@ -167,7 +172,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_computed, budget)
             if num_new is None:
                 return
-            if self.kv.allocate_slots(request, num_new, new_computed_blocks=computed_blocks) is None:
+            lookahead = self._lookahead(request, num_computed + num_new)
+            if self.kv.allocate_slots(request, num_new + lookahead, new_computed_blocks=computed_blocks) is None:
                 # with a window the pool may be sized below max_model_len: a long prefix hit plus
                 # a chunk can then need more blocks than there are. With nothing running, nothing
                 # will ever free any: start over without the hit (a chunk alone always fits)
@@ -175,7 +181,7 @@ class Scheduler:
                     return
                 computed_blocks, num_computed = [], 0
                 num_new = self._num_new_tokens(request, num_computed, budget)
-                if num_new is None or self.kv.allocate_slots(request, num_new) is None:
+                if num_new is None or self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new)) is None:
                     return
             self.waiting.remove(request)
             self.running.append(request)
@@ -190,6 +196,13 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             new_reqs.append(request)
             budget -= num_new
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Slots past `end` (the computed count after this step) for a draft model's proposals:
+        only when the step reaches the last known token (it samples) and the request may be speculated."""
+        if not self.num_lookahead_tokens or end < request.num_tokens or request.structured is not None:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int | None:
         """Tokens to schedule for a request admitted with `num_computed` tokens already in the
@@ -398,8 +411,8 @@ class Scheduler:
             # at most one partly filled block per sequence; with speculation, blocks allocated for
             # rejected proposals stay for the next step's
             needed = cdiv(request.num_computed_tokens + pending, self.block_size)
-            most = cdiv(request.num_computed_tokens + max(pending, 1 + self.num_spec_tokens), self.block_size) \
-                if self.num_spec_tokens else needed
+            most = cdiv(request.num_computed_tokens + max(pending, 1 + self.num_spec_tokens) + self.num_lookahead_tokens,
+                        self.block_size) if self.num_spec_tokens else needed
             assert needed <= num_blocks <= most, f"{request} holds {num_blocks} blocks"
             # freed out-of-window blocks: all the dead ones, except right after admission with a
             # prefix hit or fork (freed after its first step)

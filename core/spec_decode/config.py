@@ -6,18 +6,30 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step: more only costs forward rows that are rarely accepted
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+         "draft_tensor_parallel_size"}
+_UNSUPPORTED = ("eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "suffix")
 _DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram"
+    method: str  # "ngram" or "draft_model"
     num_speculative_tokens: int  # proposals per request and step (k)
     prompt_lookup_min: int = _DEFAULT_LOOKUP  # ngram: shortest suffix matched earlier in the tokens
     prompt_lookup_max: int = _DEFAULT_LOOKUP  # ngram: longest (tried first)
+    model: str | None = None  # draft_model: the draft's folder (or .gguf), as given
+    draft_tensor_parallel_size: int | None = None  # draft_model: must equal the target's (the draft is sharded alike)
+    # draft_model: the draft's resolved portside.config.ModelConfig (set by EngineArgs, which reads its folder)
+    draft: Any = None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past the tokens it verifies: a draft model writes the KV of
+        its own proposals (after the step's new token) while it proposes them."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -35,14 +47,24 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - _KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
-        method = value.get("method")
-        if value.get("model") is not None or method in ("draft_model", "eagle", "eagle3", "medusa", "mtp"):
-            raise ValueError("speculative_config: draft-model speculation (a 'model' or method "
-                             f"{method or 'draft_model'!r}) is not implemented; use method 'ngram'")
+        model = value.get("model")
+        method = value.get("method") or ("draft_model" if model is not None else None)
+        if method in _UNSUPPORTED:
+            raise ValueError(f"speculative_config: method {method!r} is not implemented; use 'ngram' or 'draft_model' "
+                             "(a 'model' with the target's vocabulary)")
         if method is None:
-            raise ValueError("speculative_config needs 'method' (ngram)")
+            raise ValueError("speculative_config needs 'method' (ngram) or a draft 'model'")
         if method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; use one of {', '.join(METHODS)}")
+        if method == "draft_model" and not (isinstance(model, str) and model):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft model's folder")
+        if method == "draft_model" and ("prompt_lookup_min" in value or "prompt_lookup_max" in value):
+            raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'; drop it or use method 'draft_model'")
+        draft_tp = value.get("draft_tensor_parallel_size")
+        if draft_tp is not None and not (_is_int(draft_tp) and draft_tp >= 1):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be a positive integer, got {draft_tp!r}")
         k = value.get("num_speculative_tokens")
         if not (isinstance(k, int) and _is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer from 1 to "
@@ -53,9 +75,13 @@ class SpeculativeConfig:
         if not (isinstance(lo, int) and isinstance(hi, int) and _is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
             raise ValueError("speculative_config: prompt_lookup_min and prompt_lookup_max must be integers with "
                              f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        if method == "draft_model":
+            return cls(method=method, num_speculative_tokens=k, model=model, draft_tensor_parallel_size=draft_tp)
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
 
     def describe(self) -> str:
+        if self.method == "draft_model":
+            return f"draft model {self.model}, {self.num_speculative_tokens} tokens"
         return (f"{self.method}, {self.num_speculative_tokens} tokens, lookup "
                 f"{self.prompt_lookup_min}-{self.prompt_lookup_max}")
 

@@ -1,5 +1,5 @@
-"""Decoding strategies through `portside serve`: a server with `--speculative-config` answers
-greedy completions (streamed and not) with transformers' tokens and counts proposals in vLLM's
+"""Decoding strategies through `portside serve`: a server with `--speculative-config` (ngram, and
+a draft model) answers greedy completions (streamed and not) with transformers' tokens and counts proposals in vLLM's
 `vllm:spec_decode_*` series; a bad config exits 2 naming the problem."""
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ from helpers import post, sse_events
 from openai_schemas import validate
 from server_process import ServerProcess
 
-from portside.testing.tiny import hf_greedy
+from portside.testing.tiny import hf_greedy, make_draft_model
 
 pytestmark = pytest.mark.slow
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module")
-def spec_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("spec_server") / "server.log"
-    proc = ServerProcess(tiny_llama, log, "--max-model-len", "256", "--block-size", "4", "--num-kv-blocks", "400",
-                         "--speculative-config", json.dumps(SPEC))
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
+                request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("spec_server")
+    spec = SPEC if request.param == "ngram" else \
+        {"model": str(make_draft_model(tiny_llama, folder / "draft", noise_std=0.01)), "num_speculative_tokens": 3}
+    proc = ServerProcess(tiny_llama, folder / "server.log", "--max-model-len", "256", "--block-size", "4",
+                         "--num-kv-blocks", "400", "--speculative-config", json.dumps(spec))
     try:
         yield proc.wait_ready()
     finally:
@@ -65,7 +68,7 @@ def test_speculative_server_gives_transformers_greedy_tokens(spec_server: Server
 @pytest.mark.parametrize("value,message", [
     ('{"method": "eagle9", "num_speculative_tokens": 2}', "unknown method 'eagle9'"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer from 1"),
-    ('{"model": "/no/such/draft", "num_speculative_tokens": 2}', "draft-model speculation"),
+    ('{"model": "/no/such/draft", "num_speculative_tokens": 2}', "draft model path '/no/such/draft' does not exist"),
     ("ngram", "not valid JSON"),
 ])
 def test_bad_speculative_config_exits_2(tiny_llama: Path, value: str, message: str) -> None:
