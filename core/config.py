@@ -73,7 +73,25 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """One engine replica runs on `world_size` = TP x PP ranks, rank = pp_rank * TP + tp_rank
+    (a pipeline stage's tensor-parallel group is consecutive ranks); `data_parallel_size`
+    replicas of it serve behind one API server."""
+
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "mp" (local worker processes) or "ray" (one actor per rank)
+    pipeline_layers: tuple[int, ...] | None = None  # decoder layers per stage (None: balanced by count)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine replica."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose `ModelRunnerOutput` the engine reads: the first of the last stage (it samples)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

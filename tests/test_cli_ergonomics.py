@@ -124,12 +124,10 @@ def test_models_table_fits_80_columns(capsys: pytest.CaptureFixture[str], monkey
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
-    (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 2"),
     (("-pp", "4"), "-pp 4"),
     (("--cpu-offload-gb", "8"), "--cpu-offload-gb 8"),
     (("--kv-transfer-config", "{}"), "--kv-transfer-config"),
     (("--load-format", "bitsandbytes"), "--load-format bitsandbytes"),
-    (("--distributed-executor-backend", "ray"), "--distributed-executor-backend ray"),
     (("--enable-sleep-mode",), "--enable-sleep-mode"),
     (("--mm-processor-kwargs", "{}"), "--mm-processor-kwargs"),
     (("--limit-mm-per-prompt", "image=2"), "--limit-mm-per-prompt"),

@@ -57,6 +57,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas behind one server (`portside serve`)
+    distributed_executor_backend: str | None = None  # mp or ray (None: ray when a Ray cluster is given, else mp)
+    pipeline_layers: str | list[int] | None = None  # decoder layers per stage, e.g. "10,14" (None: balanced)
     quantization: str | None = None  # None: what config.json's quantization_config says
     quantized_activations: str | None = None  # "int8" / "fp8": W8A8 with --quantization int8 / fp8
     kv_cache_dtype: str = "auto"
@@ -124,7 +128,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=self._resolve_parallel(),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             speculative=self._resolve_speculative(pooler, hf, dtype, max_model_len),
             device=platform.name,
@@ -136,9 +140,39 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
                 "with chunked prefill disabled: a long prompt could never be scheduled; raise it or enable chunked prefill"
             )
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
         return platform.check_and_update_config(config)
+
+    def _resolve_parallel(self) -> ParallelConfig:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend in (None, "uni"):  # vLLM's uni: one process, which is what mp does for a world of one
+            backend = "ray" if os.environ.get("RAY_ADDRESS") else "mp"
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"unknown distributed_executor_backend {backend!r}; use mp or ray")
+        layers = self.pipeline_layers
+        if isinstance(layers, str):
+            try:
+                layers = [int(x) for x in layers.split(",")]
+            except ValueError:
+                raise ValueError(f"pipeline_layers must be comma-separated layer counts per stage, got {layers!r}") from None
+        if layers is not None:
+            if len(layers) != self.pipeline_parallel_size or any(n < 1 for n in layers):
+                raise ValueError(f"pipeline_layers needs {self.pipeline_parallel_size} positive layer counts "
+                                 f"(one per stage), got {list(layers)}")
+        # TODO(issue 23): each check goes with its implementation
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not implemented yet")
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not implemented yet")
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend ray is not implemented yet")
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              data_parallel_size=self.data_parallel_size, distributed_executor_backend=backend,
+                              pipeline_layers=tuple(layers) if layers is not None else None)
 
     def _platform_options(self, platform: type[Platform]) -> dict[str, str]:
         """`platform_options`, plus what `enforce_eager` means on `platform`."""
@@ -275,6 +309,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility; no effect: portside never runs model code from checkpoints")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs", help="order of waiting requests and choice of preemption victims")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the model's layers into this many stages, each on its own TP group (ranks = TP x PP)")
+    g.add_argument("--pipeline-layers", default=None, metavar="N1,N2,...",
+                   help="decoder layers per pipeline stage (default: balanced by count)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="serve this many engine replicas (each TP x PP ranks) behind one API server")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None,
+                   help="how the ranks run: mp (local worker processes; default) or ray (one Ray actor per rank, across "
+                        "the nodes of a Ray cluster; the default when RAY_ADDRESS is set)")
     g.add_argument("--quantization", "-q", default=None, help="gptq, awq, compressed-tensors, fp8, gguf: the checkpoint's format (default: what its config.json says); int8 or fp8 on a full-precision checkpoint quantizes it per output channel while loading")
     g.add_argument("--quantized-activations", choices=["none", "int8", "fp8"], default=None, help="with --quantization int8: also quantize activations per token (W8A8, faster on VNNI/AMX CPUs, not bit-exact); fp8 checkpoints set their own")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer k/v scales from the checkpoint, else 1), or int8 (cpu; a scale per token and KV head); 8-bit caches hold about 2x (bf16) / 4x (fp32) the tokens and are not bit-exact")

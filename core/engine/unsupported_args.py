@@ -1,7 +1,7 @@
 """vLLM flags that scripts commonly pass and portside does not (yet) support.
 
-Each is accepted where its value asks for nothing portside lacks (`--pipeline-parallel-size 1`,
-`--load-format safetensors`); any other value exits 2 with "portside does not support ...",
+Each is accepted where its value asks for nothing portside lacks (`--load-format safetensors`,
+`--cpu-offload-gb 0`); any other value exits 2 with "portside does not support ...",
 naming what to do instead, rather than argparse's generic "unrecognized arguments". Tuning flags
 whose subject does not exist here, and whose results are the same either way (`--swap-space`,
 `--num-scheduler-steps`, `--compilation-config`, `--download-dir`), are accepted with a warning
@@ -21,12 +21,9 @@ _GRAPHS = "graph capture and compilation are the platform's: --enforce-eager tur
 
 # flag (aliases) -> (values that are fine as they are, why not / what instead); () : any use fails
 UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
-    ("--pipeline-parallel-size", "-pp"): (("1",), "pipeline parallelism is not implemented; shard the model with --tensor-parallel-size"),
-    ("--data-parallel-size", "-dp"): (("1",), "data parallelism is not implemented; run one `portside serve` per device group behind a load balancer"),
     ("--kv-transfer-config",): ((), "disaggregated prefill (KV-cache transfer between instances) is not implemented"),
     ("--cpu-offload-gb",): (("0",), "weights are not offloaded to host memory; use a quantized checkpoint or --quantization int8/fp8 to fit a model"),
     ("--load-format",): (("auto", "safetensors", "gguf"), "portside loads Hugging Face safetensors folders and .gguf files (auto, safetensors, gguf)"),
-    ("--distributed-executor-backend",): (("mp", "uni"), "tensor-parallel workers run as local processes (mp); ray is not supported"),
     ("--enable-sleep-mode",): ((), "sleep mode (releasing device memory on request) is not implemented"),
     ("--tokenizer-mode",): (("auto", "hf"), "the tokenizer is the model's Hugging Face (fast) tokenizer, loaded with transformers (auto)"),
     ("--revision",): ((), _HUB),
