@@ -513,6 +513,26 @@ class Communicator(ABC):
     def destroy(self) -> None:
         """Release the group. Default: nothing."""
 
+    # Point-to-point, between pipeline-parallel stages (each rank sends its stage's output to the
+    # same tensor-parallel rank of the next stage). Ranks here are global ranks of the world, not
+    # of this group. The defaults use torch.distributed's default group (blocking send / recv),
+    # so a communicator written before pipeline parallelism works unchanged; a platform whose
+    # collectives are not torch.distributed's overrides both, or sets
+    # `Platform.supports_pipeline_parallel = False`.
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send `x` to global rank `dst`, which calls `recv` with a tensor of its shape and dtype."""
+        import torch.distributed as dist
+
+        dist.send(x.contiguous(), dst=dst)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive global rank `src`'s `send` into `x` (shape and dtype agreed beforehand); returns `x`."""
+        import torch.distributed as dist
+
+        dist.recv(x, src=src)
+        return x
+
 
 class SingleRankCommunicator(Communicator):
     """World size 1: every collective is the identity."""
@@ -574,7 +594,10 @@ class TorchDistributedCommunicator(Communicator):
         return self._ops.gather(x, dim, self.world_size, self.group)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`src` is a rank of this group (torch.distributed takes a global one)."""
         if self.world_size > 1:
+            if self.group is not None:
+                src = self._dist.get_global_rank(self.group, src)
             if torch.compiler.is_compiling():
                 self._ops.broadcast(x, src, self.group_name)
             else:
@@ -739,6 +762,9 @@ class Platform(ABC):
     # batched multi-LoRA (`enable_lora`): the model calls `ModelOps.lora_shrink` / `lora_expand`
     # (the defaults are core's references); False makes the engine refuse LoRA, naming it
     supports_lora: ClassVar[bool] = True
+    # pipeline parallelism (`pipeline_parallel_size` > 1): stages exchange hidden states through
+    # `Communicator.send` / `recv` (defaults: torch.distributed); False makes the engine refuse it
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     # ---- probe and device ------------------------------------------------------------------
 

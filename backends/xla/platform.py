@@ -100,6 +100,9 @@ class XlaPlatform(Platform):
     # core's LoRA reference groups tokens by slot with data-dependent shapes (a new XLA program per
     # slot map); a static-shape kernel is not written yet, so the engine refuses enable_lora here
     supports_lora = False
+    # XLA collectives run inside the compiled step, where a blocking point-to-point send between
+    # programs on different hosts has no counterpart here yet: the engine refuses pipeline_parallel_size > 1
+    supports_pipeline_parallel = False
     attention_name = "pallas|xla-gather"
     graph_name = "xla-buckets"
     collectives_name = "xla"

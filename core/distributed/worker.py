@@ -40,7 +40,8 @@ class Worker:
         # Every rank seeds like the engine does, so unseeded sampling draws the same numbers
         # (rank 0's tokens are broadcast anyway; see ModelRunner.execute_model).
         platform.seed(config.model.seed)
-        self.runner = ModelRunner(config, platform, platform.communicator(), eos_token_id, rank=rank, local_rank=local_rank)
+        comm, world = stage_communicators(platform, config, rank)
+        self.runner = ModelRunner(config, platform, comm, eos_token_id, rank=rank, local_rank=local_rank, world_comm=world)
 
     def ready(self) -> WorkerReady:
         r = self.runner
@@ -54,6 +55,20 @@ class Worker:
             self.runner.initialize_kv_cache(msg.num_blocks)
             return KVCacheReady(self.rank)
         raise TypeError(f"worker rank {self.rank} got an unknown message {type(msg).__name__}")
+
+
+def stage_communicators(platform: type[Platform], config: EngineConfig, rank: int) -> tuple[Any, Any]:
+    """(this rank's tensor-parallel group, the whole world or None). Without pipeline parallelism
+    the world is the tensor-parallel group; with it each stage's TP ranks form a group (every rank
+    creates every group, in the same order, as torch.distributed requires)."""
+    par = config.parallel
+    if par.pipeline_parallel_size == 1:
+        return platform.communicator(), None
+    import torch.distributed as dist
+
+    tp = par.tensor_parallel_size
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(par.pipeline_parallel_size)]
+    return platform.communicator(groups[rank // tp]), platform.communicator()
 
 
 def limit_threads(platform: type[Platform], ranks_on_this_machine: int) -> None:
@@ -81,7 +96,7 @@ def run_pipe_worker(
     conn: Connection,
 ) -> None:
     """Process entry point. Replies: `WorkerReady`, `KVCacheReady`, and per step a
-    `ModelRunnerOutput` from rank 0 only; any exception is sent as a `WorkerError`, then the
+    `ModelRunnerOutput` from `config.parallel.output_rank` only; any exception is sent as a `WorkerError`, then the
     process exits with status 1. The engine stops it with `Shutdown` (or by closing the pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     try:
@@ -97,8 +112,8 @@ def run_pipe_worker(
             if isinstance(msg, Shutdown):
                 break
             reply = worker.handle(msg)
-            if isinstance(reply, ModelRunnerOutput) and rank != 0:
-                continue  # results come from rank 0 only
+            if isinstance(reply, ModelRunnerOutput) and rank != config.parallel.output_rank:
+                continue  # results come from the first rank of the last pipeline stage only
             conn.send(reply)
     except BaseException as e:  # report, then die: the engine fails fast on this
         try:

@@ -135,6 +135,9 @@ class EngineArgs:
             platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
         self._check_vllm_flags()
+        if self.pipeline_parallel_size > 1 and config.speculative is not None and config.speculative.draft is not None:
+            raise ValueError("draft-model speculative decoding with pipeline parallelism is not supported; use method "
+                             "ngram or --pipeline-parallel-size 1")
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
@@ -163,8 +166,9 @@ class EngineArgs:
                 raise ValueError(f"pipeline_layers needs {self.pipeline_parallel_size} positive layer counts "
                                  f"(one per stage), got {list(layers)}")
         # TODO(issue 23): each check goes with its implementation
-        if self.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not implemented yet")
+        if self.pipeline_parallel_size > 1 and self.enable_lora:
+            raise ValueError("LoRA adapters with pipeline parallelism are not supported; drop --enable-lora or use "
+                             "--pipeline-parallel-size 1")
         if self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 is not implemented yet")
         if backend == "ray":

@@ -40,13 +40,16 @@ def make_executor(config: EngineConfig, platform: type[Platform], eos_token_id: 
     ranks run `python -m portside.distributed.worker`."""
     from portside.distributed.env import launcher_env
 
-    tp = config.parallel.tensor_parallel_size
+    world = config.parallel.world_size
     env = launcher_env()
-    if tp > 1 and env is not None and env.world_size > 1:
+    if world > 1 and env is not None and env.world_size > 1:
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("pipeline parallelism under a launcher (torchrun) is not supported; let portside start the "
+                             "ranks (--distributed-executor-backend mp on one machine, ray across machines)")
         from portside.distributed.launched import LaunchedExecutor
 
         return LaunchedExecutor(config, platform, eos_token_id, env)
-    if tp == 1:
+    if world == 1:
         return UniProcExecutor(config, platform, eos_token_id)
     from portside.engine.multiproc_executor import MultiprocExecutor
 

@@ -1,4 +1,5 @@
-"""MultiprocExecutor: tensor parallelism on one machine, one spawned worker process per rank.
+"""MultiprocExecutor: tensor and pipeline parallelism on one machine, one spawned worker process
+per rank (TP x PP of them).
 
 Every rank, rank 0 included, runs in its own worker process; the engine process holds no model
 shard and never enters a collective. That keeps the engine's failure handling simple: it only
@@ -8,7 +9,8 @@ within about a second, never a hang. It also keeps the engine process free of to
 state (the async server runs the engine in a thread).
 
 Per step the engine pickles ONE `SchedulerOutput` to every rank's pipe and reads the
-`ModelRunnerOutput` from rank 0 (every rank continues from rank 0's sampled tokens, which the
+`ModelRunnerOutput` from `ParallelConfig.output_rank` (rank 0 without pipeline parallelism, else
+the first rank of the last stage, which samples; every rank continues from its tokens, which the
 runner broadcasts).
 """
 
@@ -41,7 +43,8 @@ _GRACE_S = 1.0  # after a failure: how long to wait for the other ranks' exits (
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None) -> None:
-        self.world_size = tp = config.parallel.tensor_parallel_size
+        self.world_size = world = config.parallel.world_size
+        self.output_rank = config.parallel.output_rank
         self._error: RuntimeError | None = None
         ctx = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -50,20 +53,21 @@ class MultiprocExecutor:
         # Stops the workers when the executor is garbage-collected or at interpreter exit,
         # even if nobody calls shutdown(). It must not reference self.
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
-        for rank in range(tp):
+        tp = config.parallel.tensor_parallel_size
+        for rank in range(world):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=run_pipe_worker,
-                args=(rank, tp, init_method, config, platform, eos_token_id, child),
-                name=f"portside-tp{rank}",
+                args=(rank, world, init_method, config, platform, eos_token_id, child),
+                name=f"portside-pp{rank // tp}-tp{rank % tp}" if world > tp else f"portside-tp{rank}",
                 daemon=True,
             )
             proc.start()
             child.close()  # only the worker holds its end: its exit shows as EOF here
             self._procs.append(proc)
             self._conns.append(parent)
-        logger.info("started %d tensor-parallel workers: pids %s", tp, [p.pid for p in self._procs])
-        ready: dict[int, WorkerReady] = self._collect(range(tp), WorkerReady, "loading its model shard")
+        logger.info("started %d workers (TP %d x PP %d): pids %s", world, tp, world // tp, [p.pid for p in self._procs])
+        ready: dict[int, WorkerReady] = self._collect(range(world), WorkerReady, "loading its model shard")
         self.vocab_size: int = ready[0].vocab_size
         self.weight_bytes: int = sum(r.weight_bytes for r in ready.values())
         self.kv_cache_spec: KVCacheSpec = ready[0].kv_cache_spec  # per rank
@@ -83,7 +87,7 @@ class MultiprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(scheduler_output)
-        return self._collect([0], ModelRunnerOutput, "running a step")[0]
+        return self._collect([self.output_rank], ModelRunnerOutput, "running a step")[self.output_rank]
 
     def shutdown(self) -> None:
         """Stop every worker (Shutdown, then terminate, then kill); idempotent."""

@@ -12,6 +12,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
@@ -34,7 +35,8 @@ from portside.model.rotary import RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TP", "DecoderForCausalLM", "GatedMLP", "DecoderAttention", "DecoderLayer", "activation"]
+__all__ = ["TP", "DecoderForCausalLM", "GatedMLP", "DecoderAttention", "DecoderLayer", "PipelineStage", "activation",
+           "pipeline_stages"]
 
 # checkpoint name fragment -> (fused module fragment, shard id)
 _STACKED = (
@@ -61,6 +63,46 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "gelu":
         return F.gelu
     raise ValueError(f"activation {name!r} is not supported; portside supports silu, gelu and gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The decoder layers [start, end) one pipeline-parallel stage holds, of `num_stages`. The
+    first stage embeds the tokens, the last holds the final norm and the LM head; every other
+    stage's input is the hidden state the previous one computed (`DecoderForCausalLM.stage_input`)
+    and a non-last stage returns its residual stream un-normalised, for the next."""
+
+    index: int
+    num_stages: int
+    start: int
+    end: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def pipeline_stages(num_layers: int, num_stages: int, layers: tuple[int, ...] | None = None) -> list[PipelineStage]:
+    """Split `num_layers` decoder layers into `num_stages` consecutive stages: `layers` per stage
+    if given, else balanced by count (the first `num_layers % num_stages` stages one more)."""
+    if layers is None:
+        if num_stages > num_layers:
+            raise ValueError(f"pipeline_parallel_size {num_stages} exceeds the model's {num_layers} decoder layers")
+        base, extra = divmod(num_layers, num_stages)
+        layers = tuple(base + (s < extra) for s in range(num_stages))
+    if len(layers) != num_stages or sum(layers) != num_layers or min(layers) < 1:
+        raise ValueError(f"pipeline_layers {list(layers)} must be {num_stages} positive counts summing to the model's "
+                         f"{num_layers} decoder layers")
+    starts = [sum(layers[:s]) for s in range(num_stages)]
+    return [PipelineStage(s, num_stages, starts[s], starts[s] + layers[s]) for s in range(num_stages)]
+
+
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds (keeps the others' global names and indices)."""
 
 
 class TP:
@@ -205,9 +247,11 @@ class DecoderModel(nn.Module):
     """The decoder's parameters (HF names `model.*`). The forward pass is on DecoderForCausalLM,
     which also exposes it piece by piece (`PiecewiseModel`)."""
 
-    def __init__(self, model_cls: type[DecoderForCausalLM], args: ModelArgs, tp: TP, dtype: torch.dtype) -> None:
+    def __init__(self, model_cls: type[DecoderForCausalLM], args: ModelArgs, tp: TP, dtype: torch.dtype,
+                 stage: PipelineStage) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm) \
+            if stage.is_first else None
         rotary_dim = int(args.head_dim * args.partial_rotary_factor)
         self.rotary = RotaryEmbedding(
             args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings, args.max_model_len,
@@ -220,8 +264,9 @@ class DecoderModel(nn.Module):
             if args.rope_local_theta is not None
             else None
         )
-        self.layers = nn.ModuleList(DecoderLayer(model_cls, args, i, tp, dtype) for i in range(args.num_layers))
-        self.norm = model_cls.norm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(model_cls, args, i, tp, dtype) if stage.start <= i < stage.end
+                                    else MissingLayer() for i in range(args.num_layers))
+        self.norm = model_cls.norm(args.hidden_size, args.rms_norm_eps, dtype) if stage.is_last else None
 
 
 class DecoderForCausalLM(nn.Module):
@@ -246,16 +291,22 @@ class DecoderForCausalLM(nn.Module):
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
         ops: ModelOps | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.config = args
         self.dtype = dtype
+        self.stage = stage or PipelineStage(0, 1, 0, args.num_layers)
         tp = TP(comm or SingleRankCommunicator(), tp_rank, tp_size, ops or ModelOps())
-        self.model = DecoderModel(type(self), args, tp, dtype)
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm)
-        if args.tie_word_embeddings:
+        self.model = DecoderModel(type(self), args, tp, dtype, self.stage)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm) \
+            if self.stage.is_last else None
+        if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = math.sqrt(args.hidden_size) if self.scale_embeddings else None
+        # pipeline parallelism: the previous stage's hidden states [T, hidden], set by the runner
+        # before each forward of a stage that is not the first (what `embed` returns as h)
+        self.stage_input: torch.Tensor | None = None
 
     @classmethod
     def make_mlp(cls, args: ModelArgs, i: int, tp: TP, dtype: torch.dtype) -> nn.Module:
@@ -282,17 +333,24 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.layers)
+        """Layers this model (this pipeline stage) runs; `i` below counts from its first."""
+        return self.stage.end - self.stage.start
 
     def _layer(self, i: int) -> DecoderLayer:
-        return cast(DecoderLayer, self.model.layers[i])  # nn.ModuleList items are typed as Module
+        return cast(DecoderLayer, self.model.layers[self.stage.start + i])  # nn.ModuleList items are typed as Module
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """-> (h [T, hidden], rope: cos, sin [T, rotary_dim/2] shared by every layer, then the
-        sliding layers' own cos, sin where they have their own base)."""
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        sliding layers' own cos, sin where they have their own base). A later pipeline stage's
+        h is the previous stage's output (`stage_input`)."""
+        if self.model.embed_tokens is None:
+            if self.stage_input is None:
+                raise RuntimeError(f"pipeline stage {self.stage.index} runs without the previous stage's hidden states")
+            h = self.stage_input
+        else:
+            h = self.model.embed_tokens(input_ids)  # [T, hidden]
+            if self.embed_scale is not None:
+                h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         rope = self.model.rotary(positions, h.dtype)
         if self.model.rotary_local is not None:
             rope = rope + self.model.rotary_local(positions, h.dtype)
@@ -308,7 +366,7 @@ class DecoderForCausalLM(nn.Module):
         return self._layer(i).post_attention(h, o)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(h)
+        return h if self.model.norm is None else self.model.norm(h)  # a non-last stage passes its residual stream on
 
     def attention_scale(self, i: int) -> float:
         return self._layer(i).self_attn.scale
@@ -317,6 +375,7 @@ class DecoderForCausalLM(nn.Module):
         return self._layer(i).self_attn.features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
@@ -336,7 +395,7 @@ class DecoderForCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self._layer(0).self_attn
         return KVCacheSpec(
-            num_layers=self.config.num_layers,
+            num_layers=self.num_layers,
             num_kv_heads=attn.num_kv_heads,
             head_size=self.config.head_dim,
             dtype=self.dtype,
@@ -376,16 +435,22 @@ class DecoderForCausalLM(nn.Module):
                 continue
             scale = _KV_SCALE.search(name)
             if scale:  # an fp8 KV cache's scales: kept whatever the cache (`use_kv_scales`)
-                if scale[2] != "q":  # q_scale: fp8 attention math, which portside does not do
+                layer = self.model.layers[int(scale[1])] if int(scale[1]) < len(self.model.layers) else None
+                if scale[2] != "q" and not isinstance(layer, MissingLayer):  # q_scale: fp8 attention math (not done)
                     try:
-                        self._layer(int(scale[1])).self_attn.load_kv_scale(scale[2], tensor)
+                        cast(DecoderLayer, layer).self_attn.load_kv_scale(scale[2], tensor)
                     except (ValueError, IndexError) as e:
                         raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: {e}") from None
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store the copy anyway
             for target, shard_id, part in self.checkpoint_tensors(name, tensor):
+                if target == "model.embed_tokens.weight" and self.model.embed_tokens is None and self.lm_head is not None \
+                        and self.config.tie_word_embeddings:
+                    target = "lm_head.weight"  # a last pipeline stage's tied head
                 if target not in params:
+                    if self._other_stage(target):
+                        continue
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
                 param = params[target]
                 loader = getattr(param, "weight_loader", default_weight_loader)
@@ -398,11 +463,20 @@ class DecoderForCausalLM(nn.Module):
                 loaded |= {(target, s) for s in _parts(param)} if shard_id is None else {(target, shard_id)}
         return loaded
 
+    def _other_stage(self, target: str) -> bool:
+        """Whether parameter `target` belongs to another pipeline stage."""
+        m = re.match(r"model\.layers\.(\d+)\.", target)
+        if m:
+            return isinstance(self.model.layers[int(m[1])], MissingLayer) if int(m[1]) < len(self.model.layers) else False
+        if target.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None
+        return target.startswith(("model.norm.", "lm_head.")) and not self.stage.is_last
+
     def check_loaded(self, loaded: set[tuple[str, object]]) -> None:
         """Raise if some parameter (or fused part) was never filled by `load_weights`."""
         expected = {(name, s) for name, param in self.named_parameters() for s in _parts(param)
                     if not getattr(param, "optional", False)}  # a quantized format's optional tensors (g_idx)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.model.embed_tokens is not None:
             expected.discard(("lm_head.weight", None))
         missing = sorted(_checkpoint_name(name, shard) for name, shard in expected - loaded)
         if missing:

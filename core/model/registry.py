@@ -84,9 +84,13 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     ops: ModelOps | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    pipeline_layers: tuple[int, ...] | None = None,
 ) -> CausalLM:
     """Build the model for `model_config.path` (HF folder or .gguf file) on `device` in
-    `model_config.dtype`, holding only this rank's tensor-parallel shard, and load its weights.
+    `model_config.dtype`, holding only this rank's tensor-parallel shard of its pipeline stage
+    (`pp_rank` of `pp_size`, layers split by `pipeline_stages`), and load its weights.
 
     Parameters are allocated uninitialised on the device and filled straight from the
     checkpoint, so no full-model copy is made.
@@ -99,8 +103,14 @@ def load_model(
     cls = model_class(args.architecture)
     ops = ops or ModelOps()
     qc = model_config.quantization
+    stage = None
+    if pp_size > 1:
+        from portside.model.decoder import pipeline_stages
+
+        stage = pipeline_stages(args.num_layers, pp_size, pipeline_layers)[pp_rank]
     with torch.device(device):
-        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops)
+        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops,
+                    **({"stage": stage} if stage is not None else {}))
         if qc is not None:  # the format's checkpoint tensors, on the device too
             from portside.quant.apply import prepare_model_for_format
 

@@ -47,7 +47,7 @@ def _check_attention_features(model: object, platform: type[Platform], backend: 
     features = getattr(model, "attention_features", None)
     if not refused or features is None:
         return
-    for i in range(model.config.num_layers):  # type: ignore[attr-defined]
+    for i in range(getattr(model, "num_layers", model.config.num_layers)):  # type: ignore[attr-defined]
         for name, value in features(i).items():
             if value is not None and name in refused:
                 raise ValueError(
@@ -116,7 +116,10 @@ class ModelRunner:
         eos_token_id: int | None,
         rank: int = 0,
         local_rank: int = 0,
+        world_comm: Communicator | None = None,
     ) -> None:
+        """`rank` counts in the world of TP x PP ranks (`ParallelConfig`); `comm` is this rank's
+        tensor-parallel group and `world_comm` (pipeline parallelism only) every rank's."""
         from portside.model.registry import load_model
 
         self.config = config
@@ -125,11 +128,19 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         platform.set_device(local_rank)
         self.device = platform.device(local_rank)
-        tp = config.parallel.tensor_parallel_size
+        par = config.parallel
+        tp = par.tensor_parallel_size
+        self.rank, self.world_comm = rank, world_comm
+        self.pp_rank, self.pp_size = rank // tp, par.pipeline_parallel_size
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
         if config.lora is not None and not platform.supports_lora:
             raise ValueError(f"LoRA adapters (enable_lora) are not supported on the {platform.name} platform")
+        if self.pp_size > 1 and not platform.supports_pipeline_parallel:
+            raise ValueError(f"pipeline parallelism (pipeline_parallel_size {self.pp_size}) is not supported on the "
+                             f"{platform.name} platform")
         ops = platform.model_ops(config)
-        self.model = load_model(config.model, self.device, comm, tp_rank=rank, tp_size=tp, ops=ops)
+        self.model = load_model(config.model, self.device, comm, tp_rank=rank % tp, tp_size=tp, ops=ops,
+                                pp_rank=self.pp_rank, pp_size=self.pp_size, pipeline_layers=par.pipeline_layers)
         platform.prepare_model(cast(torch.nn.Module, self.model), config)
         self.lora = None
         if config.lora is not None:
@@ -152,10 +163,11 @@ class ModelRunner:
         if use_scales is not None:
             use_scales(self.kv_cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
-        if self.lora is None:
+        if self.lora is None and self.pp_size == 1:
             self.graph_runner = platform.graph_runner(self.model, config)
-        else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
-            logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
+        else:  # a step's adapters, a stage's input: data the platforms' captured graphs and fused steps do not take
+            logger.info("%s: the model runs eagerly (no graph capture or fused decode steps)",
+                        "LoRA" if self.lora is not None else "pipeline parallelism")
             self.graph_runner = EagerGraphRunner(self.model, config)
         self.sampler = platform.sampler(config)
         # task embed: every request ends with its pooled prompt (`pooler`), never samples
@@ -230,27 +242,36 @@ class ModelRunner:
             counts = scheduler_output.num_scheduled_tokens
             self.lora.set_batch([self.requests[r].lora_request for r in batch.req_ids], [counts[r] for r in batch.req_ids],
                                 self.device)
+        last = self.is_last_stage
         with self.platform.inference_mode():
             ctx = ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(batch.metadata))
+            if self.pp_rank > 0:  # the previous stage's hidden states, from the same TP rank there
+                h = torch.empty(len(batch.input_ids), self.model.config.hidden_size, dtype=self.model.dtype,  # type: ignore[attr-defined]
+                                device=self.device)
+                self.model.stage_input = self.comm.recv(h, src=self.rank - self.config.parallel.tensor_parallel_size)  # type: ignore[attr-defined]
             hidden = self.graph_runner(batch.input_ids, batch.positions, ctx)
+            if not last:
+                self.comm.send(hidden, dst=self.rank + self.config.parallel.tensor_parallel_size)
             sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
             logprobs: dict[str, LogprobsLists] = {}
             pooled: dict[str, list[float]] = {}
             prompt_lps: dict[str, tuple[int, LogprobsLists]] = {}
             if self.pooler is not None:
-                pooled = self.pooler.step(hidden, self._pool_chunks(batch, scheduler_output.num_scheduled_tokens))
-            elif batch.sampled_req_ids or batch.prompt_rows:
+                if last:
+                    pooled = self.pooler.step(hidden, self._pool_chunks(batch, scheduler_output.num_scheduled_tokens))
+            elif last and (batch.sampled_req_ids or batch.prompt_rows):
                 logits, prompt_lps = self._logits(hidden, batch)
             if self.pooler is None and batch.sampled_req_ids:
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
-                meta = self._sampling_metadata(states, batch.spec)
-                out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch))
-                token_ids = out.sampled_token_ids  # [num_rows]
-                if self.comm.world_size > 1:
-                    # Every rank continues from rank 0's tokens, whatever its own sampler drew.
-                    token_ids = self.comm.broadcast(token_ids.contiguous(), src=0)
-                rows = token_ids.tolist()
-                row_lps = out.logprobs.tolists(meta.num_logprobs) if out.logprobs is not None else None
+                row_lps = None
+                if last:
+                    meta = self._sampling_metadata(states, batch.spec)
+                    out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch))
+                    token_ids = out.sampled_token_ids.to(torch.int64)  # [num_rows]
+                    row_lps = out.logprobs.tolists(meta.num_logprobs) if out.logprobs is not None else None
+                else:  # an earlier pipeline stage: the last one's draws arrive below
+                    token_ids = torch.empty(len(batch.logits_indices), dtype=torch.int64, device=self.device)
+                rows = self._share_sampled(token_ids).tolist()
                 row = 0
                 for state, spec in zip(states, batch.spec):
                     new = accepted_tokens(rows[row : row + 1 + len(spec)], spec)
@@ -267,6 +288,15 @@ class ModelRunner:
                 state.num_computed_tokens -= len(spec_scheduled[rid]) + 1 - len(sampled[rid])
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled,
                                  prompt_logprobs=prompt_lps, spec_token_ids=self._propose(sampled))
+
+    def _share_sampled(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Every rank continues from the same tokens, whatever its own sampler drew: the first
+        rank of the last pipeline stage's (`ParallelConfig.output_rank`), or tensor-parallel rank 0's."""
+        if self.world_comm is not None:
+            return self.world_comm.broadcast(token_ids.contiguous(), src=self.config.parallel.output_rank)
+        if self.comm.world_size > 1:
+            return self.comm.broadcast(token_ids.contiguous(), src=0)
+        return token_ids
 
     def _propose(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Speculative decoding: the next proposals of each request that sampled this step (none
