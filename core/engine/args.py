@@ -135,6 +135,10 @@ class EngineArgs:
             platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
         self._check_vllm_flags()
+        if self.pipeline_parallel_size > 1 and hf.get("num_hidden_layers"):  # the split fails here, not in a worker
+            from portside.model.decoder import pipeline_stages
+
+            pipeline_stages(int(hf["num_hidden_layers"]), self.pipeline_parallel_size, config.parallel.pipeline_layers)
         if self.pipeline_parallel_size > 1 and config.speculative is not None and config.speculative.draft is not None:
             raise ValueError("draft-model speculative decoding with pipeline parallelism is not supported; use method "
                              "ngram or --pipeline-parallel-size 1")
@@ -169,10 +173,11 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1 and self.enable_lora:
             raise ValueError("LoRA adapters with pipeline parallelism are not supported; drop --enable-lora or use "
                              "--pipeline-parallel-size 1")
-        if self.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not implemented yet")
         if backend == "ray":
-            raise ValueError("distributed_executor_backend ray is not implemented yet")
+            from portside.distributed.ray_cluster import RAY_MISSING, ray_available
+
+            if not ray_available():
+                raise ValueError(RAY_MISSING)
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               data_parallel_size=self.data_parallel_size, distributed_executor_backend=backend,

@@ -3,7 +3,9 @@
     python -m portside.testing.conformance.comm_worker DEVICE RANK WORLD_SIZE PORT
 
 Joins a process group of the platform's `dist_backend`, gets `platform.communicator()` and
-checks all_reduce, all_gather (dims 0 and -1), broadcast (every source) and barrier. Prints
+checks all_reduce, all_gather (dims 0 and -1), broadcast (every source), barrier, and send / recv
+around the ring (what pipeline-parallel stages use; skipped where the platform sets
+`supports_pipeline_parallel = False`). Prints
 "OK" or the first failure (prefixed with the collective's name) and exits 0 or 1.
 """
 
@@ -44,6 +46,17 @@ def check(device_name: str, rank: int, world: int, port: int) -> str | None:
             if not torch.equal(got, torch.full((5,), float(src))):
                 return f"broadcast(src={src}): got {got.tolist()}"
         comm.barrier()
+        if platform.supports_pipeline_parallel and world > 1:
+            nxt, prev = (rank + 1) % world, (rank - 1) % world
+            out = torch.arange(12, dtype=torch.float32, device=dev).view(3, 4) + 1000 * rank
+            box = torch.empty(3, 4, device=dev)
+            for step in (0, 1):  # even ranks send first, odd ones receive first: no order can deadlock
+                if (rank + step) % 2 == 0:
+                    comm.send(out, dst=nxt)
+                else:
+                    got = comm.recv(box, src=prev).cpu()
+            if not torch.equal(got, torch.arange(12.0).view(3, 4) + 1000 * prev):
+                return f"send/recv: rank {rank} got {got.tolist()} from rank {prev}"
         comm.destroy()
         return None
     finally:

@@ -1,5 +1,5 @@
 """Communicator contract: collectives at world size 1 (no process group, and an initialised one)
-and at world size 2 in subprocesses, where the platform's distributed backend can run here."""
+and at world size 2 in subprocesses (send / recv too, for pipeline parallelism), where the platform's distributed backend can run here."""
 
 from __future__ import annotations
 
