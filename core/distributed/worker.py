@@ -100,7 +100,7 @@ def run_pipe_worker(
     process exits with status 1. The engine stops it with `Shutdown` (or by closing the pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     try:
-        limit_threads(platform, world_size)
+        limit_threads(platform, world_size * config.parallel.data_parallel_size)  # every replica's ranks share the cores
         init_process_group(platform, rank, world_size, init_method)
         worker = Worker(config, platform, eos_token_id, rank, local_rank=rank)
         conn.send(worker.ready())

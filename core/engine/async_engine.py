@@ -72,6 +72,7 @@ class RequestRecord:
     first_scheduled_time: float | None = None  # when the scheduler first admitted it (engine clock, same monotonic)
     params: SamplingParams | None = None
     lora_name: str | None = None  # the LoRA adapter it ran with
+    engine_index: int = 0  # the data-parallel replica that ran it (metrics' `engine` label)
 
     @property
     def queue_time(self) -> float | None:
@@ -106,6 +107,18 @@ class RequestRecord:
         return (self.finish_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
 
+def check_waiting_limit(limit: int | None, num_waiting: int, num_seqs: int) -> None:
+    """`QueueFullError` unless `num_seqs` more sequences may wait beside `num_waiting` under
+    `limit` (None: no limit); ValueError when that many could never wait at once."""
+    if limit is None:
+        return
+    if num_seqs > limit:
+        raise ValueError(f"the request has {num_seqs} sequences (prompts x n), more than the {limit} this server "
+                         "lets wait at once (--max-waiting-requests); send fewer prompts or a smaller n")
+    if num_waiting + num_seqs > limit:
+        raise QueueFullError(f"too many waiting requests ({num_waiting} sequences of at most {limit}); retry later")
+
+
 def release_free_memory() -> None:
     """Hand the allocator's free pages back to the OS (glibc's `malloc_trim`), when the engine
     goes idle: the peaks of a busy period (activations of the largest batches, in every
@@ -124,6 +137,7 @@ def _malloc_trim() -> Any:
 
 
 IDLE_GC_S = 1.0  # a full garbage collection once the engine has been idle this long after working
+HEALTH_CHECK_S = 1.0  # while idle, how often the engine's `check_health` (when it has one) runs
 BUSY_GC_INTERVAL_S = 120.0  # and one at least this often while it never goes idle
 
 
@@ -283,7 +297,13 @@ class AsyncLLMEngine:
     accepted but not yet produced a token; past it `add_request` raises `QueueFullError`.
     `on_request_done` is called on the event loop with a `RequestRecord` for every request that
     ends. `manage_gc`: full garbage collections while it runs as `FullCollections` says
-    (process-wide; restored by `shutdown`).
+    (process-wide; restored by `shutdown`); a `FullCollections` instance instead: one that several
+    async engines share, started and stopped by its owner (`portside.engine.data_parallel`).
+    `engine_index` and `name`: the data-parallel replica this is (records and error messages).
+
+    While idle, the engine's `check_health()` (if it has one) runs every HEALTH_CHECK_S: a worker
+    process that died between requests stops the step loop (`is_running` turns False) at once,
+    not when the next request arrives.
     """
 
     def __init__(
@@ -293,9 +313,13 @@ class AsyncLLMEngine:
         max_waiting_requests: int | None = None,
         on_request_done: Callable[[RequestRecord], None] | None = None,
         on_step: Callable[[Any], None] | None = None,
-        manage_gc: bool = True,
+        manage_gc: bool | FullCollections = True,
+        engine_index: int = 0,
+        name: str = "the engine",
     ) -> None:
         self.engine = engine
+        self.engine_index = engine_index
+        self.name = name
         self.max_waiting_requests = max_waiting_requests
         self.on_request_done = on_request_done
         self.on_step = on_step  # called on the event loop with each step's `EngineStats`
@@ -308,7 +332,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_stats: Any = None
-        self._gc = FullCollections() if manage_gc else None
+        self._owns_gc = manage_gc is True
+        self._gc = manage_gc if isinstance(manage_gc, FullCollections) else FullCollections() if manage_gc else None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -318,7 +343,7 @@ class AsyncLLMEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._last_stats = self.engine.stats()
-        if self._gc is not None:
+        if self._gc is not None and self._owns_gc:
             self._gc.start()
         self._thread = threading.Thread(target=self._run, name="portside-engine-loop", daemon=True)
         self._thread.start()
@@ -332,8 +357,21 @@ class AsyncLLMEngine:
         return self._accepting and self.is_running
 
     @property
+    def error(self) -> BaseException | None:
+        """What stopped the step loop (None while it runs)."""
+        return self._error
+
+    @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_unfinished_seqs(self) -> int:
+        """Sequences (a request's n samples each) accepted and not finished."""
+        return sum(s.num_seqs for s in self._streams.values())
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     @property
     def num_waiting(self) -> int:
@@ -347,18 +385,15 @@ class AsyncLLMEngine:
     def check_capacity(self, num_seqs: int) -> None:
         """Raise `QueueFullError` unless `num_seqs` more sequences may wait now, or ValueError
         when that many could never wait at once."""
-        limit = self.max_waiting_requests
-        if limit is None:
-            return
-        if num_seqs > limit:
-            raise ValueError(f"the request has {num_seqs} sequences (prompts x n), more than the {limit} this server "
-                             "lets wait at once (--max-waiting-requests); send fewer prompts or a smaller n")
-        if self.num_waiting + num_seqs > limit:
-            raise QueueFullError(f"too many waiting requests ({self.num_waiting} sequences of at most {limit}); retry later")
+        check_waiting_limit(self.max_waiting_requests, self.num_waiting, num_seqs)
 
     def stats(self) -> Any:
         """The engine's `EngineStats` after the latest step (never calls into the engine)."""
         return self._last_stats
+
+    def engine_stats(self) -> list[Any]:
+        """`stats()` per engine replica: one here (`DataParallelEngine` has several)."""
+        return [self._last_stats]
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -378,7 +413,7 @@ class AsyncLLMEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        if self._gc is not None:
+        if self._gc is not None and self._owns_gc:
             self._gc.stop()
         self.engine.shutdown()
 
@@ -394,7 +429,7 @@ class AsyncLLMEngine:
         request. `check_capacity=False`: the caller checked the waiting limit for a batch of requests.
         """
         if not self.accepting:
-            raise EngineStoppedError("the server is shutting down" if self.is_running else "the engine stopped")
+            raise EngineStoppedError("the server is shutting down" if self.is_running else f"{self.name} stopped")
         if check_capacity:
             self.check_capacity(params.num_samples)
         if request_id in self._streams:
@@ -484,7 +519,7 @@ class AsyncLLMEngine:
         for rid, stream in list(self._streams.items()):
             del self._streams[rid]
             stream.finished = True
-            failure = EngineStoppedError(f"the engine failed: {type(error).__name__}")
+            failure = EngineStoppedError(f"{self.name} failed: {type(error).__name__}")
             if not stream.accepted.done():
                 stream.accepted.set_exception(failure)
             self._record(stream, "error")
@@ -505,6 +540,7 @@ class AsyncLLMEngine:
             first_scheduled_time=stream.engine_times.get("first_scheduled_time"),
             params=stream.params,
             lora_name=getattr(stream.lora_request, "lora_name", None),
+            engine_index=self.engine_index,
         )
         try:
             self.on_request_done(record)
@@ -517,6 +553,7 @@ class AsyncLLMEngine:
         loop = self._loop
         assert loop is not None
         worked, last_trim = False, 0.0  # stepped since memory was last released; when
+        check_health = getattr(self.engine, "check_health", None)
         try:
             while True:
                 with self._cv:
@@ -524,16 +561,24 @@ class AsyncLLMEngine:
                 if idle and worked and time.monotonic() - last_trim > 1.0:  # at most once a second
                     release_free_memory()
                     worked, last_trim = False, time.monotonic()
-                collect = False
+                collect = check = False
                 with self._cv:
                     while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
-                        if self._gc is None or not self._gc.dirty:
-                            self._cv.wait()
-                        elif not self._cv.wait(timeout=IDLE_GC_S) and self._gc.due_when_idle():
+                        gc_pending = self._gc is not None and self._gc.dirty
+                        timeout = HEALTH_CHECK_S if check_health is not None else IDLE_GC_S if gc_pending else None
+                        if self._cv.wait(timeout=timeout):
+                            continue
+                        if gc_pending and self._gc is not None and self._gc.due_when_idle():
                             collect = True  # idle that long, nothing handed out still held: collect now
+                            break
+                        if check_health is not None:
+                            check = True
                             break
                     commands, self._commands = self._commands, []
                     stop = self._stop
+                if check:
+                    assert check_health is not None
+                    check_health()  # raises when a worker died: the loop reports it below
                 if collect:
                     assert self._gc is not None
                     self._gc.collect()

@@ -49,7 +49,7 @@ def make_executor(config: EngineConfig, platform: type[Platform], eos_token_id: 
         from portside.distributed.launched import LaunchedExecutor
 
         return LaunchedExecutor(config, platform, eos_token_id, env)
-    if world == 1:
+    if world == 1 and config.parallel.data_parallel_size == 1:  # a data-parallel replica computes in a worker process
         return UniProcExecutor(config, platform, eos_token_id)
     from portside.engine.multiproc_executor import MultiprocExecutor
 

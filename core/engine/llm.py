@@ -45,6 +45,9 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size, **kwargs,
         )  # fmt: skip
+        if isinstance(args.data_parallel_size, int) and args.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: LLM runs one engine; serve replicas with "
+                             f"`portside serve MODEL -dp {args.data_parallel_size}` (or run one LLM per process)")
         self.engine = LLMEngine(args)
         self._counter = itertools.count()
 

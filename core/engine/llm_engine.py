@@ -299,6 +299,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """RuntimeError when a worker process of the executor has exited: a step would fail, so
+        an idle engine reports it now (the async engine calls this while idle). Stops the
+        executor's remaining workers."""
+        import multiprocessing
+
+        pids = list(getattr(self.executor, "pids", ()))
+        if not pids:
+            return
+        alive = {p.pid for p in multiprocessing.active_children()}  # polls (reaps) exited children
+        dead = [pid for pid in pids if pid not in alive]
+        if dead:
+            self.executor.shutdown()
+            raise RuntimeError(f"worker process(es) {dead} of {len(pids)} exited while the engine was idle; "
+                               "the other workers were stopped")
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         usage = s.kv_cache_usage

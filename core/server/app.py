@@ -75,12 +75,23 @@ class ServerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_app(engine: SyncEngine, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`; its step loop starts with the app's lifespan."""
+def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> FastAPI:
+    """An app serving `engine`, or a list of data-parallel replicas of it
+    (`portside.engine.data_parallel`); the step loops start with the app's lifespan."""
     holder: dict[str, Any] = {}
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
+    replicas = engine if isinstance(engine, list) else [engine]
+    engine = replicas[0]
+    async_engine: Any  # AsyncLLMEngine, or the DataParallelEngine front with its interface
+    if len(replicas) == 1:
+        async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
+    else:
+        from portside.engine.data_parallel import DataParallelEngine
+
+        async_engine = DataParallelEngine(replicas, block_size=engine.config.cache.block_size,  # type: ignore[attr-defined]
+                                          max_waiting_requests=config.max_waiting_requests)
     model = config.served_model_names[0]
-    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting, model, engine.max_model_len)
+    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting, model, engine.max_model_len,
+                            engine_stats=async_engine.engine_stats, num_engines=len(replicas))
     on_done: list[Callable[[RequestRecord], None]] = [metrics.observe]
     if config.log_requests:
         on_done.append(RequestLogger(model))

@@ -153,14 +153,15 @@ def banner(engine: Any, args: argparse.Namespace, config: ServerConfig, scheme: 
         device = f"{c.device} ({engine.platform.device_info().name})"
     except Exception:  # a plugin's memory query must not stop the start
         device = c.device
-    blocks, size = engine.num_blocks, c.cache.block_size
+    blocks, size, dp = engine.num_blocks, c.cache.block_size, c.parallel.data_parallel_size
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"{scheme}://{host}:{args.port}{config.root_path or ''}"
     return "\n".join([
         f"portside: serving {args.model or DEFAULT_MODEL_NAME + ' (the embedded default model)'}",
         f"  architecture {architecture}, dtype {dtype}, model weights {engine.weight_bytes / 2**20:.1f} MiB",
         f"  device {device}",
-        f"  KV cache {blocks} blocks x {size} tokens = {blocks * size} tokens, max_model_len {c.model.max_model_len}",
+        f"  KV cache {blocks} blocks x {size} tokens = {blocks * size} tokens, max_model_len {c.model.max_model_len}"
+        + (f" (per replica)\n  data parallel: {dp} replicas, each on {c.parallel.world_size} worker process(es)" if dp > 1 else ""),
         f"  served model name(s): {', '.join(config.served_model_names)}",
         f"  listening on {url} (OpenAI API under {url}/v1)",
     ])
@@ -202,18 +203,30 @@ class RedactSecrets(logging.Filter):
         return True
 
 
+def start_engines(args: argparse.Namespace) -> list[Any]:
+    """The engine, or with --data-parallel-size D > 1 its D replicas (`portside.engine.data_parallel`)."""
+    from portside.engine.args import engine_kwargs
+    from portside.engine.llm_engine import LLMEngine
+
+    kwargs = engine_kwargs(args)
+    dp = kwargs.pop("data_parallel_size", 1)
+    if isinstance(dp, int) and dp > 1:
+        from portside.engine.data_parallel import start_replicas
+
+        return start_replicas(dp, model=args.model, **kwargs)
+    return [LLMEngine.from_args(model=args.model, data_parallel_size=dp, **kwargs)]
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; in-flight requests finish first. Returns the exit code."""
     import uvicorn
-
-    from portside.engine.args import engine_kwargs
-    from portside.engine.llm_engine import LLMEngine
 
     __import__("portside.server.debug_memory", fromlist=["_"]).install_from_env()  # PORTSIDE_TRACEMALLOC=1: soak bench
     config = server_config(args)
     ssl = ssl_files(args)
     check_port(args.host, args.port)  # before the model loads: a taken port fails in a second, not after it
-    engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
+    replicas = start_engines(args)
+    engine = replicas[0]
     if config.lora_modules:  # a bad adapter stops the start here, with its message (exit 2)
         from portside.lora.request import LoRARequest
 
@@ -221,10 +234,11 @@ def run_server(args: argparse.Namespace) -> int:
             for i, m in enumerate(config.lora_modules, 1):  # the ids ServedAdapters gives them
                 engine.loras.check(LoRARequest(m.name, i, m.path, m.base_model_name))
         except ValueError:
-            engine.shutdown()
+            for e in replicas:
+                e.shutdown()
             raise
     print(banner(engine, args, config, "https" if ssl else "http"), file=sys.stderr, flush=True)
-    app = build_app(engine, config)
+    app = build_app(replicas if len(replicas) > 1 else engine, config)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

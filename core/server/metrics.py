@@ -69,7 +69,11 @@ class ServerMetrics:
     """The server's Prometheus registry."""
 
     def __init__(self, stats: Callable[[], Any], num_waiting: Callable[[], int], model_name: str = "",
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, engine_stats: Callable[[], list[Any]] | None = None,
+                 num_engines: int = 1) -> None:
+        """`stats`: the engine's `EngineStats` (summed over data-parallel replicas) for the
+        `portside_*` series; `engine_stats`: one per replica (default: `[stats()]`) for the
+        `vllm:*` series, labelled `engine="i"` as vLLM's."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("portside_requests", "Generation requests by outcome.", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
@@ -87,11 +91,12 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.registry.register(_EngineCollector(stats, num_waiting))
-        self.vllm = VllmMetrics(self.registry, model_name, max_model_len, stats)
+        per_engine = engine_stats if engine_stats is not None else (lambda: [stats()])
+        self.vllm = VllmMetrics(self.registry, model_name, max_model_len, per_engine, num_engines)
 
-    def observe_step(self, stats: Any) -> None:
-        """Account for one engine step (the async engine's `on_step`)."""
-        self.vllm.observe_step(stats)
+    def observe_step(self, stats: Any, engine_index: int = 0) -> None:
+        """Account for one engine step (the async engine's `on_step`) of replica `engine_index`."""
+        self.vllm.observe_step(stats, engine_index)
 
     def observe(self, record: RequestRecord) -> None:
         """Account for one ended request (the async engine's `on_request_done`)."""

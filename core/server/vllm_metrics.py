@@ -2,7 +2,8 @@
 and autoscalers read a portside server unchanged.
 
 Names, types, buckets and labels follow vLLM's v1 engine: every series has `model_name` (the
-first served model name) and `engine` ("0": one engine per server). Per-request histograms and
+first served model name) and `engine` (the data-parallel replica: "0" .. "D-1"; "0" alone
+without data parallelism). Per-request histograms and
 `vllm:request_success_total` are observed from the async engine's `RequestRecord`s, per-step
 histograms (tokens per step, inter-token latency) from each step's `EngineStats`, and gauges and
 engine-wide counters are read from the latest `EngineStats` at scrape time.
@@ -42,17 +43,21 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 class VllmMetrics:
     """The `vllm:*` series in `registry`."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, stats: Callable[[], Any]) -> None:
-        self.labels = (model_name, "0")
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int,
+                 engine_stats: Callable[[], list[Any]], num_engines: int = 1) -> None:
+        """`engine_stats`: the latest `EngineStats` of each of the `num_engines` replicas."""
+        self.engine_labels = [(model_name, str(i)) for i in range(num_engines)]
         r = registry
 
-        def hist(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*self.labels)
+        def hist(name: str, doc: str, buckets: Any) -> list[Any]:  # one child per engine
+            family = Histogram(name, doc, LABELS, buckets=buckets, registry=r)
+            return [family.labels(*labels) for labels in self.engine_labels]
 
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                LABELS + ["finished_reason"], registry=r)
-        for reason in FINISHED_REASONS:
-            self.success.labels(*self.labels, reason)  # export zeros from the start
+        for labels in self.engine_labels:
+            for reason in FINISHED_REASONS:
+                self.success.labels(*labels, reason)  # export zeros from the start
         tokens = buckets_1_2_5(max_model_len)
         self.prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.generation_tokens = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
@@ -79,77 +84,80 @@ class VllmMetrics:
                             latency)
         self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
                            latency)
-        r.register(_EngineCollector(stats, self.labels))
+        r.register(_EngineCollector(engine_stats, self.engine_labels))
 
     def observe(self, record: RequestRecord) -> None:
-        """Account for one ended request."""
+        """Account for one ended request (under its replica's `engine` label)."""
+        e = record.engine_index if 0 <= record.engine_index < len(self.engine_labels) else 0
         if record.outcome in FINISHED_REASONS:
-            self.success.labels(*self.labels, record.outcome).inc()
+            self.success.labels(*self.engine_labels[e], record.outcome).inc()
         if record.outcome not in ("stop", "length"):  # an abort's timings are the client's
             return
-        self.prompt_tokens.observe(record.num_prompt_tokens)
-        self.generation_tokens.observe(record.num_generation_tokens)
+        self.prompt_tokens[e].observe(record.num_prompt_tokens)
+        self.generation_tokens[e].observe(record.num_generation_tokens)
         if record.params is not None:
-            self.params_n.observe(record.params.n)
+            self.params_n[e].observe(record.params.n)
             if record.params.max_tokens is not None:
-                self.params_max_tokens.observe(record.params.max_tokens)
-        self.e2e.observe(record.e2e)
+                self.params_max_tokens[e].observe(record.params.max_tokens)
+        self.e2e[e].observe(record.e2e)
         for histogram, value in ((self.ttft, record.ttft), (self.request_tpot, record.tpot), (self.queue, record.queue_time),
                                  (self.prefill, record.prefill_time), (self.decode, record.decode_time)):
             if value is not None:
-                histogram.observe(value)
+                histogram[e].observe(value)
         if record.prefill_time is not None and record.decode_time is not None:
-            self.inference.observe(record.prefill_time + record.decode_time)
+            self.inference[e].observe(record.prefill_time + record.decode_time)
 
-    def observe_step(self, stats: Any) -> None:
-        """Account for one engine step (its `EngineStats`)."""
+    def observe_step(self, stats: Any, engine_index: int = 0) -> None:
+        """Account for one step (its `EngineStats`) of replica `engine_index`."""
+        e = engine_index if 0 <= engine_index < len(self.engine_labels) else 0
         if getattr(stats, "step_tokens", 0):
-            self.iteration_tokens.observe(stats.step_tokens)
+            self.iteration_tokens[e].observe(stats.step_tokens)
         for interval in getattr(stats, "token_intervals", ()):
-            self.itl.observe(interval)
-            self.tpot.observe(interval)
+            self.itl[e].observe(interval)
+            self.tpot[e].observe(interval)
 
 
 class _EngineCollector(Collector):
-    """Gauges and engine-wide counters from the latest `EngineStats` (or zeros before the first)."""
+    """Gauges and engine-wide counters from each replica's latest `EngineStats` (or zeros before
+    the first), one sample per `engine` label."""
 
-    def __init__(self, stats: Callable[[], Any], labels: tuple[str, str]) -> None:
-        self._stats = stats
-        self._labels = list(labels)
+    def __init__(self, engine_stats: Callable[[], list[Any]], engine_labels: list[tuple[str, str]]) -> None:
+        self._engine_stats = engine_stats
+        self._labels = [list(labels) for labels in engine_labels]
 
     def collect(self) -> Iterator[Any]:
-        s = self._stats()
+        stats = list(self._engine_stats())
+        stats += [None] * (len(self._labels) - len(stats))
 
-        def get(name: str) -> float:
-            return float(getattr(s, name, 0) or 0) if s is not None else 0.0
-
-        def family(kind: type, name: str, doc: str, value: float) -> Any:
+        def family(kind: type, name: str, doc: str, attr: str) -> Any:
+            """`attr`: the EngineStats field, one sample per replica."""
             f = kind(name, doc, labels=LABELS)
-            f.add_metric(self._labels, value)
+            for labels, s in zip(self._labels, stats):
+                f.add_metric(labels, float(getattr(s, attr, 0) or 0) if s is not None else 0.0)
             return f
 
         yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
-                     get("num_running"))
+                     "num_running")
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                     get("num_waiting"))
+                     "num_waiting")
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                     get("kv_cache_usage"))
+                     "kv_cache_usage")
         yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
                      "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-                     get("kv_cache_usage"))
+                     "kv_cache_usage")
         yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
-                     "Prefix cache queries, in terms of number of queried tokens.", get("prefix_cache_queries"))
+                     "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries")
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
-                     "Prefix cache hits, in terms of number of cached tokens.", get("prefix_cache_hits"))
+                     "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits")
         yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                     get("num_preemptions"))
+                     "num_preemptions")
         yield family(CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.",
-                     get("prompt_tokens_total"))
+                     "prompt_tokens_total")
         yield family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
-                     get("generation_tokens_total"))
-        yield from self._spec_decode(getattr(s, "spec_decode", None))
+                     "generation_tokens_total")
+        yield from self._spec_decode([getattr(s, "spec_decode", None) for s in stats])
 
-    def _spec_decode(self, spec: Any) -> Iterator[Any]:
+    def _spec_decode(self, specs: list[Any]) -> Iterator[Any]:
         """Speculative decoding counters, as vLLM's (zeros without speculation)."""
         for name, attr, doc in (
             ("vllm:spec_decode_num_drafts", "num_drafts", "Number of spec decoding drafts."),
@@ -157,10 +165,12 @@ class _EngineCollector(Collector):
             ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Number of accepted tokens."),
         ):
             f = CounterMetricFamily(name, doc, labels=LABELS)
-            f.add_metric(self._labels, float(getattr(spec, attr, 0)))
+            for labels, spec in zip(self._labels, specs):
+                f.add_metric(labels, float(getattr(spec, attr, 0)))
             yield f
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labels=[*LABELS, "position"])
-        for pos, n in enumerate(getattr(spec, "num_accepted_tokens_per_pos", [])):
-            per_pos.add_metric([*self._labels, str(pos)], float(n))
+        for labels, spec in zip(self._labels, specs):
+            for pos, n in enumerate(getattr(spec, "num_accepted_tokens_per_pos", [])):
+                per_pos.add_metric([*labels, str(pos)], float(n))
         yield per_pos

@@ -206,6 +206,9 @@ class StructuredOutputManager:
         return bitmask
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._compile_pool):
+        """Stop the worker threads; a later use starts new ones (data-parallel replicas share one
+        manager, and the first replica to stop must not break the others)."""
+        pools, self._pool, self._compile_pool = (self._pool, self._compile_pool), None, None
+        for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
