@@ -38,6 +38,10 @@ def make_executor(config: EngineConfig, platform: type[Platform], eos_token_id: 
     """One rank: in-process. More: one spawned worker per rank on this machine, unless a
     launcher (torchrun) started this process as rank 0 of a WORLD_SIZE > 1 world, whose other
     ranks run `python -m portside.distributed.worker`."""
+    if config.parallel.distributed_executor_backend == "ray":  # one Ray actor per rank, on any node of the cluster
+        from portside.engine.ray_executor import RayExecutor
+
+        return RayExecutor(config, platform, eos_token_id)
     from portside.distributed.env import launcher_env
 
     world = config.parallel.world_size

@@ -1,0 +1,287 @@
+"""RayExecutor: the ranks of one engine replica (TP x PP) as Ray actors, on one node or many.
+
+Like `MultiprocExecutor`, every rank runs outside the engine process, in a `RayWorker` actor that
+wraps the same `Worker` and handles the same messages; the engine holds no shard and never enters
+a collective. The actors sit in one placement group (a bundle of one CPU, GPU or TPU per rank,
+packed onto as few nodes as fit). Ranks are numbered node by node, the engine's node first, so a
+tensor-parallel group stays on one node when it fits; the torch.distributed rendezvous is on rank
+0's node.
+
+Per step the engine sends the `SchedulerOutput` to every actor and waits for all of them, reading
+the `ModelRunnerOutput` of `ParallelConfig.output_rank`. It only ever waits in `ray.wait` with a
+timeout: an actor whose process dies (or whose node is lost) fails its pending call, a rank that
+raises replies with a `WorkerError`, and either becomes a `RuntimeError` naming the rank, its node
+and the cause; then every actor is killed and the placement group removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from typing import Any, NoReturn
+
+from portside.backend_api import KVCacheSpec, Platform
+from portside.config import EngineConfig
+from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
+from portside.distributed.ray_cluster import bundle_resource, connect, forwarded_env, import_ray, reserve
+from portside.distributed.ray_worker import RankPlace, RankSetup, RayWorker
+from portside.engine.multiproc_executor import WORKER_TIMEOUT_S
+from portside.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 1.0  # how often a wait wakes up to check its deadline
+_GRACE_S = 1.0  # after a failure: how long to wait for the other ranks (to name the cause, not a consequence)
+_STOP_S = 5.0  # shutdown: how long the actors get to leave their process group before they are killed
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None) -> None:
+        self._ray = ray = import_ray()
+        self.world_size = config.parallel.world_size
+        self.output_rank = config.parallel.output_rank
+        self._error: RuntimeError | None = None
+        self._actors: list[Any] = []  # by rank once placed
+        self._places: list[RankPlace] = []  # by rank
+        self._state: dict[str, Any] = {"pg": None, "graceful": True}
+        self._started_ray = connect(ray, self.world_size)
+        # Kills the actors when the executor is garbage-collected or at exit, even without
+        # shutdown(). It must not reference self.
+        self._finalizer = weakref.finalize(self, _release, ray, self._actors, self._state)
+        try:
+            ready = self._start(config, platform, eos_token_id)
+        except BaseException:
+            self._state["graceful"] = False
+            self.shutdown()
+            raise
+        self.vocab_size: int = ready[0].vocab_size
+        self.weight_bytes: int = sum(r.weight_bytes for r in ready.values())
+        self.kv_cache_spec: KVCacheSpec = ready[0].kv_cache_spec  # per rank
+        self._num_blocks = min(r.num_blocks for r in ready.values())
+
+    @property
+    def places(self) -> list[RankPlace]:
+        """Where each rank's actor runs (process id, node), by rank. Not `pids`: those would be
+        local processes, and an actor's is on its node."""
+        return list(self._places)
+
+    def determine_num_blocks(self) -> int:
+        """The smallest pool any rank can hold (every rank caches the same blocks)."""
+        return self._num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        replies = self._call_all(InitKVCache(num_blocks), "allocating its KV cache")
+        self._expect(replies, KVCacheReady, "allocating its KV cache")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        replies = self._call_all(scheduler_output, "running a step")
+        return self._expect({self.output_rank: replies[self.output_rank]}, ModelRunnerOutput, "running a step")[
+            self.output_rank
+        ]
+
+    def shutdown(self) -> None:
+        """Stop every actor (leave the process group, then kill), remove the placement group, and
+        disconnect from Ray if this executor connected; idempotent."""
+        self._finalizer()
+        if self._started_ray and threading.current_thread() is threading.main_thread():
+            self._started_ray = False
+            _disconnect(self._ray)
+        # Elsewhere (the server's engine thread) Ray's own exit hook disconnects: `ray.shutdown`
+        # resets the process's signal handlers, which only the main thread may install again.
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def _start(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None) -> dict[int, WorkerReady]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, world = self._ray, self.world_size
+        resource = bundle_resource(platform)
+        pg = self._state["pg"] = reserve(ray, world, resource)
+        need = {"CPU": {"num_cpus": 1}, "GPU": {"num_cpus": 0, "num_gpus": 1}}.get(
+            resource, {"num_cpus": 0, "resources": {resource: 1}})
+        env = forwarded_env()
+        actor_class = ray.remote(RayWorker)
+        for i in range(world):
+            self._actors.append(actor_class.options(
+                **need, max_restarts=0, runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
+            ).remote())  # fmt: skip
+        places = self._wait({i: a.place.remote() for i, a in enumerate(self._actors)}, "starting its Ray actor")
+        # Ranks node by node, the engine's node first: a tensor-parallel group (consecutive ranks) shares a node.
+        here = ray.get_runtime_context().get_node_id()
+        order = sorted(range(world), key=lambda i: (places[i].node_id != here, places[i].ip, places[i].node_id, i))
+        self._actors[:] = [self._actors[i] for i in order]
+        self._places[:] = [places[i] for i in order]
+        self._warn_split_groups(config)
+        ip = self._places[0].ip
+        port = self._wait({0: self._actors[0].free_port.remote(ip)}, "choosing the rendezvous port")[0]
+        init_method = f"tcp://{f'[{ip}]' if ':' in ip else ip}:{port}"
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(omp) if omp.isdigit() and int(omp) > 0 else None
+        node_ranks = [[r for r in range(world) if self._places[r].node_id == p.node_id] for p in self._places]
+        setups = {
+            r: RankSetup(r, world, node_ranks[r].index(r), len(node_ranks[r]), init_method, config, platform,
+                         eos_token_id, threads)
+            for r in range(world)
+        }  # fmt: skip
+        logger.info("Ray worker actors (rendezvous %s): %s", init_method,
+                    ", ".join(f"rank {r} pid {p.pid} on {p.ip}" for r, p in enumerate(self._places)))
+        replies = self._wait({r: a.start.remote(setups[r]) for r, a in enumerate(self._actors)}, "loading its model shard")
+        return self._expect(replies, WorkerReady, "loading its model shard")
+
+    def _warn_split_groups(self, config: EngineConfig) -> None:
+        tp = config.parallel.tensor_parallel_size
+        for first in range(0, self.world_size, tp):
+            nodes = {p.ip for p in self._places[first : first + tp]}
+            if len(nodes) > 1:
+                logger.warning("tensor-parallel ranks %d-%d span nodes %s: every layer's collectives cross the "
+                               "network; give each node at least %d %s", first, first + tp - 1, sorted(nodes), tp,
+                               "devices")
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    def _call_all(self, msg: Any, doing: str) -> dict[int, Any]:
+        self._check()
+        return self._wait({r: a.handle.remote(msg) for r, a in enumerate(self._actors)}, doing)
+
+    def _wait(self, calls: dict[int, Any], doing: str) -> dict[int, Any]:
+        """Every call's reply, by rank. A dead actor, a `WorkerError`, or no reply within
+        WORKER_TIMEOUT_S raises RuntimeError."""
+        ray = self._ray
+        pending = {ref: rank for rank, ref in calls.items()}
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail([f"rank(s) {sorted(pending.values())} gave no reply within {WORKER_TIMEOUT_S:.0f} s "
+                                f"while {doing} (raise PORTSIDE_WORKER_TIMEOUT if that is expected)"], [], pending)
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(_POLL_S, left))
+                for ref in ready:
+                    rank = pending.pop(ref)
+                    reply = self._get(ref, rank)
+                    if isinstance(reply, (WorkerError, _Died)):
+                        self._fail([], [reply], pending)
+                    got[rank] = reply
+        except (KeyboardInterrupt, SystemExit):
+            # Calls may still be running: the actors are out of step, so they go.
+            self._error = RuntimeError(f"interrupted while {doing}; the Ray worker actors were stopped")
+            self._state["graceful"] = False
+            self.shutdown()
+            raise
+        return got
+
+    def _get(self, ref: Any, rank: int) -> Any:
+        """A finished call's reply, or a `_Died` when its actor died or Ray failed it."""
+        exceptions = self._ray.exceptions
+        try:
+            return self._ray.get(ref, timeout=0)
+        except exceptions.RayActorError as e:
+            return _Died(rank, f"died: {_death_cause(e)}")
+        except exceptions.RayError as e:
+            return _Died(rank, f"failed in Ray: {_first_line(e)}")
+
+    def _expect(self, replies: dict[int, Any], kind: type, doing: str) -> dict[int, Any]:
+        for rank, reply in replies.items():
+            if not isinstance(reply, kind):
+                self._fail([f"protocol error: rank {rank} sent {type(reply).__name__} while {doing}"], [], {})
+        return replies
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if not self._finalizer.alive:
+            raise RuntimeError("the Ray executor has been shut down")
+
+    def _label(self, rank: int) -> str:
+        if rank >= len(self._places):
+            return f"rank {rank}"
+        p = self._places[rank]
+        return f"rank {rank} (pid {p.pid} on node {p.ip}, node id {p.node_id[:12]})"
+
+    def _fail(self, reasons: list[str], failures: list[WorkerError | _Died], pending: dict[Any, int]) -> NoReturn:
+        """Name the failed rank(s), their node and cause, kill every actor, and raise."""
+        # The other ranks get a moment to fail too: one killed inside a collective makes its peers
+        # raise, and the dead one is the cause.
+        grace_end = time.monotonic() + _GRACE_S
+        while pending and time.monotonic() < grace_end:
+            try:
+                ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=grace_end - time.monotonic())
+            except Exception:  # Ray itself is failing: report what we have
+                break
+            for ref in ready:
+                reply = self._get(ref, pending.pop(ref))
+                if isinstance(reply, (WorkerError, _Died)):
+                    failures.append(reply)
+        died = [f for f in failures if isinstance(f, _Died)]
+        raised = [f for f in failures if isinstance(f, WorkerError)]
+        causes = [f"{self._label(f.rank)} {f.cause}" for f in died]
+        causes += [f"{self._label(f.rank)} raised {f.error}" for f in raised]
+        message = "Ray worker failed: " + "; then ".join(causes or reasons or ["unknown cause"])
+        for e in raised[: 0 if died else 1]:  # a death is the cause: the peers' errors are its echo
+            message += f"\n--- rank {e.rank} traceback ---\n{e.traceback}"
+        self._error = RuntimeError(message)
+        logger.error("%s", message)
+        self._state["graceful"] = False
+        self.shutdown()
+        raise self._error
+
+
+class _Died:
+    """A rank whose actor died (or whose call Ray failed)."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        self.rank, self.cause = rank, cause
+
+
+def _death_cause(e: Exception) -> str:
+    """Ray's reason an actor died, without its boilerplate ("Some common causes include ...")."""
+    text = " ".join(str(e).split())
+    marker = "The actor is dead because "
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    for cut in (" Some common causes", " There are some potential root causes"):
+        text = text.split(cut, 1)[0]
+    return text[:400]
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def _disconnect(ray: Any) -> None:
+    """`ray.shutdown()` (which stops a Ray this process started), then the Python signal handlers
+    again: Ray's shutdown leaves SIGTERM and SIGINT at their defaults underneath them, so a
+    server's graceful SIGTERM would kill it outright."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.shutdown()
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+def _release(ray: Any, actors: list[Any], state: dict[str, Any]) -> None:
+    """Stop the actors (gracefully unless a rank failed), kill them and remove the placement
+    group; leaves no actor behind."""
+    if not ray.is_initialized():  # Ray already shut down (at exit): its actors went with it
+        return
+    try:
+        if state["graceful"] and actors:
+            refs = [a.handle.remote(Shutdown()) for a in actors]
+            ray.wait(refs, num_returns=len(refs), timeout=_STOP_S)
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:  # already gone
+                logger.debug("ray.kill: %s", e)
+        if state["pg"] is not None:
+            ray.util.remove_placement_group(state["pg"])
+            state["pg"] = None
+    except Exception as e:
+        logger.warning("stopping the Ray worker actors: %s: %s", type(e).__name__, e)

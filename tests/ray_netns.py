@@ -1,0 +1,219 @@
+"""The bodies of the Ray executor's tests, run by `test_ray_executor.py` as ``python ray_netns.py
+CASE MODEL_DIR`` inside a network namespace with only loopback up (Ray's servers listen on every
+interface). Each case prints one ``RESULT {json}`` line for the test to check, after a
+``NETNS net:[...]`` line naming the namespace (the test then finds any process left in it).
+Not collected by pytest (no ``test_`` prefix)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+MAX_TOKENS = 12
+ENGINE = dict(device="cpu", max_model_len=128, block_size=4, num_kv_blocks=96)
+
+
+def prompts_for(tokenizer: Any) -> list[list[int]]:
+    base = tokenizer.encode("the quick brown fox jumps over the lazy dog while a small cat sleeps " * 3)
+    return [base[:5], base[2:15], base[1:18]]  # short, across 4-token block boundaries, ragged
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def descendants(pid: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and pid_alive(c)]
+        found += kids
+        frontier += kids
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------
+# LLM(..., distributed_executor_backend="ray") on a Ray the test starts itself
+# --------------------------------------------------------------------------------------------
+
+
+def case_engine(model: Path) -> dict[str, Any]:
+    import ray
+
+    from portside import LLM, SamplingParams
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=2, _node_ip_address="127.0.0.1")
+    out: dict[str, Any] = {}
+    try:  # more ranks than the cluster has CPUs: refused before any actor starts
+        LLM(model=str(model), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE)
+        out["too_big"] = "no error"
+    except ValueError as e:
+        out["too_big"] = str(e)
+    t0 = time.monotonic()
+    llm = LLM(model=str(model), tensor_parallel_size=2, distributed_executor_backend="ray",
+              max_num_batched_tokens=16, **ENGINE)  # fmt: skip
+    out["start_s"] = time.monotonic() - t0
+    executor = llm.engine.executor
+    out["executor"] = type(executor).__name__
+    out["pids"] = pids = [p.pid for p in executor.places]
+    out["nodes"] = [p.ip for p in executor.places]
+    prompts = prompts_for(llm.get_tokenizer())
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    t0 = time.monotonic()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    out["generate_s"] = time.monotonic() - t0
+    out["prompts"] = prompts
+    out["tokens"] = [o.outputs[0].token_ids for o in outs]
+    out["used_blocks"] = llm.engine.stats().num_used_blocks
+
+    # Kill rank 1's actor mid-generation: the next steps fail fast, naming it.
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(str(i), prompt, params)
+    for _ in range(3):
+        llm.engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["fail_s"] = time.monotonic() - t0
+    out["left_after_failure"] = wait_gone(pids)
+    try:  # any later call fails the same way, at once (the engine's scheduler may not call again)
+        executor.initialize_kv_cache(8)
+        out["later_error"] = None
+    except RuntimeError as e:
+        out["later_error"] = str(e)
+    llm.engine.shutdown()  # idempotent after a failure
+    from ray.util import placement_group_table
+
+    out["placement_groups"] = sorted({g["state"] for g in placement_group_table().values()})
+    out["ray_still_up"] = ray.is_initialized()  # the test started it: the executor must leave it running
+    ray.shutdown()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# portside serve -tp 2 --distributed-executor-backend ray (the server starts its own Ray)
+# --------------------------------------------------------------------------------------------
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def case_serve(model: Path) -> dict[str, Any]:
+    from portside.distributed.env import free_port
+
+    out: dict[str, Any] = {}
+    port = free_port()
+    log = Path(os.environ.get("RAY_TEST_LOG", "/dev/null"))
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "portside.cli", "serve", str(model), "--device", "cpu", "--dtype", "float32",
+             "-tp", "2", "--distributed-executor-backend", "ray", "--port", str(port), "--served-model-name", "tiny",
+             "--max-model-len", "128", "--block-size", "4", "--num-kv-blocks", "96", "--shutdown-timeout", "5"],
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited with {server.returncode}")
+            try:
+                if _http(url + "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > 240:
+                raise RuntimeError("server did not become healthy")
+            time.sleep(0.5)
+        out["start_s"] = time.monotonic() - t0
+        everything = descendants(server.pid)
+        actors = [p for p in everything if cmdline(p).startswith("ray::RayWorker")]
+        out["actors"] = actors
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(model))("the quick brown fox jumps over the lazy dog").input_ids
+        out["prompt"] = ids
+        request = {"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        out["completion"] = _http(url + "/v1/completions", request)
+
+        os.kill(actors[-1], signal.SIGKILL)
+        out["killed"] = actors[-1]
+        t0 = time.monotonic()
+        out["after_kill"] = _http(url + "/v1/completions", request, timeout=60)
+        out["after_kill_s"] = time.monotonic() - t0
+        health = []
+        for _ in range(20):  # the step loop has died: /health says so at once (allow a moment)
+            try:
+                health.append(_http(url + "/health", timeout=2)[0])
+            except OSError as e:
+                health.append(str(e))
+            if health[-1] == 503:
+                break
+            time.sleep(0.25)
+        out["health"] = health
+        out["health_s"] = time.monotonic() - t0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            out["exit"] = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out["exit"] = "killed after 60 s"
+    out["left"] = wait_gone(everything)
+    out["log"] = log.read_text()[-6000:] if log.is_file() else ""
+    return out
+
+
+if __name__ == "__main__":
+    print("NETNS", os.readlink("/proc/self/ns/net"), flush=True)
+    case, model_dir = sys.argv[1], Path(sys.argv[2])
+    result = {"engine": case_engine, "serve": case_serve}[case](model_dir)
+    print("RESULT", json.dumps(result), flush=True)

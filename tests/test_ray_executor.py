@@ -1,0 +1,197 @@
+"""The Ray executor (`--distributed-executor-backend ray`), on a real one-node Ray cluster:
+greedy tokens equal transformers' through `LLM` and through `portside serve -tp 2`; a killed
+worker actor fails the next step within seconds naming its rank, pid and node, the server's
+/health turns unhealthy, and no process is left; bad values and a missing Ray are clear errors.
+
+Ray's servers listen on every interface whatever address they are given, so each end-to-end case
+runs in a network namespace with only loopback up (`unshare --net`, as root): nothing can reach
+or be reached from another host. The case bodies are in `ray_netns.py`; every process a case
+starts lives in its namespace, so after the case the test looks for any process still in it
+(and kills those: a leak fails the test, never lingers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from portside.cli import main
+from portside.distributed.ray_cluster import RAY_MISSING, bundle_resource, forwarded_env
+from portside.engine.args import EngineArgs
+from portside.testing.tiny import hf_greedy
+
+SCRIPT = Path(__file__).with_name("ray_netns.py")
+CASE_TIMEOUT_S = 420  # a case's bound, Ray's start included (~30 s on 2 cores)
+
+
+def _netns_unavailable() -> str | None:
+    """Why the cases cannot run in a loopback-only network namespace here (None: they can)."""
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not installed (pip install 'portside[ray]')"
+    try:
+        probe = subprocess.run(["unshare", "--net", "sh", "-c", "ip link set lo up"], capture_output=True, text=True,
+                               timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot run unshare: {e}"
+    if probe.returncode != 0:
+        return f"no network namespace with loopback (unshare --net needs root or user namespaces): {probe.stderr.strip()}"
+    return None
+
+
+needs_netns = pytest.mark.skipif(bool(reason := _netns_unavailable()), reason=reason or "")
+
+
+def _in_netns(netns: str) -> list[int]:
+    """The processes whose network namespace is `netns` ("net:[inode]")."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/net") == netns:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def run_case(case: str, model: Path, tmp_path: Path, **env: str) -> dict[str, Any]:
+    """Run `ray_netns.py CASE MODEL` in a fresh loopback-only network namespace, bounded in time;
+    fail if any process it started outlives it."""
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never a cluster from outside
+    environ.update(PYTHONUNBUFFERED="1", RAY_TEST_LOG=str(tmp_path / "server.log"), **env)
+    cmd = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, str(SCRIPT), case,
+           str(model)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ,
+                            start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=CASE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[timed out after {CASE_TIMEOUT_S} s]"
+    netns = re.search(r"^NETNS (net:\[\d+\])$", output, re.M)
+    assert netns, output[-5000:]
+    deadline = time.monotonic() + 15
+    while (left := _in_netns(netns.group(1))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left_commands = []
+    for pid in left:  # the test's own processes (its namespace): stop them, then fail
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                left_commands.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:200])
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes outlived the case: {left_commands}\n{output[-3000:]}"
+    result = re.search(r"^RESULT (.*)$", output, re.M)
+    assert proc.returncode == 0 and result, output[-8000:]
+    return json.loads(result.group(1))
+
+
+# --------------------------------------------------------------------------------------------
+# End to end, on Ray
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_netns
+def test_llm_on_ray_equals_transformers_and_a_killed_actor_fails_fast(tiny_llama: Path, tmp_path: Path) -> None:
+    """On a Ray the test started: too many ranks for the cluster is a clear error; TP 2 gives
+    transformers' greedy tokens (batched, chunked, across blocks); killing rank 1's actor fails
+    the step naming it within seconds, kills the other actor and removes the placement group,
+    and leaves the test's Ray running."""
+    r = run_case("engine", tiny_llama, tmp_path)
+    assert "the Ray cluster has 2 CPU but 4 ranks" in r["too_big"], r["too_big"]
+    assert r["executor"] == "RayExecutor" and r["nodes"] == ["127.0.0.1"] * 2
+    for prompt, tokens in zip(r["prompts"], r["tokens"], strict=True):
+        assert tokens == hf_greedy(tiny_llama, prompt, 12), f"prompt of {len(prompt)} tokens"
+    assert r["used_blocks"] == 0
+    pid1 = r["pids"][1]
+    assert re.match(rf"Ray worker failed: rank 1 \(pid {pid1} on node 127\.0\.0\.1, node id [0-9a-f]+\) died: ",
+                    r["error"] or ""), r["error"]  # fmt: skip
+    assert r["fail_s"] < 10, r
+    assert r["left_after_failure"] == []
+    assert (r["later_error"] or "").startswith("Ray worker failed: rank 1 ")  # later calls: the same error, at once
+    assert r["placement_groups"] == ["REMOVED"]
+    assert r["ray_still_up"], "the executor stopped a Ray it did not start"
+    print(f"ray engine: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s, failure noticed in {r['fail_s']:.2f} s")
+
+
+@pytest.mark.slow
+@needs_netns
+def test_serve_on_ray_completion_then_killed_actor_makes_it_unhealthy(tiny_llama: Path, tmp_path: Path) -> None:
+    """`portside serve -tp 2 --distributed-executor-backend ray` starts its own Ray, answers with
+    transformers' greedy tokens; after one actor is killed the next request fails within seconds,
+    the log names the rank and its pid, /health says 503, SIGTERM exits 0 and nothing is left
+    (Ray's own processes included)."""
+    from transformers import AutoTokenizer
+
+    # the interface variable exercises the environment the actors get from the engine
+    r = run_case("serve", tiny_llama, tmp_path, GLOO_SOCKET_IFNAME="lo")
+    log = r.pop("log")
+    status, body = r["completion"]
+    assert status == 200, body
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    want = tok.decode(hf_greedy(tiny_llama, r["prompt"], 16), skip_special_tokens=True)
+    text = body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 16 and want.startswith(text.rstrip("\ufffd")), (text, want)
+    assert len(r["actors"]) == 2, r
+    assert r["after_kill"][0] != 200 and r["after_kill_s"] < 10, r
+    assert re.search(rf"Ray worker failed: rank [01] \(pid {r['killed']} on node 127\.0\.0\.1, node id [0-9a-f]+\) died",
+                     log), log  # fmt: skip
+    assert r["health"][-1] == 503, r
+    assert r["exit"] == 0, log
+    assert r["left"] == [], log
+    print(f"ray serve: start {r['start_s']:.1f} s, failure answered in {r['after_kill_s']:.2f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration (no Ray started)
+# --------------------------------------------------------------------------------------------
+
+
+def test_bad_backend_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--distributed-executor-backend", "foo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'foo'" in capsys.readouterr().err
+
+
+def test_missing_ray_is_a_clear_error(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray looks like to find_spec
+    with pytest.raises(ValueError, match=re.escape("pip install 'portside[ray]'")):
+        EngineArgs(model=str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="ray")._resolve_parallel()
+    code = main(["serve", str(tiny_llama), "--device", "cpu", "-tp", "2", "--distributed-executor-backend", "ray"])
+    assert code == 2 and RAY_MISSING in capsys.readouterr().err
+
+
+def test_ray_address_makes_ray_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # read, never contacted
+    assert EngineArgs(model="m", tensor_parallel_size=2)._resolve_parallel().distributed_executor_backend == "ray"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert EngineArgs(model="m", tensor_parallel_size=2)._resolve_parallel().distributed_executor_backend == "mp"
+
+
+def test_actor_environment_and_bundles() -> None:
+    env = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0", "PORTSIDE_DIST_TIMEOUT": "60",
+           "OMP_NUM_THREADS": "4", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"}  # fmt: skip
+    assert forwarded_env(env) == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0",
+                                  "PORTSIDE_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "4"}  # fmt: skip
+
+    class Accelerator:
+        device_type = "cuda"
+
+    class Cpu:
+        device_type = "cpu"
+
+    assert (bundle_resource(Cpu), bundle_resource(Accelerator)) == ("CPU", "GPU")  # type: ignore[arg-type]
