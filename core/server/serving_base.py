@@ -530,6 +530,8 @@ def stream_error(e: BaseException) -> str:
     """An error that happens after the stream started: one SSE event with an error body."""
     if isinstance(e, APIError):
         return sse(e.body())
+    if isinstance(e, EngineStoppedError):  # the engine (a data-parallel replica) failed under the request
+        return sse(APIError(503, str(e), code="unavailable").body())
     logger.exception("error while streaming", exc_info=e)
     return sse(APIError(500, "internal server error; see the server log").body())
 
@@ -537,8 +539,11 @@ def stream_error(e: BaseException) -> str:
 async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
     """Drain merged outputs; the last output of each prompt."""
     finals: list[RequestOutput | None] = [None] * count
-    async for i, out in outputs:
-        finals[i] = out
+    try:
+        async for i, out in outputs:
+            finals[i] = out
+    except EngineStoppedError as e:  # the engine (a data-parallel replica) failed under the request
+        raise APIError(503, str(e), code="unavailable") from None
     if not all(f is not None and f.finished for f in finals):  # aborted by a shutdown
         raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
     return finals  # type: ignore[return-value]

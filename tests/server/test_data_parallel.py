@@ -1,0 +1,177 @@
+"""`portside serve -dp 2`: two engine replicas, each in its own worker process, behind one server.
+Concurrent requests carry transformers' greedy tokens and validate against OpenAI's schemas; both
+replicas work (per-engine `vllm:*` series) and requests sharing a long prefix go to the replica
+that cached it; a killed replica worker fails requests with a clear 503 within seconds, /health
+turns unhealthy and nothing is orphaned; `-dp 0` exits 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import post
+from openai_schemas import validate
+from server_process import ServerProcess
+
+from portside.testing.tiny import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+MAX_TOKENS = 12
+
+
+def start(model: Path, tmp_path: Path) -> ServerProcess:
+    return ServerProcess(model, tmp_path / "server.log", "--max-model-len", "256", "--block-size", str(BLOCK),
+                         "--num-kv-blocks", "200", "-dp", "2").wait_ready()
+
+
+def by_engine(server: ServerProcess, name: str) -> dict[str, float]:
+    """Sum of the samples of metric `name` per `engine` label."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf'{re.escape(name)}\{{([^}}]*)\}} (\S+)$', line)
+        if m:
+            engine = re.search(r'engine="(\d+)"', m.group(1))
+            assert engine is not None, line
+            out[engine.group(1)] = out.get(engine.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's spawned worker processes (not multiprocessing's resource tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def complete(server: ServerProcess, ids: list[int], max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    return post(server, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                                            "ignore_eos": True})
+
+
+def test_dp2_server_gives_greedy_tokens_balances_and_keeps_prefixes_together(tiny_llama: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    shared = [(37 * k) % 300 + 5 for k in range(3 * BLOCK)]  # three full blocks in common
+    grouped = [shared + [310 + i, 311 + i] for i in range(4)]
+    distinct = [[(17 * i + 29 * k) % 350 + 3 for k in range(9)] for i in range(6)]  # shorter than a block: by load
+    server = start(tiny_llama, tmp_path)
+    try:
+        assert len(worker_pids(server.proc.pid)) == 2
+        first = complete(server, grouped[0])  # computes the shared prefix on one replica
+        assert first.status_code == 200, first.text
+        done = by_engine(server, "vllm:request_success_total")
+        owner = max(done, key=lambda e: done[e])
+        assert done[owner] == 1 and sum(done.values()) == 1
+        rest = grouped[1:] + distinct
+        with ThreadPoolExecutor(len(rest)) as pool:
+            responses = [first, *pool.map(lambda ids: complete(server, ids), rest)]
+        for ids, r in zip(grouped[:1] + rest, responses, strict=True):
+            assert r.status_code == 200, r.text
+            body = r.json()
+            validate("CreateCompletionResponse", body)
+            usage = body["usage"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), MAX_TOKENS)
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert cached == (len(shared) if ids in grouped[1:] else 0), (ids, usage)  # on the replica that has it
+            want = tok.decode(hf_greedy(tiny_llama, ids, MAX_TOKENS), skip_special_tokens=True)
+            assert want.startswith(body["choices"][0]["text"].rstrip("\ufffd"))
+        done = by_engine(server, "vllm:request_success_total")
+        assert sum(done.values()) == 1 + len(rest) and min(done.values()) > 0, done  # both replicas worked
+        hits = by_engine(server, "vllm:prefix_cache_hits_total")
+        assert hits[owner] >= 3 * len(shared), hits  # the other three grouped prompts hit the cached prefix there
+        assert sum(hits.values()) - hits[owner] == 0, hits
+        idle = server.wait_idle()
+        assert idle["portside_kv_cache_total_blocks"] == 400  # summed over both replicas
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        assert server.terminate() == 0, server.log()[-3000:]
+    assert not any(alive(p) for p in worker_pids(server.proc.pid))
+
+
+def stream_events(server: ServerProcess, ids: list[int], started: threading.Event) -> list[dict]:
+    """The data events of a streamed completion (n = 4, to the context's end); sets `started` at the first."""
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 480, "n": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+                started.set()
+    return events
+
+
+def test_dp2_killed_replica_worker_fails_requests_fast_and_turns_unhealthy(tiny_llama: Path, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, tmp_path / "server.log", "--max-model-len", "512", "--block-size", str(BLOCK),
+                           "--num-kv-blocks", "200", "-dp", "2").wait_ready()
+    pids = worker_pids(server.proc.pid)
+    try:
+        assert len(pids) == 2
+        flags = [threading.Event(), threading.Event()]
+        with ThreadPoolExecutor(2) as pool:  # one long request on each replica (idle replicas take turns)
+            running = [pool.submit(stream_events, server, [5 + i, 6, 7, 8], flags[i]) for i in range(2)]
+            assert all(f.wait(60) for f in flags)
+            os.kill(pids[0], signal.SIGKILL)
+            killed = time.monotonic()
+            results = [f.result(timeout=60) for f in running]
+        assert time.monotonic() - killed < 15
+        errors = [e["error"] for events in results for e in events if "error" in e]
+        assert len(errors) == 1, errors  # the other replica's request finishes
+        assert errors[0]["code"] == "unavailable", errors
+        assert re.search(r"data-parallel replica \d failed: RuntimeError", errors[0]["message"]), errors
+        deadline = time.monotonic() + 10
+        while server.health().status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.health().status_code == 503
+        r = complete(server, [1, 2, 3])  # new requests are refused, naming the replica
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        assert re.search(r"data-parallel replica \d of 2 failed \(RuntimeError\); the server is unhealthy",
+                         r.json()["error"]["message"]), r.text
+        assert "rank 0" in server.log() and "SIGKILL" in server.log()  # the operator's log names the cause
+    finally:
+        assert server.terminate(timeout=60) == 0, server.log()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "a worker outlived the server"
+
+
+def test_dp0_exits_2_before_loading(tiny_llama: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "portside.cli", "serve", str(tiny_llama), "--device", "cpu", "-dp", "0"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr
+    assert "data_parallel_size must be an integer of at least 1, got 0" in proc.stderr
+    assert "Traceback" not in proc.stderr and "portside: serving" not in proc.stderr
