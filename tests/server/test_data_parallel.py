@@ -80,7 +80,7 @@ def complete(server: ServerProcess, ids: list[int], max_tokens: int = MAX_TOKENS
                                             "ignore_eos": True})
 
 
-def test_dp2_server_gives_greedy_tokens_balances_and_keeps_prefixes_together(tiny_llama: Path, tmp_path: Path) -> None:
+def test_dp2_server_gives_greedy_tokens_balances_keeps_prefixes_together_and_notices_an_idle_death(tiny_llama: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
@@ -88,8 +88,9 @@ def test_dp2_server_gives_greedy_tokens_balances_and_keeps_prefixes_together(tin
     grouped = [shared + [310 + i, 311 + i] for i in range(4)]
     distinct = [[(17 * i + 29 * k) % 350 + 3 for k in range(9)] for i in range(6)]  # shorter than a block: by load
     server = start(tiny_llama, tmp_path)
+    pids = worker_pids(server.proc.pid)
     try:
-        assert len(worker_pids(server.proc.pid)) == 2
+        assert len(pids) == 2
         first = complete(server, grouped[0])  # computes the shared prefix on one replica
         assert first.status_code == 200, first.text
         done = by_engine(server, "vllm:request_success_total")
@@ -115,10 +116,16 @@ def test_dp2_server_gives_greedy_tokens_balances_and_keeps_prefixes_together(tin
         assert sum(hits.values()) - hits[owner] == 0, hits
         idle = server.wait_idle()
         assert idle["portside_kv_cache_total_blocks"] == 400  # summed over both replicas
-        assert httpx.get(server.url + "/health").status_code == 200
+        assert server.health().status_code == 200
+        os.kill(pids[1], signal.SIGKILL)  # while idle: noticed without a request
+        deadline = time.monotonic() + 5
+        while server.health().status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.health().status_code == 503
+        assert "exited while the engine was idle" in server.log()
     finally:
         assert server.terminate() == 0, server.log()[-3000:]
-    assert not any(alive(p) for p in worker_pids(server.proc.pid))
+    assert not any(alive(p) for p in pids)
 
 
 def stream_events(server: ServerProcess, ids: list[int], started: threading.Event) -> list[dict]:
