@@ -68,7 +68,7 @@ def cmdline(pid: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# LLM(..., distributed_executor_backend="ray") on a Ray the test starts itself
+# LLM(..., distributed_executor_backend="ray"): the executor starts (and stops) a one-node Ray
 # --------------------------------------------------------------------------------------------
 
 
@@ -77,13 +77,7 @@ def case_engine(model: Path) -> dict[str, Any]:
 
     from portside import LLM, SamplingParams
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=2, _node_ip_address="127.0.0.1")
     out: dict[str, Any] = {}
-    try:  # more ranks than the cluster has CPUs: refused before any actor starts
-        LLM(model=str(model), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE)
-        out["too_big"] = "no error"
-    except ValueError as e:
-        out["too_big"] = str(e)
     t0 = time.monotonic()
     llm = LLM(model=str(model), tensor_parallel_size=2, distributed_executor_backend="ray",
               max_num_batched_tokens=16, **ENGINE)  # fmt: skip
@@ -122,12 +116,9 @@ def case_engine(model: Path) -> dict[str, Any]:
         out["later_error"] = None
     except RuntimeError as e:
         out["later_error"] = str(e)
-    llm.engine.shutdown()  # idempotent after a failure
-    from ray.util import placement_group_table
-
-    out["placement_groups"] = sorted({g["state"] for g in placement_group_table().values()})
-    out["ray_still_up"] = ray.is_initialized()  # the test started it: the executor must leave it running
-    ray.shutdown()
+    llm.engine.shutdown()  # idempotent after a failure; stops the Ray the executor started
+    out["ray_up_after_shutdown"] = ray.is_initialized()
+    out["left_after_shutdown"] = wait_gone(descendants(os.getpid()))
     return out
 
 
@@ -146,19 +137,58 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) ->
         return e.code, e.read().decode(errors="replace")
 
 
+def start_head() -> subprocess.Popen[bytes]:
+    """`ray start --head --block` as a user starts a cluster's head (on loopback, 2 CPUs); it
+    stops its Ray processes when terminated. Returns once `ray start` has recorded the cluster."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", "6379", "--num-cpus", "2",
+                             "--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    record = Path(os.environ["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + 120
+    while not record.exists():
+        if head.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"ray start --head failed (exit {head.returncode})")
+        time.sleep(0.2)
+    return head
+
+
+def serve(model: Path, port: int, log_file: Any, *flags: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "portside.cli", "serve", str(model), "--device", "cpu", "--dtype", "float32",
+         "--distributed-executor-backend", "ray", "--port", str(port), "--served-model-name", "tiny",
+         "--max-model-len", "128", "--block-size", "4", "--num-kv-blocks", "96", "--shutdown-timeout", "5", *flags],
+        stdout=log_file, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
 def case_serve(model: Path) -> dict[str, Any]:
+    """On a cluster started as the docs say (`ray start --head`, then `portside serve` on the head,
+    no RAY_ADDRESS): too many ranks exit 2; -tp 2 serves; a killed actor; the server's exit leaves
+    the cluster running; the case then stops the head it started."""
+    head = start_head()
+    try:
+        out = serve_on(head, model)
+    finally:
+        if head.poll() is None:
+            head.terminate()
+        head.wait(timeout=60)
+    out["left"] = wait_gone(descendants(os.getpid()))
+    return out
+
+
+def serve_on(head: subprocess.Popen[bytes], model: Path) -> dict[str, Any]:
     from portside.distributed.env import free_port
 
     out: dict[str, Any] = {}
     port = free_port()
     log = Path(os.environ.get("RAY_TEST_LOG", "/dev/null"))
     with open(log, "w") as log_file:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "portside.cli", "serve", str(model), "--device", "cpu", "--dtype", "float32",
-             "-tp", "2", "--distributed-executor-backend", "ray", "--port", str(port), "--served-model-name", "tiny",
-             "--max-model-len", "128", "--block-size", "4", "--num-kv-blocks", "96", "--shutdown-timeout", "5"],
-            stdout=log_file, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        too_big = serve(model, port, log_file, "-tp", "4")
+        out["too_big_exit"] = too_big.wait(timeout=120)
+        log_file.write("\n---- -tp 2 ----\n")
+        log_file.flush()
+        server = serve(model, port, log_file, "-tp", "2")
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()
@@ -174,8 +204,7 @@ def case_serve(model: Path) -> dict[str, Any]:
                 raise RuntimeError("server did not become healthy")
             time.sleep(0.5)
         out["start_s"] = time.monotonic() - t0
-        everything = descendants(server.pid)
-        actors = [p for p in everything if cmdline(p).startswith("ray::RayWorker")]
+        actors = [p for p in descendants(head.pid) if cmdline(p).startswith("ray::RayWorker")]  # the head's raylet's
         out["actors"] = actors
         from transformers import AutoTokenizer
 
@@ -207,8 +236,9 @@ def case_serve(model: Path) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             server.kill()
             out["exit"] = "killed after 60 s"
-    out["left"] = wait_gone(everything)
-    out["log"] = log.read_text()[-6000:] if log.is_file() else ""
+    out["actors_left"] = wait_gone(actors)
+    out["head_alive_after_server"] = head.poll() is None  # the server joined the cluster: it leaves it running
+    out["log"] = log.read_text()[-8000:] if log.is_file() else ""
     return out
 
 

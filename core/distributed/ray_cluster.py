@@ -36,15 +36,18 @@ def import_ray() -> Any:
 
 
 def connect(ray: Any, world_size: int) -> bool:
-    """Use the Ray this process already joined, else the cluster RAY_ADDRESS names, else start a
-    one-node Ray on this machine. Returns whether this call initialised Ray (then its caller
-    calls `ray.shutdown()`, which leaves a cluster it joined running)."""
+    """Use the Ray this process already joined, else the cluster RAY_ADDRESS names, else the one
+    this machine joined with `ray start`, else start a one-node Ray here. Returns whether this
+    call initialised Ray (then its caller calls `ray.shutdown()`, which leaves a cluster it joined
+    running)."""
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS")
+    address = os.environ.get("RAY_ADDRESS") or node_cluster(ray)
     if address:
         logger.info("joining the Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=False)
+        # No address argument: Ray then reads RAY_ADDRESS or its record itself, and turns on
+        # token authentication when this machine holds the cluster's token (~/.ray/auth_token).
+        ray.init(log_to_driver=False)
         return True
     # "local": never join a cluster someone else started on this machine (plain ray.init() would).
     # A CPU per rank at least: ranks may share cores, as local worker processes do.
@@ -52,6 +55,17 @@ def connect(ray: Any, world_size: int) -> bool:
     ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              num_cpus=max(os.cpu_count() or 1, world_size))
     return True
+
+
+def node_cluster(ray: Any) -> str | None:
+    """The address of the cluster `ray start` joined this machine to (Ray records it under its
+    temporary directory, $RAY_TMPDIR or /tmp, until `ray stop`), if any. Unlike
+    `ray.init("auto")`, never any Ray process that merely runs on this machine."""
+    try:
+        return ray._private.utils.read_ray_address() or None
+    except Exception as e:  # a Ray without that record: RAY_ADDRESS still works
+        logger.debug("no record of `ray start` on this node: %s", e)
+        return None
 
 
 def bundle_resource(platform: type[Platform]) -> str:
