@@ -82,6 +82,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # "mp" (local worker processes) or "ray" (one actor per rank)
     pipeline_layers: tuple[int, ...] | None = None  # decoder layers per stage (None: balanced by count)
+    # scheduled steps the engine keeps in flight so the stages overlap (1: one at a time)
+    pipeline_micro_batches: int = 1
 
     @property
     def world_size(self) -> int:

@@ -40,8 +40,8 @@ class Worker:
         # Every rank seeds like the engine does, so unseeded sampling draws the same numbers
         # (rank 0's tokens are broadcast anyway; see ModelRunner.execute_model).
         platform.seed(config.model.seed)
-        comm, world = stage_communicators(platform, config, rank)
-        self.runner = ModelRunner(config, platform, comm, eos_token_id, rank=rank, local_rank=local_rank, world_comm=world)
+        comm = stage_communicator(platform, config, rank)
+        self.runner = ModelRunner(config, platform, comm, eos_token_id, rank=rank, local_rank=local_rank)
 
     def ready(self) -> WorkerReady:
         r = self.runner
@@ -57,18 +57,18 @@ class Worker:
         raise TypeError(f"worker rank {self.rank} got an unknown message {type(msg).__name__}")
 
 
-def stage_communicators(platform: type[Platform], config: EngineConfig, rank: int) -> tuple[Any, Any]:
-    """(this rank's tensor-parallel group, the whole world or None). Without pipeline parallelism
-    the world is the tensor-parallel group; with it each stage's TP ranks form a group (every rank
-    creates every group, in the same order, as torch.distributed requires)."""
+def stage_communicator(platform: type[Platform], config: EngineConfig, rank: int) -> Any:
+    """This rank's tensor-parallel group: the whole world without pipeline parallelism; with it,
+    its stage's TP ranks (every rank creates every stage's group, in the same order, as
+    torch.distributed requires)."""
     par = config.parallel
     if par.pipeline_parallel_size == 1:
-        return platform.communicator(), None
+        return platform.communicator()
     import torch.distributed as dist
 
     tp = par.tensor_parallel_size
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(par.pipeline_parallel_size)]
-    return platform.communicator(groups[rank // tp]), platform.communicator()
+    return platform.communicator(groups[rank // tp])
 
 
 def limit_threads(platform: type[Platform], ranks_on_this_machine: int) -> None:

@@ -61,6 +61,7 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine replicas behind one server (`portside serve`)
     distributed_executor_backend: str | None = None  # mp or ray (None: ray when a Ray cluster is given, else mp)
     pipeline_layers: str | list[int] | None = None  # decoder layers per stage, e.g. "10,14" (None: balanced)
+    pipeline_micro_batches: int | None = None  # steps in flight with PP > 1 (None: one per stage; 1: off)
     quantization: str | None = None  # None: what config.json's quantization_config says
     quantized_activations: str | None = None  # "int8" / "fp8": W8A8 with --quantization int8 / fp8
     kv_cache_dtype: str = "auto"
@@ -178,8 +179,14 @@ class EngineArgs:
 
             if not ray_available():
                 raise ValueError(RAY_MISSING)
+        micro = self.pipeline_micro_batches
+        if micro is not None and not (isinstance(micro, int) and micro >= 1):
+            raise ValueError(f"pipeline_micro_batches must be an integer of at least 1, got {micro!r}")
+        if micro is not None and self.pipeline_parallel_size == 1 and micro != 1:
+            raise ValueError("pipeline_micro_batches applies to pipeline parallelism; pass --pipeline-parallel-size > 1")
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
+                              pipeline_micro_batches=micro or self.pipeline_parallel_size,
                               data_parallel_size=self.data_parallel_size, distributed_executor_backend=backend,
                               pipeline_layers=tuple(layers) if layers is not None else None)
 
@@ -322,6 +329,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split the model's layers into this many stages, each on its own TP group (ranks = TP x PP)")
     g.add_argument("--pipeline-layers", default=None, metavar="N1,N2,...",
                    help="decoder layers per pipeline stage (default: balanced by count)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="N",
+                   help="with -pp > 1: scheduled steps kept in flight so the stages overlap (default: one per stage; "
+                        "1 runs one step at a time)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="serve this many engine replicas (each TP x PP ranks) behind one API server")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None,

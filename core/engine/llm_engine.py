@@ -9,7 +9,8 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from portside.outputs import RequestOutput, SpecDecodeStats
 from portside.platform import resolve_platform
 from portside.request import Request, RequestStatus
 from portside.sampling_params import SamplingParams
-from portside.sched.output import ModelRunnerOutput
+from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 from portside.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class LLMEngine:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
         self.num_blocks = num_blocks
+        # pipeline parallelism: scheduled steps kept in flight (oldest first), when the executor can
+        self.max_in_flight = config.parallel.pipeline_micro_batches if hasattr(self.executor, "submit") else 1
+        self._batches: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = deque()
         self.scheduler = Scheduler(
             config.scheduler,
             block_size=block_size,
@@ -100,6 +104,8 @@ class LLMEngine:
             max_loras=config.lora.max_loras if config.lora is not None else 0,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative is not None else 0,
             num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative is not None else 0,
+            num_micro_batches=self.max_in_flight,
+            send_token_ids=config.parallel.pipeline_parallel_size > 1,
         )
         self.loras = LoRARegistry(config.lora, config.model.path)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -267,12 +273,33 @@ class LLMEngine:
     # ---- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.max_in_flight > 1:
+            return self._step_in_flight()
         scheduler_output = self.scheduler.schedule()
         self.step_tokens, self.outputs.token_intervals = scheduler_output.total_num_scheduled_tokens, []
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
         scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
-        runner_output: ModelRunnerOutput = self.executor.execute_model(scheduler_output)
+        return self._finish_step(scheduler_output, self.executor.execute_model(scheduler_output))
+
+    def _step_in_flight(self) -> list[RequestOutput]:
+        """Pipeline parallelism: submit a new step while fewer than `max_in_flight` are in flight
+        and something can be scheduled (requests in flight cannot), else finish the oldest; a call
+        that only submitted returns no outputs."""
+        if len(self._batches) < self.max_in_flight:
+            so = self.scheduler.schedule()
+            if not so.is_empty or so.finished_req_ids:
+                so.grammar = self._grammar_bitmask(so)
+                self._batches.append((so, self.executor.submit(so)))
+                if len(self._batches) < self.max_in_flight and not so.is_empty:
+                    return []  # fill the pipeline before waiting on it
+        if not self._batches:
+            return []
+        so, result = self._batches.popleft()
+        self.step_tokens, self.outputs.token_intervals = so.total_num_scheduled_tokens, []
+        return self._finish_step(so, result())
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         if scheduler_output.grammar is not None:
             scheduler_output.grammar.get()  # filled before any matcher advances
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -297,7 +324,7 @@ class LLMEngine:
         return self.structured.grammar_bitmask(rows) if rows else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batches)
 
     def check_health(self) -> None:
         """RuntimeError when a worker process of the executor has exited: a step would fail, so

@@ -24,6 +24,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 from portside.backend_api import KVCacheSpec, Platform
@@ -86,8 +87,14 @@ class MultiprocExecutor:
         self._collect(range(self.world_size), KVCacheReady, "allocating its KV cache")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(scheduler_output)()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send a step to every rank now; the returned call waits for its output. Pipeline
+        parallelism keeps several in flight: the output rank answers them in order, so the calls
+        must be made in the order of the submits."""
         self._broadcast(scheduler_output)
-        return self._collect([self.output_rank], ModelRunnerOutput, "running a step")[self.output_rank]
+        return lambda: self._collect([self.output_rank], ModelRunnerOutput, "running a step")[self.output_rank]
 
     def shutdown(self) -> None:
         """Stop every worker (Shutdown, then terminate, then kill); idempotent."""

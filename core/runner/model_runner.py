@@ -116,10 +116,10 @@ class ModelRunner:
         eos_token_id: int | None,
         rank: int = 0,
         local_rank: int = 0,
-        world_comm: Communicator | None = None,
     ) -> None:
         """`rank` counts in the world of TP x PP ranks (`ParallelConfig`); `comm` is this rank's
-        tensor-parallel group and `world_comm` (pipeline parallelism only) every rank's."""
+        tensor-parallel group. Only the last pipeline stage samples; an earlier stage's runner
+        learns the sampled tokens from the next `SchedulerOutput` (`CachedRequestData.new_token_ids`)."""
         from portside.model.registry import load_model
 
         self.config = config
@@ -130,7 +130,7 @@ class ModelRunner:
         self.device = platform.device(local_rank)
         par = config.parallel
         tp = par.tensor_parallel_size
-        self.rank, self.world_comm = rank, world_comm
+        self.rank = rank
         self.pp_rank, self.pp_size = rank // tp, par.pipeline_parallel_size
         self.is_last_stage = self.pp_rank == self.pp_size - 1
         if config.lora is not None and not platform.supports_lora:
@@ -261,17 +261,16 @@ class ModelRunner:
                     pooled = self.pooler.step(hidden, self._pool_chunks(batch, scheduler_output.num_scheduled_tokens))
             elif last and (batch.sampled_req_ids or batch.prompt_rows):
                 logits, prompt_lps = self._logits(hidden, batch)
-            if self.pooler is None and batch.sampled_req_ids:
+            if self.pooler is None and batch.sampled_req_ids and last:
                 states = [self.requests[rid] for rid in batch.sampled_req_ids]
-                row_lps = None
-                if last:
-                    meta = self._sampling_metadata(states, batch.spec)
-                    out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch))
-                    token_ids = out.sampled_token_ids.to(torch.int64)  # [num_rows]
-                    row_lps = out.logprobs.tolists(meta.num_logprobs) if out.logprobs is not None else None
-                else:  # an earlier pipeline stage: the last one's draws arrive below
-                    token_ids = torch.empty(len(batch.logits_indices), dtype=torch.int64, device=self.device)
-                rows = self._share_sampled(token_ids).tolist()
+                meta = self._sampling_metadata(states, batch.spec)
+                out = self.sampler(logits, meta, self._token_bitmask(scheduler_output, batch))
+                token_ids = out.sampled_token_ids  # [num_rows]
+                if self.comm.world_size > 1:
+                    # Every TP rank continues from the group's rank 0 tokens, whatever its own sampler drew.
+                    token_ids = self.comm.broadcast(token_ids.contiguous(), src=0)
+                rows = token_ids.tolist()
+                row_lps = out.logprobs.tolists(meta.num_logprobs) if out.logprobs is not None else None
                 row = 0
                 for state, spec in zip(states, batch.spec):
                     new = accepted_tokens(rows[row : row + 1 + len(spec)], spec)
@@ -284,24 +283,16 @@ class ModelRunner:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[rid]
             state.num_computed_tokens += n
-            if rid in spec_scheduled:  # rejected proposals: their slots are written again next step
+            if rid in spec_scheduled and last:  # rejected proposals: their slots are written again next step
                 state.num_computed_tokens -= len(spec_scheduled[rid]) + 1 - len(sampled[rid])
+            # (an earlier pipeline stage gets the count after acceptance with the tokens, next step)
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled,
                                  prompt_logprobs=prompt_lps, spec_token_ids=self._propose(sampled))
-
-    def _share_sampled(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Every rank continues from the same tokens, whatever its own sampler drew: the first
-        rank of the last pipeline stage's (`ParallelConfig.output_rank`), or tensor-parallel rank 0's."""
-        if self.world_comm is not None:
-            return self.world_comm.broadcast(token_ids.contiguous(), src=self.config.parallel.output_rank)
-        if self.comm.world_size > 1:
-            return self.comm.broadcast(token_ids.contiguous(), src=0)
-        return token_ids
 
     def _propose(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Speculative decoding: the next proposals of each request that sampled this step (none
         under a grammar, whose masks follow only the tokens actually accepted)."""
-        if self.ngram is None and self.draft is None:
+        if (self.ngram is None and self.draft is None) or not self.is_last_stage:
             return {}
         states = [self.requests[rid] for rid, new in sampled.items()
                   if new and self.requests[rid].sampling_params.structured_outputs is None]
@@ -389,6 +380,8 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if not self.is_last_stage:  # the last stage's sampled tokens (it appended them itself)
+                state.output_token_ids.extend(cached.new_token_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         counts = so.num_scheduled_tokens

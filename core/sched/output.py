@@ -33,6 +33,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]  # blocks appended since the request was last scheduled
     num_computed_tokens: int
+    # pipeline parallelism: the tokens appended since it was last scheduled (the earlier stages'
+    # runners never see the sampled ones); empty otherwise
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

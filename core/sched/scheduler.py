@@ -18,6 +18,13 @@ need (kept for the next step's proposals). A draft model (`num_lookahead_tokens`
 KV of the k proposals it makes after the step's new token, so a chunk that ends a request's known
 tokens also gets k lookahead slots (never past max_model_len).
 
+Pipeline parallelism: with `num_micro_batches` = P > 1 the engine keeps up to P scheduled steps
+in flight (one per stage at best). A request in flight is in no other batch and is never a
+preemption victim; each batch takes at most ceil(running / P) running requests, so the running
+set splits into P groups that take turns. The workers of earlier stages never see the sampled
+tokens: each cached request carries the tokens appended since it was last scheduled
+(`send_token_ids`).
+
 Sliding window (`sliding_window`: the window of a model whose every layer has the same one):
 after each step a request's blocks wholly out of the window are freed (`KVCacheManager.
 free_out_of_window_blocks`), so a request holds about (W + chunk) / block_size blocks at a time
@@ -56,6 +63,8 @@ class Scheduler:
         max_loras: int = 0,
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        num_micro_batches: int = 1,
+        send_token_ids: bool = False,
     ) -> None:
         self.config = scheduler_config
         self.num_spec_tokens = num_spec_tokens  # proposals per request and step (0: no speculation)
@@ -71,7 +80,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # for the next output's finished_req_ids
         self._num_sent_blocks: dict[str, int] = {}  # req_id -> block ids the runner knows
-        self._in_flight: dict[str, int] = {}  # scheduled by the last schedule(), not yet updated
+        self._in_flight: dict[str, int] = {}  # scheduled, not yet updated (several batches with num_micro_batches > 1)
+        self.num_micro_batches = num_micro_batches  # scheduled steps the engine keeps in flight
+        self.send_token_ids = send_token_ids  # cached requests carry their new tokens (pipeline parallelism)
+        self._num_sent_tokens: dict[str, int] = {}  # req_id -> tokens the runner was sent (send_token_ids)
         self.spec_stats = SpecDecodeStats()  # every request's proposals and acceptances since start
 
     # ---- intake ------------------------------------------------------------------------------
@@ -120,7 +132,7 @@ class Scheduler:
                 output.scheduled_new_reqs.append(self._new_request_data(request))
             else:
                 output.scheduled_cached_reqs.append(self._cached_request_data(request))
-        self._in_flight = dict(scheduled)
+        self._in_flight.update(scheduled)
         return output
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request], budget: int,
@@ -128,14 +140,25 @@ class Scheduler:
         """One decode token (plus its proposals, into `spec`) or the next prefill chunk for each
         running request, preempting when the pool runs dry. Returns the budget left."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        seats = -(-len(self.running) // self.num_micro_batches)  # running requests this batch may take
+        while i < len(self.running) and budget > 0 and seats > 0:
             request = self.running[i]
+            if request.request_id in self._in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} has nothing to compute: the runner sampled no token for it"
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            waits = False
             while self.kv.allocate_slots(request, num_new + lookahead) is None:
-                victim = self.policy.pick_victim(self.running)
-                budget += scheduled.pop(victim.request_id, 0)  # undo if it was scheduled earlier
+                candidates = [r for r in self.running if r.request_id not in self._in_flight]
+                if candidates == [request] and self._in_flight:
+                    waits = True  # only batches in flight hold blocks to spare: wait for them, not preempt itself
+                    break
+                victim = self.policy.pick_victim(candidates)
+                if victim.request_id in scheduled:  # undo if it was scheduled earlier
+                    budget += scheduled.pop(victim.request_id)
+                    seats += 1
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim)
@@ -143,11 +166,14 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                seats -= 1
                 scheduled[request.request_id] = num_new
                 num_spec = request.num_computed_tokens + num_new - request.num_tokens  # proposals that fit the budget
                 if num_spec > 0:
                     spec[request.request_id] = request.spec_token_ids[:num_spec]
                 budget -= num_new
+                i += 1
+            if waits:
                 i += 1
         return budget
 
@@ -228,6 +254,7 @@ class Scheduler:
         self.kv.free(request)
         self.running.remove(request)
         self._num_sent_blocks.pop(request.request_id, None)
+        self._num_sent_tokens.pop(request.request_id, None)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -239,6 +266,8 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(request.request_id)
         assert self.kv.num_null_blocks(request.request_id) == 0, f"{request} is admitted holding a freed block"
         self._num_sent_blocks[request.request_id] = len(block_ids)
+        if self.send_token_ids:
+            self._num_sent_tokens[request.request_id] = request.num_tokens
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -254,10 +283,16 @@ class Scheduler:
         num_sent = self._num_sent_blocks[request.request_id]
         self._num_sent_blocks[request.request_id] = len(block_ids)
         assert self.kv.num_null_blocks(request.request_id) <= num_sent, f"{request}: a freed block was never sent"
+        new_token_ids: list[int] = []
+        if self.send_token_ids:
+            sent = self._num_sent_tokens[request.request_id]
+            new_token_ids = list(request.output_token_ids[sent - request.num_prompt_tokens :])
+            self._num_sent_tokens[request.request_id] = request.num_tokens
         return CachedRequestData(
             req_id=request.request_id,
             new_block_ids=block_ids[num_sent:],
             num_computed_tokens=request.num_computed_tokens,
+            new_token_ids=new_token_ids,
         )
 
     # ---- results -----------------------------------------------------------------------------
@@ -301,7 +336,8 @@ class Scheduler:
                 request.spec_token_ids = self._usable_proposals(request, runner_output.spec_token_ids.get(req_id))
             if new_tokens or request.is_finished:
                 touched.append(request)
-        self._in_flight = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self._in_flight.pop(req_id, None)
         return touched
 
     def _cache_blocks(self, request: Request) -> None:
@@ -358,6 +394,7 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._num_sent_blocks.pop(request.request_id, None)
+        self._num_sent_tokens.pop(request.request_id, None)
         self._in_flight.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
