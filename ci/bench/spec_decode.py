@@ -1,10 +1,15 @@
-"""Speculative decoding (ngram prompt lookup) at batch 1, side by side in one run: decode time per
-output token with and without it, on the default model (SmolLM2-135M-Instruct) on the cpu
+"""Speculative decoding (ngram prompt lookup, and a draft model given with --draft) at batch 1,
+side by side in one run: decode time per output token with and without it, on the default model (SmolLM2-135M-Instruct) on the cpu
 backend, greedy, on a workload where proposals hit (the model is asked to repeat a passage it
 was given) and one where they rarely do (free writing); plus acceptance rates. The greedy tokens
 with and without speculation are checked equal.
 
     python ci/bench/spec_decode.py [--tokens 128] [--repeats 3] [--threads 2] [--k 4] [--lookup 2 5]
+                                   [--draft PATH | --draft self]
+
+--draft: a draft model with the default model's tokenizer (`self`: the default model as its own
+draft, which every proposal passes: the acceptance ceiling, and what the draft's k forwards cost
+when the draft is as large as the target).
 
 Writes ci/bench/results/spec_decode.json and spec_decode.md. Each repeat runs every engine on
 each workload in turn; the best (lowest) repeat of each is kept (a shared machine's noise only
@@ -56,12 +61,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--lookup", type=int, nargs=2, default=(2, 5), metavar=("MIN", "MAX"))
+    ap.add_argument("--draft", default=None, help="a draft model folder, or 'self'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
             "prompt_lookup_max": args.lookup[1]}
     engines = {"plain": LLMEngine.from_args(device="cpu", max_model_len=1024),
                "ngram": LLMEngine.from_args(device="cpu", max_model_len=1024, speculative_config=spec)}
+    if args.draft is not None:
+        from portside.default_model import default_model_path
+
+        draft = str(default_model_path()) if args.draft == "self" else args.draft
+        engines["draft"] = LLMEngine.from_args(device="cpu", max_model_len=1024, speculative_config={
+            "model": draft, "num_speculative_tokens": args.k})
     prompts = {name: engines["plain"].apply_chat_template(msgs) for name, msgs in WORKLOADS.items()}
     for engine in engines.values():  # warm-up: graph capture, first-call costs
         run(engine, prompts["free"], 8)
@@ -75,33 +87,39 @@ def main() -> None:
                     best[key] = {"ms_per_token": ms, "ids": ids, "stats": stats}
     rows = []
     for wl in prompts:
-        plain, ngram = best[(wl, "plain")], best[(wl, "ngram")]
-        assert plain["ids"] == ngram["ids"], f"{wl}: speculation changed the greedy tokens"
-        s = ngram["stats"]
-        rows.append({
-            "workload": wl,
-            "plain_ms_per_token": round(plain["ms_per_token"], 2),
-            "ngram_ms_per_token": round(ngram["ms_per_token"], 2),
-            "speedup": round(plain["ms_per_token"] / ngram["ms_per_token"], 3),
-            "drafts": s.num_drafts if s else 0,
-            "draft_tokens": s.num_draft_tokens if s else 0,
-            "accepted_tokens": s.num_accepted_tokens if s else 0,
-            "acceptance_rate": round(s.acceptance_rate, 3) if s else 0.0,
-            "accepted_per_pos": s.num_accepted_tokens_per_pos if s else [],
-        })
+        plain = best[(wl, "plain")]
+        for name in engines:
+            if name == "plain":
+                continue
+            spec_run = best[(wl, name)]
+            assert plain["ids"] == spec_run["ids"], f"{wl}: {name} speculation changed the greedy tokens"
+            s = spec_run["stats"]
+            rows.append({
+                "workload": wl,
+                "method": name,
+                "plain_ms_per_token": round(plain["ms_per_token"], 2),
+                "spec_ms_per_token": round(spec_run["ms_per_token"], 2),
+                "speedup": round(plain["ms_per_token"] / spec_run["ms_per_token"], 3),
+                "drafts": s.num_drafts if s else 0,
+                "draft_tokens": s.num_draft_tokens if s else 0,
+                "accepted_tokens": s.num_accepted_tokens if s else 0,
+                "acceptance_rate": round(s.acceptance_rate, 3) if s else 0.0,
+                "accepted_per_pos": s.num_accepted_tokens_per_pos if s else [],
+            })
     machine = cpu_name()
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": machine, "threads": args.threads,
-              "tokens": args.tokens, "speculative_config": spec, "torch": torch.__version__, "rows": rows}
+              "tokens": args.tokens, "speculative_config": spec, "draft": args.draft, "torch": torch.__version__, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "spec_decode.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"Run of {result['date']}, `ci/bench/spec_decode.py --tokens {args.tokens} --repeats {args.repeats} "
-             f"--threads {args.threads} --k {args.k} --lookup {args.lookup[0]} {args.lookup[1]}`; {machine}; "
+             f"--threads {args.threads} --k {args.k} --lookup {args.lookup[0]} {args.lookup[1]}"
+             f"{' --draft ' + args.draft if args.draft else ''}`; {machine}; "
              f"torch {torch.__version__}. Default model, fp32, cpu backend, batch 1, greedy, {args.tokens} tokens; "
              "best of the repeats. Tokens with and without speculation checked equal.", "",
-             "| workload | plain ms/token | ngram ms/token | speed-up | drafts | proposed | accepted | acceptance | accepted per position |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| workload | method | plain ms/token | speculative ms/token | speed-up | drafts | proposed | accepted | acceptance | accepted per position |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['plain_ms_per_token']} | {r['ngram_ms_per_token']} | {r['speedup']}x | "
+        lines.append(f"| {r['workload']} | {r['method']} | {r['plain_ms_per_token']} | {r['spec_ms_per_token']} | {r['speedup']}x | "
                      f"{r['drafts']} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['acceptance_rate']:.0%} | "
                      f"{r['accepted_per_pos']} |")
     table = "\n".join(lines)
