@@ -78,6 +78,15 @@ def case_engine(model: Path) -> dict[str, Any]:
     from portside import LLM, SamplingParams
 
     out: dict[str, Any] = {}
+    from portside.testing.tiny import make_tiny_model
+
+    odd = make_tiny_model(model.parent / "odd_mlp", "llama", intermediate_size=131)  # cannot split in 2
+    try:  # a rank that raises while loading: a clear error, every actor stopped, Ray stopped
+        LLM(model=str(odd), tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+        out["raised"] = None
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    out["ray_up_after_raise"] = ray.is_initialized()
     t0 = time.monotonic()
     llm = LLM(model=str(model), tensor_parallel_size=2, distributed_executor_backend="ray",
               max_num_batched_tokens=16, **ENGINE)  # fmt: skip

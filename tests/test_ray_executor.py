@@ -111,11 +111,15 @@ def run_case(case: str, model: Path, tmp_path: Path, **env: str) -> dict[str, An
 @pytest.mark.slow
 @needs_netns
 def test_llm_on_ray_equals_transformers_and_a_killed_actor_fails_fast(tiny_llama: Path, tmp_path: Path) -> None:
-    """`LLM(..., distributed_executor_backend="ray")` with no cluster given starts a one-node Ray;
-    TP 2 gives transformers' greedy tokens (batched, chunked, across blocks); killing rank 1's
+    """`LLM(..., distributed_executor_backend="ray")` with no cluster given starts a one-node Ray; a
+    rank that raises while loading is named with its cause and traceback; TP 2 gives transformers' greedy tokens (batched, chunked, across blocks); killing rank 1's
     actor fails the step naming it within seconds and kills the other actor; shutdown stops the
     Ray the executor started."""
     r = run_case("engine", tiny_llama, tmp_path)
+    assert re.match(r"Ray worker failed: rank [01] \(pid \d+ on node 127\.0\.0\.1, node id [0-9a-f]+\) raised ValueError: "
+                    r"output features \(131\) is not divisible", r["raised"] or ""), r["raised"]  # fmt: skip
+    assert "--- rank" in r["raised"] and "traceback ---" in r["raised"]
+    assert not r["ray_up_after_raise"]
     assert r["executor"] == "RayExecutor" and r["nodes"] == ["127.0.0.1"] * 2
     for prompt, tokens in zip(r["prompts"], r["tokens"], strict=True):
         assert tokens == hf_greedy(tiny_llama, prompt, 12), f"prompt of {len(prompt)} tokens"
