@@ -59,13 +59,17 @@ def test_stage_models_hold_only_their_layers(model):
 
 
 @pytest.mark.slow  # spawns the stage workers: CI's legs run it
-@pytest.mark.parametrize(("tp", "pp", "layers"), [(1, 2, None), (1, 3, None), (2, 2, "1,2")],
-                         ids=["pp2", "pp3", "tp2xpp2-layers-1-2"])
-def test_greedy_and_seeded_tokens_equal_pp1_and_transformers(model, tp, pp, layers):
+@pytest.mark.parametrize(("tp", "pp", "layers", "micro"), [(1, 2, None, None), (1, 2, None, 1), (1, 3, None, None),
+                                                          (2, 2, "1,2", None)],
+                         ids=["pp2", "pp2-one-batch-in-flight", "pp3", "tp2xpp2-layers-1-2"])
+def test_greedy_and_seeded_tokens_equal_pp1_and_transformers(model, tp, pp, layers, micro):
     """Chunked prefill (a 16-token budget), a pool small enough to preempt, then the same prompts
-    again (prefix-cache hits), greedy and seeded sampling, against PP = 1 and transformers."""
+    again (prefix-cache hits), greedy and seeded sampling, against PP = 1 and transformers; with
+    micro-batches in flight (one per stage, the default) and without."""
     kwargs = ENGINE | {"max_num_batched_tokens": 16, "num_kv_blocks": 40, "max_num_seqs": 6}
-    llm = LLM(model=str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_layers=layers, **kwargs)
+    llm = LLM(model=str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_layers=layers,
+              pipeline_micro_batches=micro, **kwargs)
+    assert llm.engine.max_in_flight == (micro or pp)
     pids = llm.engine.executor.pids
     try:
         assert len(pids) == tp * pp
