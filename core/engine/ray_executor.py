@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from portside.backend_api import KVCacheSpec, Platform
@@ -74,14 +75,26 @@ class RayExecutor:
         return self._num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        replies = self._call_all(InitKVCache(num_blocks), "allocating its KV cache")
-        self._expect(replies, KVCacheReady, "allocating its KV cache")
+        self._check()
+        calls = {r: a.handle.remote(InitKVCache(num_blocks)) for r, a in enumerate(self._actors)}
+        self._expect(self._wait(calls, "allocating its KV cache"), KVCacheReady, "allocating its KV cache")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        replies = self._call_all(scheduler_output, "running a step")
-        return self._expect({self.output_rank: replies[self.output_rank]}, ModelRunnerOutput, "running a step")[
-            self.output_rank
-        ]
+        return self.submit(scheduler_output)()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send a step to every actor now; the returned call waits for all of them and gives the
+        output rank's result. Pipeline parallelism keeps several in flight: each actor runs its
+        calls in order, so a stage starts the next step while the later stages finish this one."""
+        self._check()
+        calls = {r: a.handle.remote(scheduler_output) for r, a in enumerate(self._actors)}
+
+        def result() -> ModelRunnerOutput:
+            self._check()
+            out = {self.output_rank: self._wait(calls, "running a step")[self.output_rank]}
+            return self._expect(out, ModelRunnerOutput, "running a step")[self.output_rank]
+
+        return result
 
     def shutdown(self) -> None:
         """Stop every actor (leave the process group, then kill), remove the placement group, and
@@ -144,9 +157,6 @@ class RayExecutor:
 
     # ---- plumbing -----------------------------------------------------------------------------
 
-    def _call_all(self, msg: Any, doing: str) -> dict[int, Any]:
-        self._check()
-        return self._wait({r: a.handle.remote(msg) for r, a in enumerate(self._actors)}, doing)
 
     def _wait(self, calls: dict[int, Any], doing: str) -> dict[int, Any]:
         """Every call's reply, by rank. A dead actor, a `WorkerError`, or no reply within
