@@ -205,3 +205,33 @@ def test_front_shares_grammar_cache_and_adapter_registry(engines: list[LLMEngine
     DataParallelEngine(engines, block_size=BLOCK)
     assert engines[1].structured is engines[0].structured
     assert engines[1].loras is engines[0].loras
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
+def test_replicas_compute_in_their_own_worker_processes(tiny_llama: Path, layout: dict[str, int]):
+    """`start_replicas`: every replica runs its TP group in worker processes of its own (also a
+    world of one rank), gives transformers' greedy tokens, and shutdown leaves no worker."""
+    import os
+
+    from portside.engine.data_parallel import start_replicas
+
+    replicas = start_replicas(2, model=str(tiny_llama), **ENGINE, **layout)
+    pids = [pid for e in replicas for pid in e.executor.pids]
+    assert len(set(pids)) == 2 * layout.get("tensor_parallel_size", 1)
+    prompts = [[(5 * i + 3 * k) % 300 + 2 for k in range(7 + i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def main() -> list[list[int]]:
+        front = DataParallelEngine(replicas, block_size=BLOCK)
+        front.start()
+        try:
+            streams = [await front.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+            assert front.loads() == [2, 2] or sum(front.loads()) < 4  # balanced (unless some finished already)
+            return [await collect(s) for s in streams]
+        finally:
+            await front.shutdown(5)
+
+    for p, got in zip(prompts, run(main()), strict=True):
+        assert got == hf_greedy(tiny_llama, p, 8)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
