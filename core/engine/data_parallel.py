@@ -75,8 +75,9 @@ def start_replicas(num_replicas: int, **engine_kwargs: Any) -> list[Any]:
 
 
 def merge_stats(stats: list[Any]) -> Any:
-    """One `EngineStats` for several replicas: counts summed, lists joined, the KV-cache usage
-    recomputed from the summed blocks (None while any replica has none yet)."""
+    """One `EngineStats` for several replicas: numbers summed, lists joined, counter dataclasses
+    merged, the KV-cache usage recomputed from the summed blocks, anything else replica 0's
+    (None while any replica has none yet)."""
     if not stats or any(s is None for s in stats):
         return None
     values: dict[str, Any] = {}
@@ -86,8 +87,9 @@ def merge_stats(stats: list[Any]) -> Any:
             values[f.name] = _merge_counts(items)
         elif isinstance(items[0], list):
             values[f.name] = [x for item in items for x in item]
-        else:
+        elif all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in items):
             values[f.name] = sum(items)
+        # anything else (a flag, a name): replica 0's
     total = values.get("num_total_blocks")
     if total:
         values["kv_cache_usage"] = sum(s.kv_cache_usage * s.num_total_blocks for s in stats) / total
