@@ -132,6 +132,61 @@ def case_engine(model: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# Two Ray nodes (two raylets on loopback, one CPU each): ranks on both; one node lost
+# --------------------------------------------------------------------------------------------
+
+
+def case_nodes(model: Path) -> dict[str, Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        worker_node = cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        return nodes_on(cluster, worker_node, model)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def nodes_on(cluster: Any, worker_node: Any, model: Path) -> dict[str, Any]:
+    from ray.util import placement_group_table
+
+    from portside import LLM, SamplingParams
+
+    out: dict[str, Any] = {"worker_node": worker_node.node_id}
+    llm = LLM(model=str(model), tensor_parallel_size=2, distributed_executor_backend="ray",
+              max_num_batched_tokens=16, **ENGINE)  # fmt: skip
+    places = llm.engine.executor.places
+    out["node_ids"] = [p.node_id for p in places]
+    prompts = prompts_for(llm.get_tokenizer())
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out["prompts"] = prompts
+    out["tokens"] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                                   use_tqdm=False)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(str(i), prompt, params)
+    for _ in range(2):
+        llm.engine.step()
+    out["lost_rank"] = out["node_ids"].index(worker_node.node_id)
+    cluster.remove_node(worker_node, allow_graceful=False)  # its raylet and workers killed at once
+    t0 = time.monotonic()
+    try:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["fail_s"] = time.monotonic() - t0
+    out["left_after_failure"] = wait_gone([p.pid for p in places])
+    llm.engine.shutdown()
+    out["placement_groups"] = sorted({g["state"] for g in placement_group_table().values()})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # portside serve -tp 2 --distributed-executor-backend ray (the server starts its own Ray)
 # --------------------------------------------------------------------------------------------
 
@@ -254,5 +309,5 @@ def serve_on(head: subprocess.Popen[bytes], model: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     print("NETNS", os.readlink("/proc/self/ns/net"), flush=True)
     case, model_dir = sys.argv[1], Path(sys.argv[2])
-    result = {"engine": case_engine, "serve": case_serve}[case](model_dir)
+    result = {"engine": case_engine, "nodes": case_nodes, "serve": case_serve}[case](model_dir)
     print("RESULT", json.dumps(result), flush=True)

@@ -137,6 +137,24 @@ def test_llm_on_ray_equals_transformers_and_a_killed_actor_fails_fast(tiny_llama
 
 @pytest.mark.slow
 @needs_netns
+def test_ranks_on_two_nodes_and_a_lost_node(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two Ray nodes of one CPU each (two raylets on loopback, `ray.cluster_utils.Cluster`): the
+    ranks land on both and still give transformers' tokens; removing one node (its raylet and
+    actor killed at once) fails the step within seconds naming the rank on it and its node."""
+    r = run_case("nodes", tiny_llama, tmp_path)
+    assert len(set(r["node_ids"])) == 2 and r["worker_node"] in r["node_ids"], r
+    for prompt, tokens in zip(r["prompts"], r["tokens"], strict=True):
+        assert tokens == hf_greedy(tiny_llama, prompt, 12), f"prompt of {len(prompt)} tokens"
+    lost, node = r["lost_rank"], r["worker_node"][:12]
+    assert re.search(rf"rank {lost} \(pid \d+ on node 127\.0\.0\.1, node id {node}\) (died|gave no reply)",
+                     r["error"] or ""), r["error"]  # fmt: skip
+    assert r["error"].startswith("Ray worker failed: ") and r["fail_s"] < 10, r
+    assert r["left_after_failure"] == [] and r["placement_groups"] == ["REMOVED"], r
+    print(f"ray nodes: lost node noticed in {r['fail_s']:.2f} s")
+
+
+@pytest.mark.slow
+@needs_netns
 def test_serve_on_a_ray_cluster_then_a_killed_actor_makes_it_unhealthy(tiny_llama: Path, tmp_path: Path) -> None:
     """As the docs run it: `ray start --head`, then `portside serve -tp 2 --distributed-executor-backend
     ray` on the head joins that cluster (no RAY_ADDRESS). More ranks than its CPUs exit 2; -tp 2

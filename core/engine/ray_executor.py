@@ -232,6 +232,9 @@ class RayExecutor:
         raised = [f for f in failures if isinstance(f, WorkerError)]
         causes = [f"{self._label(f.rank)} {f.cause}" for f in died]
         causes += [f"{self._label(f.rank)} raised {f.error}" for f in raised]
+        if causes:  # a lost node's actors are declared dead only after Ray's health checks (seconds)
+            causes += [f"{self._label(rank)} gave no reply within {_GRACE_S:.0f} s (its process or node may be lost, "
+                       "or it waits in a collective)" for rank in sorted(set(pending.values()))]
         message = "Ray worker failed: " + "; then ".join(causes or reasons or ["unknown cause"])
         for e in raised[: 0 if died else 1]:  # a death is the cause: the peers' errors are its echo
             message += f"\n--- rank {e.rank} traceback ---\n{e.traceback}"
