@@ -225,7 +225,7 @@ class DataParallelEngine:
     ) -> RequestStream:
         """Route the request to a replica and queue it there (see `AsyncLLMEngine.add_request`)."""
         if not self.accepting:
-            raise EngineStoppedError(self._stopped_reason())
+            raise EngineStoppedError(self.stopped_reason())
         if check_capacity:
             self.check_capacity(params.num_samples)
         if any(r.has_request(request_id) for r in self.replicas):
@@ -251,7 +251,8 @@ class DataParallelEngine:
         for r in self.replicas:
             r.abort(request_id)  # a no-op where the request is not
 
-    def _stopped_reason(self) -> str:
+    def stopped_reason(self) -> str:
+        """Why requests are refused (names a failed replica)."""
         for r in self.replicas:
             if not r.is_running and r.error is not None:
                 return (f"data-parallel replica {r.engine_index} of {len(self.replicas)} failed "

@@ -154,7 +154,8 @@ def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> Fa
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
-            return APIError(503, "the engine is not running").response()
+            reason = getattr(async_engine, "stopped_reason", None)  # data parallelism: which replica failed
+            return APIError(503, reason() if reason is not None else "the engine is not running").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

@@ -162,7 +162,8 @@ def test_dp2_killed_replica_worker_fails_requests_fast_and_turns_unhealthy(tiny_
         deadline = time.monotonic() + 10
         while server.health().status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert server.health().status_code == 503
+        health = server.health()
+        assert health.status_code == 503 and "data-parallel replica" in health.json()["error"]["message"], health.text
         r = complete(server, [1, 2, 3])  # new requests are refused, naming the replica
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
         assert re.search(r"data-parallel replica \d of 2 failed \(RuntimeError\); the server is unhealthy",
