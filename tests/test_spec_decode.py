@@ -341,3 +341,25 @@ def test_tensor_parallel_2(model):
         assert stats.spec_decode.num_drafts > 0 and stats.num_used_blocks == 0
     finally:
         llm.shutdown()
+
+
+def test_backoff_after_rejected_drafts():
+    from portside.spec_decode.backoff import MAX_SKIP, ProposalBackoff
+
+    b = ProposalBackoff()
+    assert b.allows("a")
+    b.record("a", 4, 0)  # a whole draft rejected: skip 1 step
+    assert [b.allows("a") for _ in range(2)] == [False, True]
+    b.record("a", 4, 0)  # again: 2 steps, then 4, ... up to MAX_SKIP
+    assert [b.allows("a") for _ in range(3)] == [False, False, True]
+    for _ in range(8):
+        b.record("a", 3, 0)
+    assert sum(not b.allows("a") for _ in range(MAX_SKIP + 4)) == MAX_SKIP
+    b.record("a", 3, 1)  # an accepted proposal resets it
+    b.record("a", 3, 0)
+    assert [b.allows("a") for _ in range(2)] == [False, True]
+    b.record("b", 0, 0)  # nothing proposed: nothing learned
+    assert b.allows("b")
+    b.record("b", 2, 0)
+    b.forget("b")
+    assert b.allows("b")

@@ -190,6 +190,9 @@ class ModelRunner:
             from portside.spec_decode.ngram import NgramProposer
 
             self.ngram = NgramProposer(config.speculative)
+        from portside.spec_decode.backoff import ProposalBackoff
+
+        self.backoff = ProposalBackoff()
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -285,6 +288,7 @@ class ModelRunner:
             state.num_computed_tokens += n
             if rid in spec_scheduled and last:  # rejected proposals: their slots are written again next step
                 state.num_computed_tokens -= len(spec_scheduled[rid]) + 1 - len(sampled[rid])
+                self.backoff.record(rid, len(spec_scheduled[rid]), len(sampled[rid]) - 1)
             # (an earlier pipeline stage gets the count after acceptance with the tokens, next step)
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled,
                                  prompt_logprobs=prompt_lps, spec_token_ids=self._propose(sampled))
@@ -295,7 +299,7 @@ class ModelRunner:
         if (self.ngram is None and self.draft is None) or not self.is_last_stage:
             return {}
         states = [self.requests[rid] for rid, new in sampled.items()
-                  if new and self.requests[rid].sampling_params.structured_outputs is None]
+                  if new and self.requests[rid].sampling_params.structured_outputs is None and self.backoff.allows(rid)]
         if self.draft is not None:
             return self.draft.propose(states)
         assert self.ngram is not None
@@ -362,6 +366,7 @@ class ModelRunner:
             self._last_sampling = None  # a request id may come back as another request
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.backoff.forget(rid)
             if self.draft is not None:
                 self.draft.forget(rid)
             if self.pooler is not None:
