@@ -332,6 +332,10 @@ class LLMEngine:
         executor's remaining workers."""
         import multiprocessing
 
+        own = getattr(self.executor, "check_health", None)
+        if own is not None:  # ranks that are not this process's children (Ray actors): the executor checks them
+            own()
+            return
         pids = list(getattr(self.executor, "pids", ()))
         if not pids:
             return

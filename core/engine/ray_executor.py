@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # how often a wait wakes up to check its deadline
 _GRACE_S = 1.0  # after a failure: how long to wait for the other ranks (to name the cause, not a consequence)
+_HEALTH_S = 2.0  # check_health: how long an idle actor may take to answer a ping
 _STOP_S = 5.0  # shutdown: how long the actors get to leave their process group before they are killed
 
 
@@ -95,6 +96,22 @@ class RayExecutor:
             return self._expect(out, ModelRunnerOutput, "running a step")[self.output_rank]
 
         return result
+
+    def check_health(self) -> None:
+        """While the engine is idle (the async engine asks every second): the error a step would
+        raise when an actor has died, found with a ping to each. A ping still unanswered after
+        _HEALTH_S passes: a lost node's actors are declared dead by Ray later, and the next step
+        reports them."""
+        self._check()
+        calls = {ref: r for r, ref in enumerate(a.place.remote() for a in self._actors)}
+        ready, _ = self._ray.wait(list(calls), num_returns=len(calls), timeout=_HEALTH_S)
+        failures: list[WorkerError | _Died] = []
+        for ref in ready:
+            reply = self._get(ref, calls.pop(ref))
+            if isinstance(reply, _Died):
+                failures.append(reply)
+        if failures:
+            self._fail([], failures, calls)
 
     def shutdown(self) -> None:
         """Stop every actor (leave the process group, then kill), remove the placement group, and
