@@ -44,6 +44,8 @@ from portside.backend_api import (
 )
 from portside.backends.cpu import kernels
 
+# The most rows of a one-sequence step the fused multi-row step takes (csrc/fused_decode.cpp's kMaxRows).
+MAX_FUSED_ROWS = 16
 KV_CACHE_DTYPES = frozenset({"auto", "fp8_e4m3", "fp8_e5m2", "int8"})
 
 
@@ -87,6 +89,10 @@ class TorchAttentionPlan:
     native_lens: torch.Tensor | None = None  # [B] int32, contiguous
     native_slots: torch.Tensor | None = None  # [T] int64, contiguous: every row's slot (-1 skips)
     native_step: kernels.DecodeStep | None = None  # when every row is a decode
+    # (block tables [1, n] int32, seq_lens [1] int32, slots [M] int64) of a one-sequence step of
+    # 2..MAX_FUSED_ROWS rows (a speculative verification, a short prefill chunk): the plan
+    # `set_decode_step` installs for the fused multi-row step (`fused_decode`, `step_rows`)
+    native_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -220,6 +226,10 @@ class NativeAttentionBackend(CpuAttentionBackend):
             plan.native_lens = md.seq_lens[:nd].to(torch.int32).contiguous()
             if decode_only:
                 plan.native_step = kernels.DecodeStep(plan.native_tables, plan.native_lens, plan.native_slots)
+        elif md.num_reqs == 1 and 2 <= md.num_tokens <= MAX_FUSED_ROWS and bool((plan.native_slots >= 0).all()):
+            n = -(-md.seq_lens_cpu[0] // md.block_size)
+            plan.native_rows = (md.block_tables[:1, :n].to(torch.int32).contiguous(),
+                                md.seq_lens[:1].to(torch.int32).contiguous(), plan.native_slots)
         md.backend_data = plan
         return md
 

@@ -6,8 +6,13 @@ A batch-1 decode step reads every weight once, one matrix after another, and doe
 run op by op (or as an Inductor graph calling one operator per matrix), the gaps between the
 matrices (dispatcher calls, small kernels, a fork/join each, the compiled call's entry and exit)
 cost ~2 ms of a ~12 ms step on the CI machine. The native step runs the whole model in one OpenMP
-parallel region instead (see the C++ file). Steps it does not cover (more than one row, a prefill
-chunk, other models, tensor parallelism, other dtypes) run as before.
+parallel region instead (see the C++ file).
+
+One sequence's steps of 2..16 rows (a speculative verification: the last token and its k
+proposals; a short prefill chunk) run in the native multi-row step (`step_rows`), which streams
+each weight once for all rows: op by op (oneDNN's small-M GEMMs, prefill-style attention) a
+5-row verification cost ~2.7x a batch-1 step. Steps neither covers (several sequences, longer
+prefill chunks, other models, tensor parallelism, other dtypes) run as before.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 
 from portside.backend_api import ForwardContext
+from portside.backends.cpu.attention import MAX_FUSED_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,28 @@ class FusedDecoder:
         native attention plan, and fp32 caches (not an 8-bit `--kv-cache-dtype`)."""
         return (input_ids.shape[0] == 1 and getattr(ctx.metadata.backend_data, "native_step", None) is not None
                 and ctx.kv_caches[0].dtype == torch.float32)
+
+    @staticmethod
+    def covers_rows(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether this step is one sequence's 2..`MAX_FUSED_ROWS` rows (a speculative verification,
+        a short prefill chunk) that the native multi-row step runs: the attention backend made
+        its one-sequence plan (`NativeAttentionBackend.prepare`), and fp32 caches."""
+        return (2 <= input_ids.shape[0] <= MAX_FUSED_ROWS
+                and getattr(ctx.metadata.backend_data, "native_rows", None) is not None
+                and ctx.kv_caches[0].dtype == torch.float32)
+
+    def rows(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """hidden [M, hidden] after the final norm of a step `covers_rows` accepts (its LM head:
+        `logits`, for the rows sampled); the M new K/V rows are written into `ctx.kv_caches`."""
+        torch.ops.portside_cpu_native.set_decode_step(ctx.kv_caches, *ctx.metadata.backend_data.native_rows)
+        try:
+            return self._decoder.step_rows(input_ids, positions)
+        finally:
+            torch.ops.portside_cpu_native.clear_decode_step()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of hidden [N, hidden]: the LM head streamed once for all rows."""
+        return self._decoder.logits(hidden)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [1, hidden] after the final norm, fp32 logits [1, vocab]) of a covered step;

@@ -88,19 +88,28 @@ class _FusedDecodeSteps:
 
     _fused: FusedDecoder | None = None
     _step_logits: torch.Tensor | None = None
+    _rows_step = False  # the last step ran in the fused multi-row step
 
     def _fused_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        """The step's hidden states when the fused step ran it (its logits kept), else None."""
-        self._step_logits = None
-        if self._fused is None or not self._fused.covers(input_ids, ctx):
+        """The step's hidden states when a fused step ran it (a one-row step's logits kept), else None."""
+        self._step_logits, self._rows_step = None, False
+        if self._fused is None:
             return None
-        hidden, self._step_logits = self._fused(input_ids, positions, ctx)
-        return hidden
+        if self._fused.covers(input_ids, ctx):
+            hidden, self._step_logits = self._fused(input_ids, positions, ctx)
+            return hidden
+        if self._fused.covers_rows(input_ids, ctx):
+            self._rows_step = True
+            return self._fused.rows(input_ids, positions, ctx)
+        return None
 
     def logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         step_logits, self._step_logits = self._step_logits, None
+        rows_step, self._rows_step = self._rows_step, False
         if step_logits is not None:  # a one-row step: the row sampled is that row
             return step_logits
+        if rows_step:  # the multi-row step's LM head, natively, for the rows sampled
+            return self._fused.logits(hidden[indices])  # type: ignore[union-attr]
         return self.compute_logits(hidden[indices])  # type: ignore[attr-defined]
 
 

@@ -69,7 +69,9 @@ void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::
               "set_decode_step: seq_lens must be contiguous int32 [B]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "set_decode_step: slots must be contiguous int64 [B]");
-  TORCH_CHECK(tables.size(0) == lens.size(0) && slots.size(0) == lens.size(0),
+  // B decodes (one slot each), or one sequence with several new rows (its last slots.size(0)
+  // positions: the fused multi-row step, LlamaDecoder.step_rows, fused_decode.cpp)
+  TORCH_CHECK(tables.size(0) == lens.size(0) && (slots.size(0) == lens.size(0) || lens.size(0) == 1),
               "set_decode_step: block tables, seq_lens and slots disagree on the batch size");
   for (const at::Tensor& c : caches)
     TORCH_CHECK(c.device().is_cpu() && cache_format(c) >= 0 && c.scalar_type() == caches[0].scalar_type() &&
@@ -91,6 +93,7 @@ bool fits(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k, cons
   if (!plan.active || layer < 0 || layer >= (int64_t)plan.caches.size()) return false;
   const at::Tensor& c = plan.caches[layer];
   const int64_t batch = plan.lens.size(0), kvh = c.size(3), d = cache_head_size(c);
+  if (plan.slots.size(0) != batch) return false;  // a one-sequence multi-row plan: not a decode step
   for (const at::Tensor* t : {&q, &k, &v})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(0) != batch ||
         t->size(2) != d || t->stride(2) != 1 || t->stride(1) != d)

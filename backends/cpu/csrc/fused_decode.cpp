@@ -23,6 +23,9 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>  // paged_attention.c's 8-bit loads, outside the namespace below
 #endif
+#if defined(__FMA__)
+#include <immintrin.h>  // the multi-row step's FMAs (fma8)
+#endif
 #include <omp.h>
 
 #include <ATen/Parallel.h>
@@ -51,7 +54,7 @@ namespace paged {  // the kernels' pieces, internal to this file (decode_attenti
 // (`fused_profile()`: [threads, stages], summed over steps since the last call).
 #ifdef PORTSIDE_FUSED_PROFILE
 #include <x86intrin.h>
-constexpr int kStages = 11;
+constexpr int kStages = 22;  // 0-10: `step`; 11-21: `step_rows` (its stage k is 11 + k)
 int64_t prof[64][kStages];
 #define MARK(k)                                   \
   do {                                            \
@@ -156,6 +159,105 @@ inline float silu(float g) {
   return g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Multi-row steps (`step_rows`): one sequence, M = 2..kMaxRows query rows at consecutive positions
+// (a speculative verification step: the last token and k proposals; or a short prefill chunk).
+//
+// Op by op, such a step costs ~2.7x a batch-1 step for 5 rows (oneDNN's small-M GEMMs, one
+// fork/join per matrix, prefill-style attention through Python). A row at a time through a
+// GEMV-like kernel reads every weight M times (from cache after the first, but with two loads
+// per FMA it is load-bound). Here, as in `step`, the whole model is one OpenMP region, and each
+// weight row is loaded once into registers for all M inputs: the tile below keeps 2 weight rows
+// x MR inputs of accumulators in registers, so one 8-float load of weights feeds MR FMAs and the
+// step stays close to the weight stream's time while M is small.
+
+constexpr int64_t kMaxRows = 16;  // FusedDecoder.MAX_ROWS
+
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// acc + x * w as one FMA. Spelled out: under -std=c++20 (ISO mode) GCC does not contract a
+// multiply and an add into an FMA, which would halve this kernel's arithmetic rate.
+inline v8f fma8(v8f x, v8f w, v8f acc) {
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
+#else
+  return acc + x * w;
+#endif
+}
+
+inline float hsum8(v8f v) {
+  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+  return a + b;
+}
+
+// ya[m * ys] = x_m . wa and yb[m * ys] = x_m . wb for MR input rows x_m = x + m * xs, K columns.
+// 2 * MR accumulators + the 2 weight vectors: 14 of AVX2's 16 registers at MR = 6; the inputs
+// are read from L1 (FMA memory operands). Two weight rows, not one: with one, MR <= 3 would
+// leave too few independent accumulators to cover the FMA latency.
+template <int MR>
+inline void tile2(const float* x, int64_t xs, const float* wa, const float* wb, int64_t K, float* ya, float* yb,
+                  int64_t ys) {
+  v8f a[MR], b[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) a[m] = b[m] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const v8f va = load8(wa + k), vb = load8(wb + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const v8f xm = load8(x + m * xs + k);
+      a[m] = fma8(xm, va, a[m]);
+      b[m] = fma8(xm, vb, b[m]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    float sa = hsum8(a[m]), sb = hsum8(b[m]);
+    for (int64_t j = k; j < K; ++j) {  // K not a multiple of 8 (tiny test models)
+      sa += x[m * xs + j] * wa[j];
+      sb += x[m * xs + j] * wb[j];
+    }
+    ya[m * ys] = sa;
+    yb[m * ys] = sb;
+  }
+}
+
+// `tile2` for all M input rows (x [M, K] dense): groups of at most 6 rows, balanced (5 -> 5,
+// 8 -> 4 + 4, 16 -> 5 + 5 + 6); the groups after the first read the two weight rows from L1.
+inline void dots2(const float* x, int64_t M, const float* wa, const float* wb, int64_t K, float* ya, float* yb,
+                  int64_t ys) {
+  const int64_t groups = (M + 5) / 6;
+  for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+    const int64_t mr = (M - m0) / (groups - g);
+    const float* xg = x + m0 * K;
+    float *ag = ya + m0 * ys, *bg = yb + m0 * ys;
+    switch (mr) {
+      case 1: tile2<1>(xg, K, wa, wb, K, ag, bg, ys); break;
+      case 2: tile2<2>(xg, K, wa, wb, K, ag, bg, ys); break;
+      case 3: tile2<3>(xg, K, wa, wb, K, ag, bg, ys); break;
+      case 4: tile2<4>(xg, K, wa, wb, K, ag, bg, ys); break;
+      case 5: tile2<5>(xg, K, wa, wb, K, ag, bg, ys); break;
+      default: tile2<6>(xg, K, wa, wb, K, ag, bg, ys); break;
+    }
+    m0 += mr;
+  }
+}
+
+// y[m * N + r] = x_m . w_r for the M rows of x [M, K] and rows r in [r0, r1) of w [N, K]: rows in
+// adjacent pairs (one stream); an odd last row is paired with itself (computed twice).
+inline void rows_m(const float* x, int64_t M, const float* w, int64_t K, int64_t N, float* y, int64_t r0,
+                   int64_t r1) {
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) dots2(x, M, w + r * K, w + (r + 1) * K, K, y + r, y + r + 1, N);
+  if (r < r1) dots2(x, M, w + r * K, w + r * K, K, y + r, y + r, N);
+}
+
 at::Tensor checked(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
               "LlamaDecoder: ", what, " must be a contiguous fp32 cpu tensor");
@@ -173,6 +275,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
   // Step buffers: shared by the threads (each writes its own share), and per thread. So one step
   // at a time per decoder (the engine's model runner steps on one thread).
   std::vector<float> h, qkv, attn, act, y, parts;
+  std::vector<float> hm, ym, qkvm, attnm, actm;  // `step_rows`' shared buffers: [M, ...] each
   std::vector<Counter> counters;         // per matrix of a step, per thread: `rows_shared`
   std::vector<std::vector<float>> mine;  // per thread: normed input | roped q | merged attention | scratch
 
@@ -208,11 +311,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
                         bias(t[9], H, "a down bias")});
     }
     h.resize(H), qkv.resize(QKV), attn.resize(NH * D), act.resize(I), y.resize(H);
+    hm.resize(kMaxRows * H), ym.resize(kMaxRows * H), qkvm.resize(kMaxRows * QKV), attnm.resize(kMaxRows * NH * D),
+        actm.resize(kMaxRows * I);
   }
 
   std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions) {
     const portside_native::DecodePlan& plan = portside_native::decode_plan();
-    TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && (int64_t)plan.caches.size() == L,
+    TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && plan.slots.size(0) == 1 && (int64_t)plan.caches.size() == L,
                 "LlamaDecoder.step: needs the decode plan of a one-sequence decode step (set_decode_step)");
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == 1 && positions.scalar_type() == at::kLong &&
                     positions.numel() == 1,
@@ -347,6 +452,199 @@ struct LlamaDecoder : torch::CustomClassHolder {
     }
     return {hidden, logits};
   }
+
+  // One sequence's M = 2..kMaxRows rows at consecutive positions, the last at seq_len - 1, under
+  // a one-sequence multi-row plan (set_decode_step with one block table and seq_len and the M
+  // rows' slots): hidden [M, hidden] after the final norm; the LM head is `logits`, for the rows
+  // the runner samples. Stages as in `step`, each matrix streamed once for all rows (`rows_m`),
+  // plus one barrier a layer: every row's K/V is written before any row attends, since row m
+  // attends the new rows 0..m as well as the cached prefix (causal, as core's reference does).
+  at::Tensor step_rows(const at::Tensor& ids, const at::Tensor& positions) {
+    const portside_native::DecodePlan& plan = portside_native::decode_plan();
+    const int64_t M = ids.numel();
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
+                    positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
+                    positions.numel() == M && M >= 2 && M <= kMaxRows,
+                "LlamaDecoder.step_rows: 2 to ", kMaxRows, " int64 token ids and as many int64 positions");
+    TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && plan.slots.size(0) == M && (int64_t)plan.caches.size() == L,
+                "LlamaDecoder.step_rows: needs the decode plan of a one-sequence step of ", M,
+                " rows (set_decode_step with one seq_len and ", M, " slots)");
+    const int64_t* tok = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t len = plan.lens.data_ptr<int32_t>()[0];
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(tok[m] >= 0 && tok[m] < V, "LlamaDecoder.step_rows: token id ", tok[m], " outside the vocabulary");
+      TORCH_CHECK(pos[m] == len - M + m, "LlamaDecoder.step_rows: the positions must be the last ", M,
+                  " of the sequence's ", len, " (consecutive)");
+    }
+    TORCH_CHECK(len - 1 < P, "LlamaDecoder.step_rows: position ", len - 1, " outside the rotary table");
+    const at::Tensor& c0 = plan.caches[0];
+    const int64_t num_blocks = c0.size(1), block_size = c0.size(2);
+    for (const at::Tensor& c : plan.caches)
+      TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 5 && c.size(1) == num_blocks &&
+                      c.size(2) == block_size && c.size(3) == KVH && c.size(4) == D,
+                  "LlamaDecoder.step_rows: a KV cache is not fp32 or does not fit the model's KV heads and head size");
+    const int64_t max_blocks = plan.tables.size(1);
+    const int32_t* table = plan.tables.data_ptr<int32_t>();
+    TORCH_CHECK(len <= max_blocks * block_size, "LlamaDecoder.step_rows: seq_len ", len, " does not fit its block table");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "LlamaDecoder.step_rows: block id ", table[b],
+                  " outside the cache");
+    const int64_t* slots = plan.slots.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(slots[m] >= 0 && slots[m] < num_blocks * block_size, "LlamaDecoder.step_rows: slot ", slots[m],
+                  " outside the cache");
+
+    const paged::decode_shape sh = {1, NH, KVH, D, num_blocks, block_size, max_blocks, NH * D, D, NH * D, D,
+                                    plan.tables.stride(0), scale};
+    const int threads = std::max(1, at::get_num_threads());
+    // Attention tasks: (row m, split s). Splits of one length for every row, chosen for the
+    // longest row as `step` does; row m (len - M + m + 1 keys) has its own count of them. Task i
+    // runs on thread i % threads and writes its own part; every thread then merges all rows.
+    int64_t splits = (len + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
+    splits = splits < threads ? std::min<int64_t>(threads, (len + 15) / 16) : (splits + threads - 1) / threads * threads;
+    const int64_t split_len = (len + splits - 1) / splits;
+    int64_t task_start[kMaxRows + 1] = {0};
+    for (int64_t m = 0; m < M; ++m) task_start[m + 1] = task_start[m] + (len - M + m + 1 + split_len - 1) / split_len;
+    const int64_t tasks = task_start[M];
+    const int64_t part_floats = NH * (D + 2);
+    if ((int64_t)parts.size() < tasks * part_floats) parts.resize(tasks * part_floats);
+    const int64_t QS = NH * D, KS = KVH * D, QKV = QS + 2 * KS;
+    const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D);
+    if ((int)mine.size() < threads) mine.resize(threads);
+    for (auto& w : mine)
+      if ((int64_t)w.size() < M * (H + 2 * QS) + scratch + 2 * kMaxRows) w.resize(M * (H + 2 * QS) + scratch + 2 * kMaxRows);
+    const int64_t matrices = 4 * L;
+    if ((int64_t)counters.size() < (matrices + 1) * threads) counters = std::vector<Counter>((matrices + 1) * threads);
+    for (int64_t i = 0; i < matrices * threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
+
+    at::Tensor hidden = at::empty({M, H}, ids.options().dtype(at::kFloat));
+    for (int64_t m = 0; m < M; ++m) memcpy(hm.data() + m * H, embed + tok[m] * H, H * sizeof(float));
+    const float* rope = cos_sin + (len - M) * D;  // row m's cos | sin: rope + m * D
+    float *h_all = hm.data(), *y_all = ym.data(), *qkv_all = qkvm.data(), *attn_all = attnm.data(),
+          *act_all = actm.data();
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#ifdef PORTSIDE_FUSED_PROFILE
+      int64_t last = (int64_t)__rdtsc();
+#endif
+      // this thread's: normed inputs [M, H] | roped queries [M, QS] | attention rows [M, QS] |
+      // attention scratch | gate and up of one channel [2, kMaxRows]
+      float *x = mine[t].data(), *q = x + M * H, *merged = q + M * QS, *work = merged + M * QS,
+            *gu = work + scratch;
+      for (const Layer& w : layers) {
+        const int64_t l = &w - layers.data();
+        float* cache = plan.caches[l].data_ptr<float>();
+        // input norms (every thread, its own copy), then this thread's rows of q, k, v for all rows
+        for (int64_t m = 0; m < M; ++m) rms_norm(h_all + m * H, w.in_norm, x + m * H, H, eps);
+        Counter* c = counters.data() + 4 * l * n;
+        rows_shared(c, QKV, t, n, [&](int64_t r0, int64_t r1) {
+          rows_m(x, M, w.qkv, H, QKV, qkv_all, r0, r1);
+          if (w.qkv_b)
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t r = r0; r < r1; ++r) qkv_all[m * QKV + r] += w.qkv_b[r];
+        });
+        MARK(11);
+        prefetch_share(w.o, H, QS, t, n);
+#pragma omp barrier
+        MARK(12);
+        // rotary on the queries (each thread, its own copy); rows m = t mod n: K/V into their slots
+        for (int64_t m = 0; m < M; ++m) rotate(qkv_all + m * QKV, q + m * QS, NH, D, rope + m * D);
+        for (int64_t m = t; m < M; m += n) {
+          const float* row = qkv_all + m * QKV;
+          rotate(row + QS, cache + slots[m] * KS, KVH, D, rope + m * D);
+          memcpy(cache + num_blocks * block_size * KS + slots[m] * KS, row + QS + KS, KS * sizeof(float));
+        }
+#pragma omp barrier
+        // this thread's attention tasks: row m over keys [s * split_len, ...) up to its own position
+        for (int64_t m = 0, i = 0; m < M; ++m) {
+          const int64_t len_m = len - M + m + 1, count = task_start[m + 1] - task_start[m];
+          for (int64_t s = 0; s < count; ++s, ++i) {
+            if (i % n != t) continue;
+            const int64_t t0 = s * split_len, t1 = std::min(len_m, t0 + split_len);
+            paged::decode_range_any(&sh, count > 1 ? nullptr : attn_all + m * QS,
+                                    count > 1 ? parts.data() + i * part_floats : nullptr, q + m * QS, cache, table,
+                                    t0, t1, work);
+          }
+        }
+        MARK(13);
+#pragma omp barrier
+        MARK(14);
+        // every thread merges each row's splits into its own copy: no second barrier
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t count = task_start[m + 1] - task_start[m];
+          if (count > 1)
+            paged::merge_splits(&sh, merged + m * QS, parts.data() + task_start[m] * part_floats, count);
+          else
+            memcpy(merged + m * QS, attn_all + m * QS, QS * sizeof(float));
+        }
+        // this thread's rows of o for all rows, added to the residuals
+        rows_shared(c + n, H, t, n, [&](int64_t r0, int64_t r1) {
+          rows_m(merged, M, w.o, QS, H, y_all, r0, r1);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = r0; r < r1; ++r) h_all[m * H + r] += y_all[m * H + r] + (w.o_b ? w.o_b[r] : 0.f);
+        });
+        MARK(15);
+        prefetch_share(w.gate_up, I, H, t, n);
+        prefetch_share(w.gate_up + I * H, I, H, t, n);
+#pragma omp barrier
+        MARK(16);
+        // post-attention norms, then this thread's channels of gate and up (side by side) and SiLU
+        for (int64_t m = 0; m < M; ++m) rms_norm(h_all + m * H, w.post_norm, x + m * H, H, eps);
+        rows_shared(c + 2 * n, I, t, n, [&](int64_t c0, int64_t c1) {
+          for (int64_t ch = c0; ch < c1; ++ch) {
+            dots2(x, M, w.gate_up + ch * H, w.gate_up + (I + ch) * H, H, gu, gu + kMaxRows, 1);
+            const float bg = w.gate_up_b ? w.gate_up_b[ch] : 0.f, bu = w.gate_up_b ? w.gate_up_b[I + ch] : 0.f;
+            for (int64_t m = 0; m < M; ++m) act_all[m * I + ch] = silu(gu[m] + bg) * (gu[kMaxRows + m] + bu);
+          }
+        });
+        MARK(17);
+        prefetch_share(w.down, H, I, t, n);
+#pragma omp barrier
+        MARK(18);
+        // this thread's rows of down for all rows, added to the residuals
+        rows_shared(c + 3 * n, H, t, n, [&](int64_t r0, int64_t r1) {
+          rows_m(act_all, M, w.down, I, H, y_all, r0, r1);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = r0; r < r1; ++r) h_all[m * H + r] += y_all[m * H + r] + (w.down_b ? w.down_b[r] : 0.f);
+        });
+        MARK(19);
+        if (l + 1 < L) prefetch_share(layers[l + 1].qkv, QKV, H, t, n); else prefetch_share(lm_head, V, H, t, n);
+#pragma omp barrier
+        MARK(20);
+      }
+      // the final norms, thread t its rows
+      float* out = hidden.data_ptr<float>();
+      for (int64_t m = t; m < M; m += n) rms_norm(h_all + m * H, final_norm, out + m * H, H, eps);
+      MARK(21);
+    }
+    return hidden;
+  }
+
+  // logits [N, vocab] = LM head of hidden [N, hidden] (rows of a `step_rows` result): the LM head
+  // streamed once for all N rows, in one parallel region.
+  at::Tensor logits(const at::Tensor& hidden) {
+    TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
+                    hidden.size(1) == H,
+                "LlamaDecoder.logits: hidden must be fp32 [N, ", H, "]");
+    const at::Tensor x = hidden.contiguous();
+    const int64_t N = x.size(0);
+    at::Tensor out = at::empty({N, V}, x.options());
+    if (N == 0) return out;
+    const int threads = std::max(1, at::get_num_threads());
+    if ((int64_t)counters.size() < threads) counters = std::vector<Counter>(threads);
+    for (int i = 0; i < threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      rows_shared(counters.data(), V, t, n, [&](int64_t r0, int64_t r1) { rows_m(xp, N, lm_head, H, V, op, r0, r1); });
+    }
+    return out;
+  }
 };
 
 #ifdef PORTSIDE_FUSED_PROFILE
@@ -366,5 +664,7 @@ TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
 #endif
   m.class_<LlamaDecoder>("LlamaDecoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
-      .def("step", &LlamaDecoder::step);
+      .def("step", &LlamaDecoder::step)
+      .def("step_rows", &LlamaDecoder::step_rows)
+      .def("logits", &LlamaDecoder::logits);
 }
