@@ -3,9 +3,13 @@ reserving one placement-group bundle per rank."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
+import queue
+import signal
+import threading
 from typing import Any
 
 from portside.backend_api import Platform
@@ -35,26 +39,92 @@ def import_ray() -> Any:
     return ray
 
 
-def connect(ray: Any, world_size: int) -> bool:
+# Executors sharing the Ray connection `connect` opened (data-parallel replicas start side by
+# side, in threads); 0 when it opened none (Ray is then its caller's, left alone).
+_lock = threading.Lock()
+_users = 0
+
+
+def connect(ray: Any, num_ranks: int) -> bool:
     """Use the Ray this process already joined, else the cluster RAY_ADDRESS names, else the one
-    this machine joined with `ray start`, else start a one-node Ray here. Returns whether this
-    call initialised Ray (then its caller calls `ray.shutdown()`, which leaves a cluster it joined
-    running)."""
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAY_ADDRESS") or node_cluster(ray)
-    if address:
-        logger.info("joining the Ray cluster at %s", address)
-        # No address argument: Ray then reads RAY_ADDRESS or its record itself, and turns on
-        # token authentication when this machine holds the cluster's token (~/.ray/auth_token).
-        ray.init(log_to_driver=False)
+    this machine joined with `ray start`, else start a one-node Ray here with a CPU for each of
+    `num_ranks` at least. Returns whether the caller shares a connection opened here: then it
+    calls `disconnect` when done."""
+    global _users
+    with _lock:
+        if ray.is_initialized():
+            if _users:
+                _users += 1
+            return _users > 0
+        address = os.environ.get("RAY_ADDRESS") or node_cluster(ray)
+        if address:
+            logger.info("joining the Ray cluster at %s", address)
+            try:
+                # No address argument: Ray then reads RAY_ADDRESS or its record itself, and turns on
+                # token authentication when this machine holds the cluster's token (~/.ray/auth_token).
+                ray.init(log_to_driver=False)
+            except ConnectionError as e:
+                raise ValueError(
+                    f"could not join the Ray cluster at {address} ({e}): is it running (`ray status`), does this "
+                    "machine hold its token (~/.ray/auth_token), and is RAY_ADDRESS right?"
+                ) from e
+        else:
+            # "local": never join a cluster someone else started here (plain ray.init() would);
+            # ranks may share cores, as local worker processes do.
+            logger.info("starting a one-node Ray (set RAY_ADDRESS to use a cluster)")
+            start = functools.partial(ray.init, address="local", include_dashboard=False, log_to_driver=False,
+                                      _node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, num_ranks))
+            if threading.current_thread() is threading.main_thread():
+                start()
+            else:  # Ray's processes die with the thread that starts them: not a short-lived one
+                _on_lasting_thread(start)
+        _users = 1
         return True
-    # "local": never join a cluster someone else started on this machine (plain ray.init() would).
-    # A CPU per rank at least: ranks may share cores, as local worker processes do.
-    logger.info("starting a one-node Ray (set RAY_ADDRESS to use a cluster)")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             num_cpus=max(os.cpu_count() or 1, world_size))
-    return True
+
+
+_lasting: queue.Queue[Any] | None = None
+
+
+def _on_lasting_thread(fn: Any) -> Any:
+    """`fn()` on a daemon thread that lives as long as the process. Ray starts its processes with
+    Linux's parent-death signal, which fires when the starting *thread* ends: started from a
+    pool thread (data-parallel replicas start side by side), Ray would be killed under us."""
+    global _lasting
+    if _lasting is None:
+        _lasting = queue.Queue()
+        threading.Thread(target=_serve_forever, args=(_lasting,), name="portside-ray-owner", daemon=True).start()
+    done: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+    _lasting.put((fn, done))
+    ok, value = done.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _serve_forever(tasks: queue.Queue[Any]) -> None:
+    while True:
+        fn, done = tasks.get()
+        try:
+            done.put((True, fn()))
+        except BaseException as e:
+            done.put((False, e))
+
+
+def disconnect(ray: Any) -> None:
+    """One user of `connect`'s connection is done; the last calls `ray.shutdown()` (which stops a
+    Ray started here and leaves a joined cluster running), from the main thread only: Ray's
+    shutdown leaves SIGTERM and SIGINT at their defaults underneath Python's handlers, which only
+    the main thread may install again. Elsewhere Ray's own exit hook disconnects."""
+    global _users
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users or threading.current_thread() is not threading.main_thread():
+            return
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        ray.shutdown()
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def node_cluster(ray: Any) -> str | None:

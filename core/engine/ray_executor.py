@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -28,7 +26,7 @@ from typing import Any, NoReturn
 from portside.backend_api import KVCacheSpec, Platform
 from portside.config import EngineConfig
 from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
-from portside.distributed.ray_cluster import bundle_resource, connect, forwarded_env, import_ray, reserve
+from portside.distributed.ray_cluster import bundle_resource, connect, disconnect, forwarded_env, import_ray, reserve
 from portside.distributed.ray_worker import RankPlace, RankSetup, RayWorker
 from portside.engine.multiproc_executor import WORKER_TIMEOUT_S
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -50,7 +48,7 @@ class RayExecutor:
         self._actors: list[Any] = []  # by rank once placed
         self._places: list[RankPlace] = []  # by rank
         self._state: dict[str, Any] = {"pg": None, "graceful": True}
-        self._started_ray = connect(ray, self.world_size)
+        self._state["connected"] = connect(ray, self.world_size * config.parallel.data_parallel_size)
         # Kills the actors when the executor is garbage-collected or at exit, even without
         # shutdown(). It must not reference self.
         self._finalizer = weakref.finalize(self, _release, ray, self._actors, self._state)
@@ -117,11 +115,6 @@ class RayExecutor:
         """Stop every actor (leave the process group, then kill), remove the placement group, and
         disconnect from Ray if this executor connected; idempotent."""
         self._finalizer()
-        if self._started_ray and threading.current_thread() is threading.main_thread():
-            self._started_ray = False
-            _disconnect(self._ray)
-        # Elsewhere (the server's engine thread) Ray's own exit hook disconnects: `ray.shutdown`
-        # resets the process's signal handlers, which only the main thread may install again.
 
     # ---- start-up -----------------------------------------------------------------------------
 
@@ -285,22 +278,20 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
 
 
-def _disconnect(ray: Any) -> None:
-    """`ray.shutdown()` (which stops a Ray this process started), then the Python signal handlers
-    again: Ray's shutdown leaves SIGTERM and SIGINT at their defaults underneath them, so a
-    server's graceful SIGTERM would kill it outright."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.shutdown()
-    for sig, handler in handlers.items():
-        if handler is not None:
-            signal.signal(sig, handler)
-
-
 def _release(ray: Any, actors: list[Any], state: dict[str, Any]) -> None:
-    """Stop the actors (gracefully unless a rank failed), kill them and remove the placement
-    group; leaves no actor behind."""
+    """Stop the actors (gracefully unless a rank failed), kill them, remove the placement group,
+    and disconnect from a Ray that `connect` joined or started for the executor; leaves no actor
+    behind."""
     if not ray.is_initialized():  # Ray already shut down (at exit): its actors went with it
         return
+    try:
+        _stop(ray, actors, state)
+    finally:
+        if state.pop("connected", False):
+            disconnect(ray)
+
+
+def _stop(ray: Any, actors: list[Any], state: dict[str, Any]) -> None:
     try:
         if state["graceful"] and actors:
             refs = [a.handle.remote(Shutdown()) for a in actors]
