@@ -162,11 +162,9 @@ class RayExecutor:
             nodes = {p.ip for p in self._places[first : first + tp]}
             if len(nodes) > 1:
                 logger.warning("tensor-parallel ranks %d-%d span nodes %s: every layer's collectives cross the "
-                               "network; give each node at least %d %s", first, first + tp - 1, sorted(nodes), tp,
-                               "devices")
+                               "network; give each node at least %d devices", first, first + tp - 1, sorted(nodes), tp)
 
     # ---- plumbing -----------------------------------------------------------------------------
-
 
     def _wait(self, calls: dict[int, Any], doing: str) -> dict[int, Any]:
         """Every call's reply, by rank. A dead actor, a `WorkerError`, or no reply within
