@@ -144,8 +144,10 @@ def write_md(results: dict[str, Any]) -> None:
         lines += ["", f"**DP 2 / DP 1 throughput: {dp['ratio_dp2_over_dp1']}x** "
                       f"(tokens per replica: {runs['dp2']['generated_tokens_per_replica']}).", ""]
         lines += [
-            f"Load average when the run started: {dp.get('load_avg_before', '?')} (other work on the machine "
-            "slows single runs; the best of the alternating runs is the figure).", "",
+            f"Load average (1 min) when the run started: {dp.get('load_avg_before', '?')}, when it ended: "
+            f"{dp.get('load_avg_after', '?')}. Other work on the machine slows single runs, and hurts the 2-thread "
+            "DP = 1 engine more than the 1-thread replicas (an OpenMP barrier waits for a descheduled thread); the "
+            "best of the alternating runs is the figure; trust it most when both loads are well below the core count.", "",
             "Reading it: on a machine of C cores DP = 1 runs one engine whose model uses all C threads in the "
             "front's process; DP = 2 runs two replicas on disjoint batches, each replica's model in its own worker "
             "process with C / 2 threads (its scheduler on a thread of the front's process, one pipe round trip per "
@@ -178,7 +180,7 @@ def main() -> None:
             load = os.getloadavg()[0]
             entry = SECTIONS[what](args, path)
             entry |= {
-                "load_avg_before": round(load, 2),
+                "load_avg_before": round(load, 2), "load_avg_after": round(os.getloadavg()[0], 2),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "command": "ci/bench/parallel.py " + " ".join(sys.argv[1:]),
                 "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
