@@ -235,3 +235,17 @@ def test_replicas_compute_in_their_own_worker_processes(tiny_llama: Path, layout
     for p, got in zip(prompts, run(main()), strict=True):
         assert got == hf_greedy(tiny_llama, p, 8)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+@pytest.mark.slow
+def test_a_failed_start_leaves_no_replica_running(tiny_llama: Path):
+    """Every replica's workers start, then the KV cache cannot hold one request: the error is
+    raised once and no worker outlives it."""
+    import multiprocessing
+
+    from portside.engine.data_parallel import start_replicas
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="fewer than one request may need"):
+        start_replicas(2, model=str(tiny_llama), **(ENGINE | {"num_kv_blocks": 2}))
+    assert {p.pid for p in multiprocessing.active_children()} <= before
