@@ -110,6 +110,8 @@ def test_killed_stage_worker_fails_fast_with_clear_error(model):
     assert time.monotonic() - start < 10, "the engine took too long to notice"
     assert wait_gone(pids) == [] and not spawned_workers() & set(pids)
     assert not any(alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="rank 0"):  # later steps fail the same way at once, never idle
+        llm.engine.step()
     llm.engine.shutdown()
 
 

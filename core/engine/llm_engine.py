@@ -5,12 +5,13 @@ One step: schedule -> execute on every rank -> update the scheduler -> detokeniz
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,7 +281,9 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
         scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
-        return self._finish_step(scheduler_output, self.executor.execute_model(scheduler_output))
+        with self._failing_steps():
+            runner_output = self.executor.execute_model(scheduler_output)
+        return self._finish_step(scheduler_output, runner_output)
 
     def _step_in_flight(self) -> list[RequestOutput]:
         """Pipeline parallelism: submit a new step while fewer than `max_in_flight` are in flight
@@ -290,14 +293,28 @@ class LLMEngine:
             so = self.scheduler.schedule()
             if not so.is_empty or so.finished_req_ids:
                 so.grammar = self._grammar_bitmask(so)
-                self._batches.append((so, self.executor.submit(so)))
+                with self._failing_steps():
+                    self._batches.append((so, self.executor.submit(so)))
                 if len(self._batches) < self.max_in_flight and not so.is_empty:
                     return []  # fill the pipeline before waiting on it
         if not self._batches:
             return []
         so, result = self._batches.popleft()
         self.step_tokens, self.outputs.token_intervals = so.total_num_scheduled_tokens, []
-        return self._finish_step(so, result())
+        with self._failing_steps():
+            runner_output = result()
+        return self._finish_step(so, runner_output)
+
+    @contextlib.contextmanager
+    def _failing_steps(self) -> Iterator[None]:
+        """A step the executor failed is no longer in flight: its requests may be scheduled again,
+        so the next step reaches the executor and fails the same way (never an idle loop)."""
+        try:
+            yield
+        except BaseException:
+            self._batches.clear()
+            self.scheduler.forget_in_flight()
+            raise
 
     def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         if scheduler_output.grammar is not None:

@@ -340,6 +340,10 @@ class Scheduler:
             self._in_flight.pop(req_id, None)
         return touched
 
+    def forget_in_flight(self) -> None:
+        """The executor failed the steps in flight: none of their requests is in flight any more."""
+        self._in_flight = {}
+
     def _cache_blocks(self, request: Request) -> None:
         self.kv.cache_blocks(request, request.num_computed_tokens)
         self.kv.free_out_of_window_blocks(request)  # hashed just above, so still findable
