@@ -22,9 +22,9 @@ import os
 import signal
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 from portside.backend_api import KVCacheSpec, Platform

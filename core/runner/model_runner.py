@@ -47,7 +47,8 @@ def _check_attention_features(model: object, platform: type[Platform], backend: 
     features = getattr(model, "attention_features", None)
     if not refused or features is None:
         return
-    for i in range(getattr(model, "num_layers", model.config.num_layers)):  # type: ignore[attr-defined]
+    num_layers: int = getattr(model, "num_layers", None) or model.config.num_layers  # type: ignore[attr-defined]
+    for i in range(num_layers):  # this pipeline stage's layers
         for name, value in features(i).items():
             if value is not None and name in refused:
                 raise ValueError(

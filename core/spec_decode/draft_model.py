@@ -144,7 +144,7 @@ class DraftModelProposer:
                         for state, _, room in todo if room > step]
                 for (state, _, _), token in zip(rows, self._forward(rows)):
                     proposals[state.req_id].append(cast(int, token))
-        for state, draft, room in todo:
+        for state, draft, _ in todo:
             draft.ahead = proposals[state.req_id][:-1]
         return proposals
 
