@@ -131,6 +131,25 @@ def case_engine(model: Path) -> dict[str, Any]:
     return out
 
 
+def case_pipeline(model: Path) -> dict[str, Any]:
+    """PP 2 on Ray (a self-started one-node Ray), with micro-batches in flight and without."""
+    from portside import LLM, SamplingParams
+
+    out: dict[str, Any] = {"tokens": {}}
+    for micro in (2, 1):
+        llm = LLM(model=str(model), pipeline_parallel_size=2, pipeline_micro_batches=micro,
+                  distributed_executor_backend="ray", max_num_batched_tokens=16, **ENGINE)  # fmt: skip
+        prompts = prompts_for(llm.get_tokenizer())
+        out["prompts"] = prompts
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        out["tokens"][micro] = [o.outputs[0].token_ids for o in outs]
+        out[f"in_flight_{micro}"] = llm.engine.max_in_flight
+        llm.engine.shutdown()
+    out["left_after_shutdown"] = wait_gone(descendants(os.getpid()))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Two Ray nodes (two raylets on loopback, one CPU each): ranks on both; one node lost
 # --------------------------------------------------------------------------------------------
@@ -310,5 +329,5 @@ def serve_on(head: subprocess.Popen[bytes], model: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     print("NETNS", os.readlink("/proc/self/ns/net"), flush=True)
     case, model_dir = sys.argv[1], Path(sys.argv[2])
-    result = {"engine": case_engine, "nodes": case_nodes, "serve": case_serve}[case](model_dir)
+    result = {"engine": case_engine, "pipeline": case_pipeline, "nodes": case_nodes, "serve": case_serve}[case](model_dir)
     print("RESULT", json.dumps(result), flush=True)
