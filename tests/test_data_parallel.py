@@ -1,6 +1,6 @@
 """Data parallelism: the router's rule, the stats merge, the refusals, and `DataParallelEngine`
 over real engines. Here the replicas are in-process engines (the front does not care how a
-replica runs); `tests/server/test_data_parallel.py` runs `portside serve -dp 2` with worker
+replica runs); `tests/server/test_data_parallel_serving.py` runs `portside serve -dp 2` with worker
 processes end to end."""
 
 from __future__ import annotations
