@@ -183,3 +183,37 @@ def test_dp0_exits_2_before_loading(tiny_llama: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "data_parallel_size must be an integer of at least 1, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr and "portside: serving" not in proc.stderr
+
+
+def test_dp2_adapters_loaded_and_unloaded_at_run_time_reach_both_replicas(tiny_llama: Path, tmp_path: Path) -> None:
+    """An adapter loaded over HTTP serves its transformers + peft tokens on both replicas; unloaded,
+    neither serves it."""
+    from test_lora_serving import peft_greedy  # the peft oracle of the LoRA server tests
+    from transformers import AutoTokenizer
+
+    from portside.testing.tiny import make_tiny_lora
+
+    adapter = make_tiny_lora(tiny_llama, tmp_path / "late", r=8, seed=13)
+    server = ServerProcess(tiny_llama, tmp_path / "server.log", "--max-model-len", "256", "--block-size", str(BLOCK),
+                           "--num-kv-blocks", "200", "-dp", "2", "--enable-lora", "--max-lora-rank", "8",
+                           "--allow-runtime-lora-updating").wait_ready()
+    try:
+        r = post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(adapter)})
+        assert r.status_code == 200, r.text
+        prompts = [[5 + i, 17, 42, 9, 33, 8] for i in range(4)]  # shorter than a block: spread by load
+        body = {"model": "late", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(lambda p: post(server, "/v1/completions", body | {"prompt": p}), prompts))
+        tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+        for p, resp in zip(prompts, responses, strict=True):
+            assert resp.status_code == 200, resp.text
+            validate("CreateCompletionResponse", resp.json())
+            want = [tok.decode([t]) for t in peft_greedy(tiny_llama, adapter, p, 8)]
+            assert resp.json()["choices"][0]["logprobs"]["tokens"] == want
+        done = by_engine(server, "vllm:request_success_total")
+        assert min(done.values()) > 0, done  # both replicas ran the adapter
+        assert post(server, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+        gone = post(server, "/v1/completions", body | {"prompt": prompts[0]})
+        assert gone.status_code == 404, gone.text
+    finally:
+        assert server.terminate() == 0, server.log()[-3000:]
