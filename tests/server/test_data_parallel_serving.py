@@ -2,7 +2,8 @@
 Concurrent requests carry transformers' greedy tokens and validate against OpenAI's schemas; both
 replicas work (per-engine `vllm:*` series) and requests sharing a long prefix go to the replica
 that cached it; a killed replica worker fails requests with a clear 503 within seconds, /health
-turns unhealthy and nothing is orphaned; `-dp 0` exits 2."""
+turns unhealthy and nothing is orphaned; an adapter loaded at run time serves on both replicas;
+`-dp 0` exits 2."""
 
 from __future__ import annotations
 
