@@ -448,6 +448,12 @@ class GraphRunner(ABC):
     """
 
     name: ClassVar[str] = "abstract"
+    # Pipeline parallelism: whether it can run one stage of a model, whose `embed` returns the
+    # previous stage's hidden states (the model's `stage_input`, set by the runner before each
+    # call; zeros in a call without one, such as a warm-up on dummy inputs), and which has no LM
+    # head unless it is the last stage. A runner that captures or compiles the embedding leaves
+    # this False; the engine then runs such stages with `EagerGraphRunner`.
+    supports_pipeline_stages: ClassVar[bool] = False
 
     def __init__(self, model_fn: ModelFn, config: EngineConfig) -> None:
         self.model_fn = model_fn
@@ -476,6 +482,7 @@ class EagerGraphRunner(GraphRunner):
     """No capture: every step runs the model eagerly. The fallback every platform can use."""
 
     name = "eager"
+    supports_pipeline_stages = True
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model_fn(input_ids, positions, ctx)

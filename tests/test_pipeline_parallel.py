@@ -56,6 +56,17 @@ def test_stage_models_hold_only_their_layers(model):
     assert "lm_head.weight" in names and not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in names)
     full = load_model(cfg, torch.device("cpu"))
     assert torch.equal(last.lm_head.weight, full.model.embed_tokens.weight)  # the tied head, loaded from the embedding
+    # the cpu backend runs a stage with its eager runner's linears, never in the fused whole-model step
+    from portside.backends.cpu.fused_decode import unsupported_reason
+    from portside.backends.cpu.graph import EagerGraphRunner, InductorGraphRunner
+
+    assert EagerGraphRunner.supports_pipeline_stages and not InductorGraphRunner.supports_pipeline_stages
+    assert "pipeline-parallel stage" in (unsupported_reason(first) or "")
+    ids = torch.tensor([3, 5, 7])
+    h, _ = last.embed(ids, torch.arange(3))
+    assert torch.equal(h, torch.zeros(3, 64))  # no stage input (a warm-up on dummy inputs): zeros
+    last.stage_input = torch.ones(3, 64)
+    assert torch.equal(last.embed(ids, torch.arange(3))[0], last.stage_input)
 
 
 @pytest.mark.slow  # spawns the stage workers: CI's legs run it

@@ -111,6 +111,9 @@ def unsupported_reason(model: Any) -> str | None:
     if f"{cls.__module__}.{cls.__qualname__}" not in FUSED_CLASSES or not hasattr(model, "model"):
         return f"{cls.__module__}.{cls.__qualname__} is not a Llama-family model class the native step computes"
     args = model.config
+    stage = getattr(model, "stage", None)
+    if stage is not None and stage.num_stages > 1:
+        return "a pipeline-parallel stage (its input is the previous stage's hidden states)"
     if args.architecture not in FUSED_ARCHITECTURES:
         return f"architecture {args.architecture!r} is not one of {sorted(FUSED_ARCHITECTURES)}"
     for name, neutral in NEUTRAL_ARGS.items():

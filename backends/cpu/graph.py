@@ -256,6 +256,8 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
     run in the fused native step (`fused_decode`). Without a C++ compiler or oneDNN, the linears
     concerned stay with torch's kernels."""
 
+    supports_pipeline_stages = True  # op by op: a stage's `embed` reads its input when called
+
     def __init__(self, model_fn: ModelFn, config) -> None:
         super().__init__(model_fn, config)
         from portside.backends.cpu import native_ops
@@ -276,7 +278,9 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         ctx = make_dummy_context(2)
         self.packed_weights.recording = True  # the kinds of linear calls the model makes
         hidden = self(*_step_inputs(2, ctx.metadata.slot_mapping.device), ctx)
-        self.compute_logits(hidden)
+        stage = getattr(self.model_fn, "stage", None)
+        if stage is None or stage.is_last:  # an earlier pipeline stage has no LM head
+            self.compute_logits(hidden)
         self.packed_weights.recording = False
         sched = self.config.scheduler
         with torch.inference_mode():

@@ -343,10 +343,9 @@ class DecoderForCausalLM(nn.Module):
         """-> (h [T, hidden], rope: cos, sin [T, rotary_dim/2] shared by every layer, then the
         sliding layers' own cos, sin where they have their own base). A later pipeline stage's
         h is the previous stage's output (`stage_input`)."""
-        if self.model.embed_tokens is None:
-            if self.stage_input is None:
-                raise RuntimeError(f"pipeline stage {self.stage.index} runs without the previous stage's hidden states")
-            h = self.stage_input
+        if self.model.embed_tokens is None:  # a later pipeline stage: zeros in a warm-up on dummy inputs
+            h = self.stage_input if self.stage_input is not None else \
+                torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
         else:
             h = self.model.embed_tokens(input_ids)  # [T, hidden]
             if self.embed_scale is not None:

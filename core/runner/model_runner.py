@@ -164,11 +164,14 @@ class ModelRunner:
         if use_scales is not None:
             use_scales(self.kv_cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
-        if self.lora is None and self.pp_size == 1:
+        if self.lora is None:
             self.graph_runner = platform.graph_runner(self.model, config)
-        else:  # a step's adapters, a stage's input: data the platforms' captured graphs and fused steps do not take
-            logger.info("%s: the model runs eagerly (no graph capture or fused decode steps)",
-                        "LoRA" if self.lora is not None else "pipeline parallelism")
+            if self.pp_size > 1 and not self.graph_runner.supports_pipeline_stages:
+                logger.info("pipeline parallelism: the %s graph runner cannot run a stage; the stage runs eagerly",
+                            self.graph_runner.name)
+                self.graph_runner = EagerGraphRunner(self.model, config)
+        else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
+            logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
         self.sampler = platform.sampler(config)
         # task embed: every request ends with its pooled prompt (`pooler`), never samples
@@ -254,6 +257,8 @@ class ModelRunner:
                                 device=self.device)
                 self.model.stage_input = self.comm.recv(h, src=self.rank - self.config.parallel.tensor_parallel_size)  # type: ignore[attr-defined]
             hidden = self.graph_runner(batch.input_ids, batch.positions, ctx)
+            if self.pp_rank > 0:
+                self.model.stage_input = None  # type: ignore[attr-defined]
             if not last:
                 self.comm.send(hidden, dst=self.rank + self.config.parallel.tensor_parallel_size)
             sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
