@@ -1,4 +1,4 @@
-"""`portside serve -pp 2` (and TP 2 x PP 2): completions, streamed and not, carry transformers'
+"""`portside serve -pp 2`: completions, streamed and not, carry transformers'
 greedy tokens and validate against OpenAI's schemas; the server stops cleanly."""
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from portside.testing.tiny import hf_greedy
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("layout", [("-pp", "2"), ("-tp", "2", "-pp", "2")], ids=["pp2", "tp2xpp2"])
-def test_pipeline_parallel_server_gives_transformers_greedy_tokens(tiny_llama: Path, tmp_path: Path, server: ServerProcess,
-                                                                   layout: tuple[str, ...]) -> None:
+def test_pipeline_parallel_server_gives_transformers_greedy_tokens(tiny_llama: Path, tmp_path: Path,
+                                                                   server: ServerProcess) -> None:
     """The text equals the PP 1 server's and transformers' tokens decoded (up to a character still
-    incomplete at the end)."""
+    incomplete at the end). (TP 2 x PP 2 is checked offline in tests/test_pipeline_parallel.py: the
+    server adds nothing to it but four processes on CI's two cores.)"""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(tiny_llama))("the quick brown fox jumps over the lazy dog").input_ids
     want = hf_greedy(tiny_llama, ids, 16)
     proc = ServerProcess(tiny_llama, tmp_path / "server.log", "--max-model-len", "128", "--block-size", "4",
-                         "--num-kv-blocks", "64", *layout)
+                         "--num-kv-blocks", "64", "-pp", "2")
     try:
         proc.wait_ready()
         request = {"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
