@@ -184,7 +184,7 @@ inline float silu(float g) {
 // (one `decode_range` per row and split, every row re-reading the K/V rows) is ~31% of the layers'
 // time against ~5% in `step`; the matrices ~69%, the LM head ~13 ms of a ~62 ms step.
 
-constexpr int64_t kMaxRows = 16;  // FusedDecoder.MAX_ROWS
+constexpr int64_t kMaxRows = 16;  // attention.MAX_FUSED_ROWS on the Python side
 
 typedef float v8f __attribute__((vector_size(32)));
 
