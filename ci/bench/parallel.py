@@ -11,8 +11,12 @@ alternately, --repeats times each after a warm-up; the best (shortest) run of ea
 shared machine's noise only ever adds time). The model is a random-weight Llama whose layers
 dominate (--hidden, --layers). Output tokens are checked equal between the two.
 
-A pipeline-parallel section (PP = 2 against 1, micro-batching on and off) belongs beside it as
-`--what pp`: a `bench_pp(args, path) -> dict` registered in SECTIONS.
+`--what pp`: pipeline parallelism. The same workload through `LLMEngine` (offline, all prompts
+added, steps until done): PP = 1 (in-process, every core) against PP = 2 (two stage worker
+processes with cores / 2 threads each) with micro-batching on (two steps in flight, each with
+half the running requests, so both stages compute at once) and off (one step at a time: a stage
+idles while the other computes). On one small machine PP brings no speed-up; the ratios show
+what the machinery costs (the hidden-state sends, a process hop per step, smaller matmuls).
 
 Writes ci/bench/results/parallel.json (one entry per section, replaced by a new run of that
 section) and parallel.md. Leave OMP_NUM_THREADS unset: the engines divide the cores themselves.
@@ -121,7 +125,54 @@ def bench_dp(args: argparse.Namespace, path: str) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {"dp": bench_dp}
+def run_offline(engine: LLMEngine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(batch):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+    return time.perf_counter() - start, [outs[f"{tag}-{i}"] for i in range(len(batch))]
+
+
+def bench_pp(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    kwargs = engine_kwargs(args, path)
+    configs = {"pp1": {}, "pp2_micro": {"pipeline_parallel_size": 2},
+               "pp2_one_step": {"pipeline_parallel_size": 2, "pipeline_micro_batches": 1}}
+    engines = {}
+    start_s = {}
+    for name, extra in configs.items():
+        t0 = time.perf_counter()
+        engines[name] = LLMEngine.from_args(**kwargs, **extra)
+        start_s[name] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[list[int]]] = {}
+    try:
+        for name, engine in engines.items():  # warm-up
+            run_offline(engine, prompts(args, 99)[:8], 8, f"warm-{name}")
+        for r in range(args.repeats):
+            for name, engine in engines.items():
+                seconds, outs = run_offline(engine, prompts(args, r), args.max_tokens, f"{name}-{r}")
+                times[name].append(seconds)
+                tokens.setdefault(name, outs)
+                print(f"  repeat {r}: {name} {seconds:.2f} s", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    assert tokens["pp1"] == tokens["pp2_micro"] == tokens["pp2_one_step"], "PP 2 gave other tokens than PP 1"
+    out_tokens = args.requests * args.max_tokens
+    best = {name: min(t) for name, t in times.items()}
+    runs = {name: {"start_s": round(start_s[name], 1), "best_s": round(best[name], 3),
+                   "runs_s": [round(t, 3) for t in times[name]], "output_tok_s": round(out_tokens / best[name], 1)}
+            for name in engines}
+    return {"runs": runs, "ratio_pp2_micro_over_pp1": round(best["pp1"] / best["pp2_micro"], 3),
+            "ratio_pp2_one_step_over_pp1": round(best["pp1"] / best["pp2_one_step"], 3)}
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {"dp": bench_dp, "pp": bench_pp}
 
 
 def write_md(results: dict[str, Any]) -> None:
@@ -156,6 +207,26 @@ def write_md(results: dict[str, Any]) -> None:
             "minus the pipe hop; on accelerators, where each replica has its own devices, DP scales with them.",
             "",
         ]
+    pp = results.get("pp")
+    if pp is not None:
+        w, m, runs = pp["workload"], pp["model"], pp["runs"]
+        lines += [
+            "## Pipeline parallelism: PP = 2 against PP = 1", "",
+            f"Run of {pp['date']}, `{pp['command']}`; {pp['cpu']}, {pp['cores']} cores; torch {pp['torch']}. "
+            f"Random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, fp32, cpu backend (eager). "
+            f"{w['requests']} distinct prompts of {w['prompt_len']} tokens, {w['max_tokens']} new tokens each, offline "
+            f"(`LLMEngine`), greedy; best of {w['repeats']} alternating runs. Tokens checked equal.", "",
+            "| | start s | best s | runs s | output tok/s |", "|---|---:|---:|---|---:|",
+        ]
+        for name, label in (("pp1", "PP = 1 (in-process, all cores)"),
+                            ("pp2_micro", "PP = 2, two steps in flight (micro-batching on)"),
+                            ("pp2_one_step", "PP = 2, one step at a time (off)")):
+            r = runs[name]
+            lines.append(f"| {label} | {r['start_s']} | {r['best_s']} | {', '.join(map(str, r['runs_s']))} | "
+                         f"{r['output_tok_s']} |")
+        lines += ["", f"**PP 2 / PP 1 throughput: {pp['ratio_pp2_micro_over_pp1']}x with micro-batching, "
+                      f"{pp['ratio_pp2_one_step_over_pp1']}x without.**", "",
+                  f"Load average when the run started: {pp.get('load_avg_before', '?')}.", ""]
     (RESULTS / "parallel.md").write_text("\n".join(lines))
 
 
@@ -190,7 +261,7 @@ def main() -> None:
             }  # fmt: skip
             results[what] = entry
             print(json.dumps({k: entry[k] for k in ("runs",) if k in entry}, indent=1))
-            print(f"{what}: ratio {entry.get('ratio_dp2_over_dp1')}")
+            print(f"{what}: " + ", ".join(f"{k} {v}" for k, v in entry.items() if k.startswith("ratio")))
     RESULTS.mkdir(exist_ok=True)
     out_file.write_text(json.dumps(results, indent=1) + "\n")
     write_md(results)

@@ -20,8 +20,9 @@ tokens also gets k lookahead slots (never past max_model_len).
 
 Pipeline parallelism: with `num_micro_batches` = P > 1 the engine keeps up to P scheduled steps
 in flight (one per stage at best). A request in flight is in no other batch and is never a
-preemption victim; each batch takes at most ceil(running / P) running requests, so the running
-set splits into P groups that take turns. The workers of earlier stages never see the sampled
+preemption victim; each batch takes at most ceil(running / P) running requests and (with
+chunked prefill) 1/P of the token budget, so the running set splits into P groups that take
+turns and a burst of prompts is prefilled in overlapping steps. The workers of earlier stages never see the sampled
 tokens: each cached request carries the tokens appended since it was last scheduled
 (`send_token_ids`).
 
@@ -110,6 +111,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Spend this step's token budget: running requests first, then waiting ones."""
         budget = self.config.max_num_batched_tokens
+        if self.num_micro_batches > 1 and self.config.enable_chunked_prefill:
+            # pipeline stages take turns on the batches in flight: a prefill spread over them
+            # overlaps too (without chunking a prompt longer than a share would never fit)
+            budget = max(1, budget // self.num_micro_batches)
         scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
         preempted: list[Request] = []
         spec: dict[str, list[int]] = {}
