@@ -224,10 +224,7 @@ class ModelRunner:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        spec = self.kv_cache_spec()
-        dtype = spec.storage_dtype
-        shape = self.attn_backend.cache_shape(num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_size, dtype)
-        self.kv_caches = [self.attn_backend.allocate_kv_cache(shape, dtype, self.device) for _ in range(spec.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
         self.scratch_block = num_blocks
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
@@ -472,6 +469,14 @@ class ModelRunner:
             prompt_indices=tensor(prompt_indices, torch.int64) if prompt_rows else None,
             prompt_targets=tensor(prompt_targets, torch.int64) if prompt_rows else None,
         )
+
+
+def allocate_kv_caches(backend: Any, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One cache per layer of `spec`, `num_blocks` blocks plus the scratch block (the last)."""
+    dtype = spec.storage_dtype
+    shape = backend.cache_shape(num_blocks + 1, block_size, spec.num_kv_heads, spec.head_size, dtype)
+    return [backend.allocate_kv_cache(shape, dtype, device) for _ in range(spec.num_layers)]
 
 
 def dummy_decode_context(backend: Any, kv_caches: list[torch.Tensor], scratch_block: int, block_size: int,

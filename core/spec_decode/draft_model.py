@@ -78,12 +78,9 @@ class DraftModelProposer:
         return self.model.kv_cache_spec()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        from portside.runner.model_runner import dummy_decode_context
+        from portside.runner.model_runner import allocate_kv_caches, dummy_decode_context
 
-        spec = self.kv_cache_spec()
-        dtype = spec.storage_dtype
-        shape = self.attn_backend.cache_shape(num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_size, dtype)
-        self.kv_caches = [self.attn_backend.allocate_kv_cache(shape, dtype, self.device) for _ in range(spec.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
         self.scratch_block = num_blocks
         with self.platform.inference_mode():
             self.graph_runner.capture(lambda n: dummy_decode_context(self.attn_backend, self.kv_caches, self.scratch_block,

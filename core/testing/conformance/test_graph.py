@@ -4,11 +4,12 @@ the largest captured one, and a decode + prefill-chunk step. The KV caches must 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from portside.backend_api import AttentionMetadata, EagerGraphRunner, ForwardContext, Platform
+from portside.backend_api import EagerGraphRunner, ForwardContext, Platform
 from portside.testing.conformance.cases import build_metadata, contract_failure, engine_config
 
 NUM_REQS = 11
@@ -29,24 +30,9 @@ STEPS: tuple[dict[int, int], ...] = (
 
 def _dummy_context_factory(backend, caches: list[torch.Tensor], scratch_block: int, block_size: int, device):
     """What the model runner hands `capture`: decode-only batches writing into a scratch block."""
+    from portside.runner.model_runner import dummy_decode_context
 
-    def make(num_decodes: int) -> ForwardContext:
-        slot = scratch_block * block_size
-        md = AttentionMetadata(
-            slot_mapping=torch.full((num_decodes,), slot, dtype=torch.int64, device=device),
-            query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(num_decodes, dtype=torch.int32, device=device),
-            block_tables=torch.full((num_decodes, 1), scratch_block, dtype=torch.int32, device=device),
-            max_query_len=1,
-            max_seq_len=1,
-            block_size=block_size,
-            query_start_loc_cpu=list(range(num_decodes + 1)),
-            seq_lens_cpu=[1] * num_decodes,
-            num_decode_tokens=num_decodes,
-        )
-        return ForwardContext(backend, caches, backend.prepare(md))
-
-    return make
+    return functools.partial(dummy_decode_context, backend, caches, scratch_block, block_size, device)
 
 
 def test_graph_replay_equals_eager(conformance_platform: type[Platform], conformance_tiny_model: Path,
