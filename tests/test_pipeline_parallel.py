@@ -144,3 +144,28 @@ def test_refusals(model, capsys):
     assert "pipeline_parallel_size must be an integer of at least 1" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", str(model), "--device", "cpu", "-pp", "2", "--pipeline-layers", "1,x"]) == 2
     assert "pipeline_layers must be comma-separated" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_embeddings_and_prompt_logprobs_equal_pp1(model):
+    """The last stage pools (task embed) and computes prompt logprobs as PP 1 does, over chunks."""
+    import torch
+
+    kwargs = ENGINE | {"max_num_batched_tokens": 8}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    results = {}
+    for pp in (1, 2):
+        llm = LLM(model=str(model), pipeline_parallel_size=pp, **kwargs)
+        ps = prompts(llm, lengths=(5, 13, 21))
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        llm.shutdown()
+        embedder = LLM(model=str(model), pipeline_parallel_size=pp, task="embed", pooling_type="mean", **kwargs)
+        vectors = [o.outputs.embedding for o in embedder.embed([{"prompt_token_ids": p} for p in ps], use_tqdm=False)]
+        embedder.shutdown()
+        results[pp] = ([o.prompt_logprobs for o in outs], vectors)
+    for got, want in zip(results[2][0], results[1][0], strict=True):
+        assert got[0] is None and len(got) == len(want)
+        for g, w in zip(got[1:], want[1:]):
+            assert g.keys() == w.keys() and all(g[t].logprob == pytest.approx(w[t].logprob, abs=1e-4) for t in g)
+    for got, want in zip(results[2][1], results[1][1], strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
