@@ -79,7 +79,8 @@ class EngineArgs:
     task: str = "generate"  # "generate", or "embed": prompts in, pooled vectors out (vLLM's --task / --runner pooling)
     pooling_type: str | None = None  # task embed: last (default), mean or cls
     # speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    # "prompt_lookup_max": b} (a dict, or its JSON text from --speculative-config)
+    # "prompt_lookup_max": b} or {"model": DRAFT, "num_speculative_tokens": k} (a dict, or its JSON text from
+    # --speculative-config)
     speculative_config: dict[str, Any] | str | None = None
     platform_options: dict[str, str] = field(default_factory=dict)
 
@@ -351,8 +352,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own tokens, '
-                        'verified in one forward; greedy output unchanged)')
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own tokens) or '
+                        '\'{"model": DRAFT_FOLDER, "num_speculative_tokens": 4}\' (a smaller model with the same '
+                        'vocabulary); verified in one forward, greedy output unchanged')
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
     add_unsupported_args(parser)
     g = parser.add_argument_group("LoRA adapters")
