@@ -437,26 +437,12 @@ class ModelRunner:
                 prompt_rows.append(PromptLogprobsRows(rid, start, last - start, k))
                 prompt_indices.extend(range(qsl[-2], qsl[-2] + last - start))
                 prompt_targets.extend(state.prompt_token_ids[start + 1 : last + 1])
-        table = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
-        for i, b in enumerate(tables):
-            table[i, : len(b)] = b
         d = self.device
 
         def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=d)
 
-        md = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(qsl, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=torch.from_numpy(table).to(d),
-            max_query_len=max(counts.values()),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            num_decode_tokens=num_decodes,
-        )
+        md = attention_metadata(tables, slots, qsl, seq_lens, num_decodes, bs, d)
         return BatchInputs(
             req_ids=req_ids,
             input_ids=tensor(ids, torch.int64),
@@ -469,6 +455,27 @@ class ModelRunner:
             prompt_indices=tensor(prompt_indices, torch.int64) if prompt_rows else None,
             prompt_targets=tensor(prompt_targets, torch.int64) if prompt_rows else None,
         )
+
+
+def attention_metadata(tables: list[list[int]], slots: list[int], qsl: list[int], seq_lens: list[int],
+                       num_decode_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """A batch's metadata from per-sequence block tables (padded here), slots, query starts and
+    lengths; the one-token queries first, `num_decode_tokens` of them."""
+    table = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
+    for i, b in enumerate(tables):
+        table[i, : len(b)] = b
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(table).to(device),
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decode_tokens=num_decode_tokens,
+    )
 
 
 def allocate_kv_caches(backend: Any, spec: KVCacheSpec, num_blocks: int, block_size: int,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from portside.backend_api import AttentionMetadata, ForwardContext, KVCacheSpec, Platform
+from portside.backend_api import ForwardContext, KVCacheSpec, Platform
 
 if TYPE_CHECKING:
     from portside.config import EngineConfig
@@ -105,9 +105,9 @@ class DraftModelProposer:
             if room <= 0:
                 continue
             draft = self.requests.setdefault(state.req_id, _Draft())
+            actual = state.token_slice(draft.valid, min(draft.valid + len(draft.ahead), n))
             kept = 0  # proposals written last time that the sequence accepted
-            while kept < len(draft.ahead) and draft.valid + kept < n and \
-                    draft.ahead[kept] == _token_at(state, draft.valid + kept):
+            while kept < len(actual) and draft.ahead[kept] == actual[kept]:
                 kept += 1
             draft.valid = min(draft.valid + kept, n - 1)  # the last token always runs: its logits propose
             draft.ahead = []
@@ -148,6 +148,8 @@ class DraftModelProposer:
     def _forward(self, rows: list[tuple[CachedRequestState, int, list[int]]]) -> list[int | None]:
         """Run the draft over each row's tokens (written from position `start`); the greedy next
         token of each row that ends at or past its sequence's last token, else None."""
+        from portside.runner.model_runner import attention_metadata
+
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][2]) != 1)  # one-token queries first
         bs, d = self.block_size, self.device
         ids: list[int] = []
@@ -156,7 +158,6 @@ class DraftModelProposer:
         seq_lens: list[int] = []
         qsl = [0]
         samples: list[int] = []  # rows (in `order`) that draw
-        table = np.zeros((len(rows), max(len(rows[i][0].block_ids) for i in order)), dtype=np.int32)
         for j, i in enumerate(order):
             state, start, tokens = rows[i]
             end = start + len(tokens)
@@ -167,21 +168,10 @@ class DraftModelProposer:
             slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(end)
             qsl.append(qsl[-1] + len(tokens))
-            table[j, : len(blocks)] = blocks
             if end >= state.num_tokens:
                 samples.append(j)
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=d),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=d),
-            block_tables=torch.from_numpy(table).to(d),
-            max_query_len=max(len(r[2]) for r in rows),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            num_decode_tokens=sum(1 for r in rows if len(r[2]) == 1),
-        )
+        md = attention_metadata([rows[i][0].block_ids for i in order], slots, qsl, seq_lens,
+                                sum(1 for r in rows if len(r[2]) == 1), bs, d)
         ctx = ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(md))
         hidden = self.graph_runner(torch.tensor(ids, dtype=torch.int64, device=d),
                                    torch.tensor(positions, dtype=torch.int64, device=d), ctx)
@@ -193,7 +183,3 @@ class DraftModelProposer:
                 drawn[order[j]] = token
         return drawn
 
-
-def _token_at(state: CachedRequestState, pos: int) -> int:
-    n = len(state.prompt_token_ids)
-    return state.prompt_token_ids[pos] if pos < n else state.output_token_ids[pos - n]
