@@ -175,23 +175,30 @@ def bench_pp(args: argparse.Namespace, path: str) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {"dp": bench_dp, "pp": bench_pp}
 
 
+def _section(title: str, entry: dict[str, Any], how: str, labels: dict[str, str]) -> list[str]:
+    """A section's heading, its run line and its table of runs (`labels`: run name -> row label)."""
+    w, m, runs = entry["workload"], entry["model"], entry["runs"]
+    lines = [
+        f"## {title}", "",
+        f"Run of {entry['date']}, `{entry['command']}`; {entry['cpu']}, {entry['cores']} cores; torch {entry['torch']}. "
+        f"Random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, fp32, cpu backend (eager). "
+        f"{w['requests']} distinct prompts of {w['prompt_len']} tokens, {w['max_tokens']} new tokens each, {how}, "
+        f"greedy; best of {w['repeats']} alternating runs. Tokens checked equal.", "",
+        "| | start s | best s | runs s | output tok/s |", "|---|---:|---:|---|---:|",
+    ]
+    for name, label in labels.items():
+        r = runs[name]
+        lines.append(f"| {label} | {r['start_s']} | {r['best_s']} | {', '.join(map(str, r['runs_s']))} | {r['output_tok_s']} |")
+    return lines
+
+
 def write_md(results: dict[str, Any]) -> None:
     lines = ["# Parallelism benchmark (`ci/bench/parallel.py`)", ""]
     dp = results.get("dp")
     if dp is not None:
-        w, m, runs = dp["workload"], dp["model"], dp["runs"]
-        lines += [
-            "## Data parallelism: DP = 2 against DP = 1", "",
-            f"Run of {dp['date']}, `{dp['command']}`; {dp['cpu']}, {dp['cores']} cores; torch {dp['torch']}. "
-            f"Random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, fp32, cpu backend (eager). "
-            f"{w['requests']} distinct prompts of {w['prompt_len']} tokens, {w['max_tokens']} new tokens each, all "
-            f"submitted at once, greedy; best of {w['repeats']} alternating runs. Tokens checked equal.", "",
-            "| | start s | best s | runs s | output tok/s |", "|---|---:|---:|---|---:|",
-        ]
-        for name, label in (("dp1", "DP = 1 (in-process, all cores)"), ("dp2", "DP = 2 (2 worker processes)")):
-            r = runs[name]
-            lines.append(f"| {label} | {r['start_s']} | {r['best_s']} | {', '.join(map(str, r['runs_s']))} | "
-                         f"{r['output_tok_s']} |")
+        runs = dp["runs"]
+        lines += _section("Data parallelism: DP = 2 against DP = 1", dp, "all submitted at once",
+                          {"dp1": "DP = 1 (in-process, all cores)", "dp2": "DP = 2 (2 worker processes)"})
         lines += ["", f"**DP 2 / DP 1 throughput: {dp['ratio_dp2_over_dp1']}x** "
                       f"(tokens per replica: {runs['dp2']['generated_tokens_per_replica']}).", ""]
         lines += [
@@ -209,21 +216,10 @@ def write_md(results: dict[str, Any]) -> None:
         ]
     pp = results.get("pp")
     if pp is not None:
-        w, m, runs = pp["workload"], pp["model"], pp["runs"]
-        lines += [
-            "## Pipeline parallelism: PP = 2 against PP = 1", "",
-            f"Run of {pp['date']}, `{pp['command']}`; {pp['cpu']}, {pp['cores']} cores; torch {pp['torch']}. "
-            f"Random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, fp32, cpu backend (eager). "
-            f"{w['requests']} distinct prompts of {w['prompt_len']} tokens, {w['max_tokens']} new tokens each, offline "
-            f"(`LLMEngine`), greedy; best of {w['repeats']} alternating runs. Tokens checked equal.", "",
-            "| | start s | best s | runs s | output tok/s |", "|---|---:|---:|---|---:|",
-        ]
-        for name, label in (("pp1", "PP = 1 (in-process, all cores)"),
-                            ("pp2_micro", "PP = 2, two steps in flight (micro-batching on)"),
-                            ("pp2_one_step", "PP = 2, one step at a time (off)")):
-            r = runs[name]
-            lines.append(f"| {label} | {r['start_s']} | {r['best_s']} | {', '.join(map(str, r['runs_s']))} | "
-                         f"{r['output_tok_s']} |")
+        lines += _section("Pipeline parallelism: PP = 2 against PP = 1", pp, "offline (`LLMEngine`)",
+                          {"pp1": "PP = 1 (in-process, all cores)",
+                           "pp2_micro": "PP = 2, two steps in flight (micro-batching on)",
+                           "pp2_one_step": "PP = 2, one step at a time (off)"})
         lines += ["", f"**PP 2 / PP 1 throughput: {pp['ratio_pp2_micro_over_pp1']}x with micro-batching, "
                       f"{pp['ratio_pp2_one_step_over_pp1']}x without.**", "",
                   f"Load average when the run started: {pp.get('load_avg_before', '?')}.", ""]
