@@ -72,6 +72,17 @@ def cmdline(pid: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def steps_until_failure(llm: Any) -> tuple[str | None, float]:
+    """(the error that ended stepping, or None when the requests finished; seconds it took)."""
+    t0 = time.monotonic()
+    try:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
 def case_engine(model: Path) -> dict[str, Any]:
     import ray
 
@@ -111,16 +122,9 @@ def case_engine(model: Path) -> dict[str, Any]:
     for _ in range(3):
         llm.engine.step()
     os.kill(pids[1], signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-        out["error"] = None
-    except RuntimeError as e:
-        out["error"] = str(e)
-    out["fail_s"] = time.monotonic() - t0
+    out["error"], out["fail_s"] = steps_until_failure(llm)
     out["left_after_failure"] = wait_gone(pids)
-    try:  # any later call fails the same way, at once (the engine's scheduler may not call again)
+    try:  # any later call fails the same way, at once
         executor.initialize_kv_cache(8)
         out["later_error"] = None
     except RuntimeError as e:
@@ -191,14 +195,7 @@ def nodes_on(cluster: Any, worker_node: Any, model: Path) -> dict[str, Any]:
         llm.engine.step()
     out["lost_rank"] = out["node_ids"].index(worker_node.node_id)
     cluster.remove_node(worker_node, allow_graceful=False)  # its raylet and workers killed at once
-    t0 = time.monotonic()
-    try:
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-        out["error"] = None
-    except RuntimeError as e:
-        out["error"] = str(e)
-    out["fail_s"] = time.monotonic() - t0
+    out["error"], out["fail_s"] = steps_until_failure(llm)
     out["left_after_failure"] = wait_gone([p.pid for p in places])
     llm.engine.shutdown()
     out["placement_groups"] = sorted({g["state"] for g in placement_group_table().values()})
