@@ -274,36 +274,35 @@ class LLMEngine:
     # ---- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.max_in_flight > 1:
-            return self._step_in_flight()
-        scheduler_output = self.scheduler.schedule()
-        self.step_tokens, self.outputs.token_intervals = scheduler_output.total_num_scheduled_tokens, []
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-            return []
-        scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
-        with self._failing_steps():
-            runner_output = self.executor.execute_model(scheduler_output)
-        return self._finish_step(scheduler_output, runner_output)
-
-    def _step_in_flight(self) -> list[RequestOutput]:
-        """Pipeline parallelism: submit a new step while fewer than `max_in_flight` are in flight
-        and something can be scheduled (requests in flight cannot), else finish the oldest; a call
-        that only submitted returns no outputs."""
+        """Schedule and submit a step, then finish the oldest step in flight and return its
+        outputs. With pipeline parallelism up to `max_in_flight` steps are in flight: a step is
+        submitted while there is room and something can be scheduled (requests in flight cannot),
+        and a call that only submitted returns no outputs."""
         if len(self._batches) < self.max_in_flight:
             so = self.scheduler.schedule()
             if not so.is_empty or so.finished_req_ids:
                 so.grammar = self._grammar_bitmask(so)
                 with self._failing_steps():
-                    self._batches.append((so, self.executor.submit(so)))
+                    self._batches.append((so, self._submit(so)))
                 if len(self._batches) < self.max_in_flight and not so.is_empty:
                     return []  # fill the pipeline before waiting on it
         if not self._batches:
+            self.step_tokens, self.outputs.token_intervals = 0, []
             return []
         so, result = self._batches.popleft()
         self.step_tokens, self.outputs.token_intervals = so.total_num_scheduled_tokens, []
         with self._failing_steps():
             runner_output = result()
         return self._finish_step(so, runner_output)
+
+    def _submit(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """The executor's `submit` (the step goes to the workers now, its output is waited for
+        later); an executor without one runs the step now."""
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            return submit(so)
+        out = self.executor.execute_model(so)
+        return lambda: out
 
     @contextlib.contextmanager
     def _failing_steps(self) -> Iterator[None]:
