@@ -6,6 +6,7 @@ processes end to end."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +173,11 @@ def test_front_routes_by_prefix_and_load_with_transformers_greedy_tokens(engines
     assert hits[owner["g0"]] >= 3 * 5 * BLOCK - BLOCK and hits[1 - owner["g0"]] == 0  # later grouped ones hit
 
 
-def test_front_aborts_at_the_owner_refuses_duplicates_and_bounds_waiting(engines: list[LLMEngine]):
+def test_front_aborts_at_the_owner_refuses_duplicates_and_bounds_waiting(engines: list[LLMEngine], monkeypatch: Any):
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    go = threading.Event()  # the replicas accept requests but take no step until it is set
+    for e in engines:
+        monkeypatch.setattr(e, "step", lambda step=e.step: (go.wait(10), step())[1])
 
     async def main() -> None:
         front = DataParallelEngine(engines, block_size=BLOCK, max_waiting_requests=3)
@@ -181,17 +185,22 @@ def test_front_aborts_at_the_owner_refuses_duplicates_and_bounds_waiting(engines
         try:
             a = await front.add_request("a", [5, 6, 7], params)
             b = await front.add_request("b", [8, 9, 10], params)
-            assert front.loads() == [1, 1]
+            assert front.loads() == [1, 1] and front.num_waiting == 2
             with pytest.raises(ValueError, match="already in use"):
                 await front.add_request("a", [1, 2], params)
+            front.check_capacity(1)  # the bound spans both replicas' waiting sequences
             with pytest.raises(QueueFullError):
                 front.check_capacity(2)
+            with pytest.raises(ValueError, match="more than the 3"):
+                front.check_capacity(4)
+            go.set()
             front.abort("a")  # reaches the replica that owns it
             assert sorted(front.loads()) == [0, 1] and a.finished and not b.finished
             b.close()
             await asyncio.sleep(0.2)
             assert front.num_unfinished == 0
         finally:
+            go.set()
             await front.shutdown(5)
         assert not front.is_running
         with pytest.raises(EngineStoppedError):
