@@ -357,6 +357,22 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write key/value into `kv_cache`, then attend. Returns [num_tokens, num_heads, head_size]."""
 
+    def encoder_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32 on the device: sequence s is rows [cu[s], cu[s+1])
+        max_seqlen: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Non-causal attention within each sequence, no KV cache (vision encoders: one image,
+        or one window of an image, per sequence). Returns [num_tokens, num_heads, head_size] in
+        the query's dtype. Default: core's reference (`portside.attention.reference.encoder_attention`)."""
+        from portside.attention.reference import encoder_attention
+
+        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
+
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed cache tensor for one layer. On host memory it comes from `host_zeros`: pages
         are mapped lazily as blocks are first written, and huge where the kernel allows."""
@@ -404,6 +420,8 @@ class ForwardContext:
 
 # model_fn(input_ids [T], positions [T], ctx) -> hidden states [T, hidden] (before the LM head).
 ModelFn = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
+# (query, key, value, cu_seqlens, max_seqlen, scale) -> out: `AttentionBackend.encoder_attention`
+EncoderAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 @runtime_checkable

@@ -185,3 +185,23 @@ class ReferenceAttentionBackend(AttentionBackend):
             query, kv_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale,
             sliding_window, logit_softcap,
         )
+
+
+def encoder_attention(
+    query: torch.Tensor,  # [T, H, D]: every sequence's tokens, back to back
+    key: torch.Tensor,  # [T, H, D]
+    value: torch.Tensor,  # [T, H, D]
+    cu_seqlens: torch.Tensor,  # [S + 1] int32: sequence s is rows cu_seqlens[s]:cu_seqlens[s + 1]
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Non-causal (bidirectional) attention within each sequence, no KV cache: a vision
+    encoder's images, or Qwen2.5-VL's windows of one image. fp32 math; returns [T, H, D] in
+    the query's dtype."""
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        q, k, v = query[a:b].float(), key[a:b].float(), value[a:b].float()
+        probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * scale, dim=-1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

@@ -7,14 +7,17 @@ transformers 5.x (``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["RopeScaling", "ModelArgs"]
 
 # Architectures whose q/k/v projections always carry a bias (whatever attention_bias says).
-_QKV_BIAS_ARCHS = frozenset({"Qwen2ForCausalLM"})
+_QKV_BIAS_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"})
+# Vision-language architectures: a language model (text_config) plus a vision tower
+MULTIMODAL_ARCHS = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                              "Qwen2_5_VLForConditionalGeneration"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
     norm_topk_prob: bool = False  # renormalise the top-k routing weights
     moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP; () = every layer
+    # vision-language models: the language model's args above come from the config's text_config;
+    # `hf_config` is the whole transformers config (vision tower, projector, image token ids)
+    mrope_section: tuple[int, ...] = ()  # Qwen2.5-VL: rotary frequencies per (t, h, w) position
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, or None for full attention."""
@@ -105,8 +112,14 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, hf: Any, folder: str | Path | None = None, max_model_len: int | None = None) -> ModelArgs:
-        """From a `transformers.PretrainedConfig`; `folder` adds eos ids from generation_config.json."""
+        """From a `transformers.PretrainedConfig`; `folder` adds eos ids from generation_config.json.
+        A vision-language config (`MULTIMODAL_ARCHS`) describes its language model in text_config."""
         arch = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
+        whole = hf
+        if arch in MULTIMODAL_ARCHS:
+            hf = hf.get_text_config()
+            if getattr(whole, "eos_token_id", None) is not None and getattr(hf, "eos_token_id", None) is None:
+                hf.eos_token_id = whole.eos_token_id
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling, local_theta = _read_rope(hf)
@@ -125,8 +138,8 @@ class ModelArgs:
             rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=bool(getattr(hf, "qkv_bias", False)) or attention_bias or arch in _QKV_BIAS_ARCHS,
-            o_bias=attention_bias and arch not in _QKV_BIAS_ARCHS,
+            qkv_bias=bool(getattr(hf, "qkv_bias", False)) or attention_bias or _qwen2_attention(arch, hf),
+            o_bias=attention_bias and not _qwen2_attention(arch, hf),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(hf),
@@ -149,7 +162,21 @@ class ModelArgs:
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             norm_topk_prob=_norm_topk_prob(hf, arch),
             moe_layers=_moe_layers(hf, num_experts),
+            mrope_section=_mrope_section(hf),
+            hf_config=whole if arch in MULTIMODAL_ARCHS else None,
         )
+
+
+def _qwen2_attention(arch: str, hf: Any) -> bool:
+    """Qwen2's q/k/v projections always carry a bias, its o projection none (whatever attention_bias says)."""
+    return arch in _QKV_BIAS_ARCHS or getattr(hf, "model_type", "") in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+
+
+def _mrope_section(hf: Any) -> tuple[int, ...]:
+    for params in (getattr(hf, "rope_parameters", None), getattr(hf, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(x) for x in params["mrope_section"])
+    return ()
 
 
 def _positive(value: Any) -> float | None:
@@ -211,7 +238,7 @@ def _read_rope(hf: Any) -> tuple[float, RopeScaling | None, float | None]:
 def _rope_scaling(hf: Any, params: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # mrope: default frequencies over 3-D positions (`mrope_section`)
         return theta, None
     rope_type = "longrope" if rope_type == "su" else rope_type  # older Phi-3 configs
     if rope_type not in RopeScaling.TYPES:

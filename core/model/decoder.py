@@ -305,7 +305,8 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = math.sqrt(args.hidden_size) if self.scale_embeddings else None
         # pipeline parallelism: the previous stage's hidden states [T, hidden], set by the runner
-        # before each forward of a stage that is not the first (what `embed` returns as h)
+        # before each forward of a stage that is not the first (what `embed` returns as h); a
+        # vision-language model's first stage: the step's embeddings with image rows merged in
         self.stage_input: torch.Tensor | None = None
 
     @classmethod
@@ -343,17 +344,24 @@ class DecoderForCausalLM(nn.Module):
         """-> (h [T, hidden], rope: cos, sin [T, rotary_dim/2] shared by every layer, then the
         sliding layers' own cos, sin where they have their own base). A later pipeline stage's
         h is the previous stage's output (`stage_input`)."""
-        if self.model.embed_tokens is None:  # a later pipeline stage: zeros in a warm-up on dummy inputs
-            h = self.stage_input if self.stage_input is not None else \
-                torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
+        if self.stage_input is not None:  # a later pipeline stage, or a prompt's rows merged with images
+            h = self.stage_input
+        elif self.model.embed_tokens is None:  # a later pipeline stage: zeros in a warm-up on dummy inputs
+            h = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
         else:
-            h = self.model.embed_tokens(input_ids)  # [T, hidden]
-            if self.embed_scale is not None:
-                h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+            h = self.embed_input_ids(input_ids)
         rope = self.model.rotary(positions, h.dtype)
         if self.model.rotary_local is not None:
             rope = rope + self.model.rotary_local(positions, h.dtype)
         return h, rope
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] (scaled where the architecture scales them); first stage only."""
+        assert self.model.embed_tokens is not None
+        h = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
 
     def pre_attention(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         layer = self._layer(i)

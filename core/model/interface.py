@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 from torch import nn
 
-from portside.backend_api import ForwardContext, KVCacheSpec
+from portside.backend_api import EncoderAttention, ForwardContext, KVCacheSpec
 from portside.model.args import ModelArgs
+from portside.multimodal.inputs import MultiModalFeature
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "SupportsMultiModal", "is_multimodal"]
 
 _M = TypeVar("_M", bound="CausalLM")
 
@@ -39,6 +40,36 @@ class CausalLM(Protocol):
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
     def eval(self: _M) -> _M: ...
+
+
+class SupportsMultiModal(Protocol):
+    """A vision-language model: a `CausalLM` whose prompt embeddings may come partly from images.
+
+    The runner embeds a step's tokens with `embed_input_ids`, overwrites the rows of image
+    placeholder tokens with the image's `embed_image` rows, and hands the result to the forward
+    pass as `stage_input` (what `DecoderForCausalLM.embed` then uses instead of embedding ids).
+    `embed_image(data, attention)`: `data` is one image's processor output
+    (`portside.multimodal.inputs.MultiModalFeature.data`), `attention` the platform's
+    non-causal `AttentionBackend.encoder_attention`; returns [placeholder length, hidden] in the
+    model's dtype. With `uses_mrope` (Qwen2.5-VL) positions are [3, T] (temporal, height,
+    width): `mrope_positions` gives the prompt's and the offset later tokens add to their index.
+    """
+
+    supports_multimodal: bool  # class attribute, True
+    uses_mrope: bool  # class attribute
+    image_token_id: int  # the placeholder token of one image row
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def embed_image(self, data: dict[str, torch.Tensor], attention: EncoderAttention) -> torch.Tensor: ...
+
+    def mrope_positions(self, prompt_token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
+        """-> (positions [3, len(prompt)] int64, delta): a later token at index i has position i + delta in all 3."""
+        ...
+
+
+def is_multimodal(model: object) -> bool:
+    return bool(getattr(model, "supports_multimodal", False))
 
 
 if TYPE_CHECKING:  # the models load_model builds conform (checked by mypy only)

@@ -43,6 +43,10 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture("portside.model.gemma", "Gemma2ForCausalLM", (*_WINDOW, "logit_softcap"), ()),
     "Gemma3ForCausalLM": Architecture("portside.model.gemma", "Gemma3ForCausalLM", _WINDOW, ("logit_softcap",)),
     "Phi3ForCausalLM": Architecture("portside.model.phi3", "Phi3ForCausalLM"),
+    # vision-language models (portside.multimodal)
+    "LlavaForConditionalGeneration": Architecture("portside.model.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": Architecture("portside.model.llava", "LlavaNextForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": Architecture("portside.model.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 
