@@ -119,6 +119,20 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Images in prompts (vision-language models only; `portside.multimodal`)."""
+
+    # most items of a modality in one prompt (`--limit-mm-per-prompt '{"image": N}'`)
+    limit_per_prompt: tuple[tuple[str, int], ...] = (("image", 4),)
+    # image embedding rows the encoder may compute in one step (None: the step's token budget)
+    max_encoder_tokens_per_step: int | None = None
+    encoder_cache_size: int = 8192  # image embedding rows kept for reuse, by content hash
+
+    def limit(self, modality: str) -> int:
+        return dict(self.limit_per_prompt).get(modality, 0)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -126,6 +140,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None  # None: LoRA adapters disabled
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)  # used by vision-language models
     device: str | None = None  # platform name; None: auto-detect
     # platform-specific options (e.g. {"cpu_graph": "inductor"}), validated by the platform
     platform_options: tuple[tuple[str, str], ...] = ()
