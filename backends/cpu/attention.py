@@ -24,6 +24,9 @@ Both take the attention features (`portside.backend_api.ATTENTION_FEATURES`). A 
 is a mask, and only the blocks holding keys inside some query's window are gathered (a windowed
 decode reads the last `window` keys only; the native kernel skips the rest too). SDPA cannot
 soft-cap scores, so a soft-capped layer computes its scores explicitly (`_attend`, fp32).
+
+Encoder attention (non-causal, no cache; `AttentionBackend.encoder_attention`) is SDPA over the
+sequences batched by length (`encoder_attention.py`), for both classes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from portside.backend_api import (
     quantize_kv,
 )
 from portside.backends.cpu import kernels
+from portside.backends.cpu.encoder_attention import encoder_attention
 
 # The most rows of a one-sequence step the fused multi-row step takes (csrc/fused_decode.cpp's kMaxRows).
 MAX_FUSED_ROWS = 16
@@ -160,6 +164,11 @@ class CpuAttentionBackend(AttentionBackend):
             plan = self.prepare(metadata).backend_data
         self._write(kv_cache, key, value, plan.keep, plan.slots)
         return _attend_batch(query, kv_cache, metadata, plan, scale, sliding_window, logit_softcap)
+
+    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+        """Non-causal attention within each sequence (vision encoders): one SDPA per sequence
+        length (`encoder_attention.py`)."""
+        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
 
 
 def _attend_batch(
