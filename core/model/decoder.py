@@ -31,7 +31,7 @@ from portside.model.layers import (
     default_weight_loader,
 )
 from portside.model.moe import SparseMoEBlock
-from portside.model.rotary import RotaryEmbedding, apply_rotary
+from portside.model.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,9 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings, args.max_model_len,
             rotary_dim=rotary_dim,
+        ) if not args.mrope_section else MRotaryEmbedding(  # Qwen2.5-VL: positions [3, T]
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings, args.max_model_len,
+            rotary_dim=rotary_dim, mrope_section=args.mrope_section,
         )
         # Gemma 3: the sliding layers rotate with a base of their own, unscaled
         self.rotary_local = (

@@ -12,7 +12,7 @@ from torch import nn
 
 from portside.model.args import RopeScaling
 
-__all__ = ["rope_inv_freq", "rope_attention_factor", "RotaryEmbedding", "apply_rotary"]
+__all__ = ["rope_inv_freq", "rope_attention_factor", "RotaryEmbedding", "MRotaryEmbedding", "apply_rotary"]
 
 
 def _pos_freqs(dim: int, theta: float) -> torch.Tensor:
@@ -161,3 +161,34 @@ class RotaryEmbedding(nn.Module):
         """positions [T] (below the context length) -> (cos, sin), each [T, R/2] in `dtype`."""
         cos, sin = self.cos_sin.index_select(0, positions).to(dtype).chunk(2, dim=1)
         return cos, sin
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary (Qwen2-VL, Qwen2.5-VL "mrope"): positions are [3, T], a (temporal,
+    height, width) position per token, and the rotary frequencies are split into consecutive
+    sections of `mrope_section` frequencies (half-dims; summing to R/2), the first rotated by the
+    temporal position, the next by the height, the next by the width. Text tokens have three
+    equal positions, for which this is plain rotary; 1-D positions [T] are accepted as such."""
+
+    section_of: torch.Tensor  # registered buffer [R/2] int64: which of the 3 positions each frequency takes
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_position_embeddings: int,
+                 max_model_len: int | None = None, rotary_dim: int | None = None,
+                 mrope_section: tuple[int, ...] = ()) -> None:
+        super().__init__(head_dim, theta, scaling, max_position_embeddings, max_model_len, rotary_dim)
+        half = self.cos_sin.shape[1] // 2
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to rotary_dim / 2 = {half}")
+        section_of = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(mrope_section)])
+        self.register_buffer("section_of", section_of, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] (or [T]: the same in all three) -> (cos, sin), each [T, R/2] in `dtype`."""
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        half = self.section_of.shape[0]
+        per_freq = positions.index_select(0, self.section_of).t()  # [T, R/2]: each frequency's position
+        freq = torch.arange(half, device=positions.device)
+        cos = self.cos_sin[per_freq, freq]  # [T, R/2]
+        sin = self.cos_sin[per_freq, freq + half]
+        return cos.to(dtype), sin.to(dtype)
