@@ -58,6 +58,9 @@ class Request:
     # speculative decoding: the proposed next tokens to verify in its next step (after its last token)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_stats: SpecDecodeStats | None = None  # proposals verified and accepted so far
+    # images (portside.multimodal.inputs.MultiModalFeature), by prompt position
+    mm_features: list[Any] = field(default_factory=list)
+    mm_encoded: set[int] = field(default_factory=set)  # images charged to an encoder budget (scheduler)
 
     @property
     def lora_id(self) -> int | None:
@@ -68,6 +71,11 @@ class Request:
         """What its first KV block's hash chains on: requests under different adapters compute
         different KV for the same tokens, so they never share prefix-cache blocks."""
         return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+
+    def block_extra_keys(self, start: int, end: int) -> tuple[str, ...]:
+        """What the KV of prompt positions [start, end) depends on beside the tokens: the
+        identifiers of the images whose placeholders overlap them (prefix-cache block hashes)."""
+        return tuple(f.identifier for f in self.mm_features if f.placeholder.offset < end and start < f.placeholder.end)
 
     @property
     def all_token_ids(self) -> list[int]:

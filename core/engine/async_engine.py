@@ -41,7 +41,7 @@ class SyncEngine(Protocol):
     tokenizer: Any
     max_model_len: int
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+    def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0,
                     lora_request: Any = None) -> None: ...
     def abort_request(self, request_ids: str | list[str]) -> None: ...
     def step(self) -> list[RequestOutput]: ...
@@ -378,6 +378,17 @@ class AsyncLLMEngine:
         """Sequences (a request's n samples each) accepted that have not produced a token yet."""
         return sum(s.num_seqs for s in self._streams.values() if s.first_token_time is None)
 
+    @property
+    def supports_images(self) -> bool:
+        return bool(getattr(self.engine, "supports_images", False))
+
+    async def process_multimodal(self, prompt: dict[str, Any], add_special_tokens: bool = True) -> dict[str, Any]:
+        """`LLMEngine.process_multimodal` in a worker thread: images are processed off both the
+        event loop and the engine thread. Returns the prompt dict to pass to `add_request`."""
+        if not self.supports_images:
+            raise ValueError(f"{self.name}'s model does not take images (it is not a vision-language model)")
+        return await asyncio.to_thread(self.engine.process_multimodal, prompt, add_special_tokens)  # type: ignore[attr-defined]
+
     def num_using(self, lora_int_id: int) -> int:
         """Unfinished requests running with the LoRA adapter `lora_int_id`."""
         return sum(1 for s in self._streams.values() if s.lora_request is not None and s.lora_request.lora_int_id == lora_int_id)
@@ -420,7 +431,7 @@ class AsyncLLMEngine:
     # ---- requests --------------------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0,
         check_capacity: bool = True, lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
@@ -446,7 +457,7 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority=priority)

@@ -198,6 +198,14 @@ class DataParallelEngine:
     def num_waiting(self) -> int:
         return sum(r.num_waiting for r in self.replicas)
 
+    @property
+    def supports_images(self) -> bool:
+        return self.replicas[0].supports_images
+
+    async def process_multimodal(self, prompt: dict[str, Any], add_special_tokens: bool = True) -> dict[str, Any]:
+        """Every replica serves the same model: the first one's processor does it."""
+        return await self.replicas[0].process_multimodal(prompt, add_special_tokens)
+
     def num_using(self, lora_int_id: int) -> int:
         return sum(r.num_using(lora_int_id) for r in self.replicas)
 
@@ -220,7 +228,7 @@ class DataParallelEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0,
         check_capacity: bool = True, lora_request: Any = None,
     ) -> RequestStream:
         """Route the request to a replica and queue it there (see `AsyncLLMEngine.add_request`)."""
@@ -231,13 +239,14 @@ class DataParallelEngine:
         if any(r.has_request(request_id) for r in self.replicas):
             raise ValueError(f"request id {request_id!r} is already in use")
         salt = lora_request.lora_int_id if lora_request is not None else 0
-        i = self.router.choose(prompt if isinstance(prompt, list) else None, self.loads(), salt)
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt  # a processed image prompt: its ids
+        i = self.router.choose(ids if isinstance(ids, list) else None, self.loads(), salt)
         # no await before the replica registers the stream: the next routing decision sees its load
         return await self.replicas[i].add_request(request_id, prompt, params, priority=priority, check_capacity=False,
                                                   lora_request=lora_request)
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority=priority)

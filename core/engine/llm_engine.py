@@ -75,7 +75,14 @@ class LLMEngine:
             # a model whose every layer has the same window frees the blocks that fall out of it
             from portside.model.registry import read_model_args
 
-            self.sliding_window = read_model_args(config.model.path, self.max_model_len).uniform_sliding_window
+            model_args = read_model_args(config.model.path, self.max_model_len)
+            self.sliding_window = model_args.uniform_sliding_window
+            self.mm_processor = None
+            if model_args.hf_config is not None:  # a vision-language model
+                from portside.multimodal.processor import MultiModalProcessor
+
+                self.mm_processor = MultiModalProcessor(config.model.path, model_args.hf_config, self.tokenizer,
+                                                        config.multimodal)
             num_blocks = self.executor.determine_num_blocks()
             needed = _blocks_per_request(
                 block_size, self.max_model_len, config.scheduler.max_num_batched_tokens, self.sliding_window
@@ -107,6 +114,7 @@ class LLMEngine:
             num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative is not None else 0,
             num_micro_batches=self.max_in_flight,
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
+            max_encoder_tokens=config.multimodal.max_encoder_tokens_per_step,
         )
         self.loras = LoRARegistry(config.lora, config.model.path)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -159,8 +167,10 @@ class LLMEngine:
         self.loras.check(lora_request)
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._prompt(prompt, add_special_tokens)
+        prompt_text, prompt_ids, mm_features = self._prompt(prompt, add_special_tokens)
         self._validate(prompt_ids, params)
+        if mm_features and self.task == "embed":
+            raise ValueError("task embed: prompts with images are not supported")
         if self.task == "embed" and (params.num_samples != 1 or params.structured_outputs is not None
                                      or params.prompt_logprobs is not None):
             raise ValueError("task embed: a request returns one embedding; n and structured outputs do not apply, "
@@ -193,6 +203,7 @@ class LLMEngine:
                     priority=priority,
                     parent_id=None if k == 0 else f"{request_id}#0",
                     lora_request=lora_request,
+                    mm_features=mm_features,
                     structured=None if grammar is None else self.structured.new_state(
                         grammar, prompt_ids, params.structured_outputs.after_reasoning),  # type: ignore[union-attr]
                 )
@@ -224,9 +235,23 @@ class LLMEngine:
         """A prompt as `add_request` takes it, as token ids."""
         return self._prompt(prompt, add_special_tokens)[1]
 
-    def _prompt(self, prompt: str | list[int] | dict[str, Any], add_special_tokens: bool) -> tuple[str | None, list[int]]:
-        """(text shown in outputs, token ids) of a prompt: text, ids, or a prompt dict (with both,
-        the ids are the prompt and the text is what outputs show)."""
+    @property
+    def supports_images(self) -> bool:
+        return self.mm_processor is not None
+
+    def process_multimodal(self, prompt: dict[str, Any], add_special_tokens: bool = True) -> dict[str, Any]:
+        """A prompt dict with "multi_modal_data" run through the model's processor: the prompt
+        dict `add_request` takes as it is ("prompt_token_ids" with the images' placeholders
+        expanded, "prompt", "mm_features"). Safe to call from any thread (the server decodes
+        and processes images off the engine thread); ValueError for what cannot be served."""
+        text, ids, features = self._prompt(prompt, add_special_tokens)
+        return {"prompt_token_ids": ids, "prompt": text, "mm_features": features}
+
+    def _prompt(self, prompt: str | list[int] | dict[str, Any], add_special_tokens: bool
+                ) -> tuple[str | None, list[int], list[Any]]:
+        """(text shown in outputs, token ids, image features) of a prompt: text, ids, or a prompt
+        dict (with both, the ids are the prompt and the text is what outputs show), which may
+        carry images ("multi_modal_data": {"image": ...}, or "mm_features" already processed)."""
         shown: str | None = None
         value: Any = prompt
         if isinstance(prompt, dict):
@@ -235,9 +260,28 @@ class LLMEngine:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
             if not isinstance(value, str) and isinstance(prompt.get("prompt"), str):
                 shown = prompt["prompt"]
+            if prompt.get("multi_modal_data") or prompt.get("mm_features"):
+                return self._multimodal_prompt(prompt, value, shown, add_special_tokens)
         if isinstance(value, str):
-            return value, self.tokenizer.encode(value, add_special_tokens=add_special_tokens)
-        return shown, list(value)
+            return value, self.tokenizer.encode(value, add_special_tokens=add_special_tokens), []
+        return shown, list(value), []
+
+    def _multimodal_prompt(self, prompt: dict[str, Any], value: str | list[int], shown: str | None,
+                           add_special_tokens: bool) -> tuple[str | None, list[int], list[Any]]:
+        from portside.multimodal.processor import check_features, image_list
+
+        if self.mm_processor is None:
+            raise ValueError(f"model {self.config.model.path} does not take images (it is not a vision-language model)")
+        if prompt.get("mm_features"):  # processed already (`process_multimodal`)
+            ids = list(value) if not isinstance(value, str) else self.tokenizer.encode(value, add_special_tokens=add_special_tokens)
+            check_features(prompt["mm_features"], ids, self.mm_processor.image_token_id)
+            return (value if isinstance(value, str) else shown), ids, list(prompt["mm_features"])
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict with an 'image' entry (a PIL image or a list of them); "
+                             f"got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        out = self.mm_processor.process(value, image_list(data["image"]), add_special_tokens)
+        return (out.prompt if out.prompt is not None else shown), out.prompt_token_ids, out.mm_features
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()

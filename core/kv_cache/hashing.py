@@ -8,24 +8,30 @@ deterministic, and only the scheduler's process ever compares these hashes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of one full block, chained on the previous block's hash (None for the first)."""
-    return hash((parent_hash, token_ids))
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple[str, ...] = ()) -> int:
+    """Hash of one full block, chained on the previous block's hash (None for the first);
+    `extra`: what its KV depends on beside the tokens (the images whose placeholders it holds)."""
+    return hash((parent_hash, token_ids, extra)) if extra else hash((parent_hash, token_ids))
 
 
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, hashes: list[int], num_blocks: int | None = None, root: int | None = None
+    token_ids: Sequence[int], block_size: int, hashes: list[int], num_blocks: int | None = None, root: int | None = None,
+    extra_keys: Callable[[int, int], tuple[str, ...]] | None = None,
 ) -> list[int]:
     """Extend `hashes` (the chain so far) to cover the full blocks of `token_ids`, or the first
     `num_blocks` of them, and return it. Existing entries are reused, never recomputed. `root`:
-    what the first block chains on (e.g. a LoRA adapter's id: other KV for the same tokens)."""
+    what the first block chains on (e.g. a LoRA adapter's id: other KV for the same tokens);
+    `extra_keys(start, end)`: what positions [start, end) depend on beside their tokens."""
     num_full = len(token_ids) // block_size
     if num_blocks is not None:
         num_full = min(num_full, num_blocks)
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else root
-        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        start, end = i * block_size, (i + 1) * block_size
+        extra = extra_keys(start, end) if extra_keys is not None else ()
+        block = tuple(token_ids[start:end])
+        hashes.append(hash_block_tokens(parent, block, extra) if extra else hash_block_tokens(parent, block))
     return hashes

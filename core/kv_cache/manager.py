@@ -243,7 +243,8 @@ class KVCacheManager:
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._req_to_hashes.setdefault(request.request_id, [])
-        return hashing.hash_full_blocks(request.all_token_ids, self.block_size, hashes, num_blocks, request.block_hash_root)
+        return hashing.hash_full_blocks(request.all_token_ids, self.block_size, hashes, num_blocks, request.block_hash_root,
+                                        request.block_extra_keys if request.mm_features else None)
 
     # ---- checks --------------------------------------------------------------------------------
 

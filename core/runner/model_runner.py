@@ -27,6 +27,8 @@ from portside.backend_api import (
 )
 from portside.config import EngineConfig
 from portside.kv_cache.budget import kv_cache_budget
+from portside.model.interface import is_multimodal
+from portside.multimodal.inputs import MultiModalFeature
 from portside.runner.pooler import PoolChunk, Pooler
 from portside.sample.bitmask import TokenBitmask
 from portside.sample.metadata import SamplingMetadata
@@ -77,6 +79,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: Any = None  # a portside.lora.request.LoRARequest
+    mm_features: list[MultiModalFeature] = dataclasses.field(default_factory=list)
+    mrope: tuple[torch.Tensor, int] | None = None  # (prompt positions [3, P], delta): `SupportsMultiModal`
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +110,8 @@ class BatchInputs:
     prompt_rows: list[PromptLogprobsRows] = dataclasses.field(default_factory=list)
     prompt_indices: torch.Tensor | None = None  # [M] rows of hidden states, after logits_indices
     prompt_targets: torch.Tensor | None = None  # [M] int64
+    # image rows: (first batch row, feature, first and end embedding row) per image slice in the step
+    mm_rows: list[tuple[int, MultiModalFeature, int, int]] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -173,6 +179,18 @@ class ModelRunner:
         else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
+        # vision-language models: steps with image rows run eagerly (graph runners embed token ids
+        # themselves); 3-D rotary positions (mrope) always do
+        self.multimodal = is_multimodal(self.model)
+        self.encoder_cache = None
+        if self.multimodal:
+            from portside.multimodal.encoder_cache import EncoderCache
+
+            self.encoder_cache = EncoderCache(config.multimodal.encoder_cache_size)
+            self.eager_runner = EagerGraphRunner(self.model, config)
+            if getattr(self.model, "uses_mrope", False) and not isinstance(self.graph_runner, EagerGraphRunner):
+                logger.info("%s: 3-D rotary positions; the model runs eagerly", self.model.config.architecture)
+                self.graph_runner = self.eager_runner
         self.sampler = platform.sampler(config)
         # task embed: every request ends with its pooled prompt (`pooler`), never samples
         self.pooler = Pooler(config.model.pooler) if config.model.pooler is not None else None
@@ -253,8 +271,12 @@ class ModelRunner:
                 h = torch.empty(len(batch.input_ids), self.model.config.hidden_size, dtype=self.model.dtype,  # type: ignore[attr-defined]
                                 device=self.device)
                 self.model.stage_input = self.comm.recv(h, src=self.rank - self.config.parallel.tensor_parallel_size)  # type: ignore[attr-defined]
-            hidden = self.graph_runner(batch.input_ids, batch.positions, ctx)
-            if self.pp_rank > 0:
+            runner = self.graph_runner
+            if batch.mm_rows and self.pp_rank == 0:
+                self.model.stage_input = self._merge_images(batch)  # type: ignore[attr-defined]
+                runner = self.eager_runner
+            hidden = runner(batch.input_ids, batch.positions, ctx)
+            if self.pp_rank > 0 or batch.mm_rows:
                 self.model.stage_input = None  # type: ignore[attr-defined]
             if not last:
                 self.comm.send(hidden, dst=self.rank + self.config.parallel.tensor_parallel_size)
@@ -295,6 +317,37 @@ class ModelRunner:
             # (an earlier pipeline stage gets the count after acceptance with the tokens, next step)
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled,
                                  prompt_logprobs=prompt_lps, spec_token_ids=self._propose(sampled))
+
+    def _merge_images(self, batch: BatchInputs) -> torch.Tensor:
+        """The step's embeddings [T, hidden]: the tokens', with image placeholder rows replaced
+        by the images' embeddings (encoded now, or from the encoder cache)."""
+        assert self.encoder_cache is not None
+        model: Any = self.model
+        embeds = model.embed_input_ids(batch.input_ids)
+        for row, feature, a, b in batch.mm_rows:
+            emb = self.encoder_cache.get(feature, self._encode_image)
+            embeds[row : row + b - a] = emb[a:b].to(embeds.dtype)
+        return embeds
+
+    def _encode_image(self, feature: MultiModalFeature) -> torch.Tensor:
+        model: Any = self.model
+        data = {k: v.to(self.device) for k, v in feature.data.items()}
+        return model.embed_image(data, self.attn_backend.encoder_attention)
+
+    def _mrope_positions(self, state: CachedRequestState, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of a request's tokens [start, end) under 3-D rotary."""
+        if state.mrope is None:
+            model: Any = self.model
+            state.mrope = model.mrope_positions(state.prompt_token_ids, state.mm_features)
+        prompt_pos, delta = state.mrope
+        n = prompt_pos.shape[1]
+        parts = []
+        if start < n:
+            parts.append(prompt_pos[:, start : min(end, n)])
+        if end > n:
+            later = torch.arange(max(start, n), end, dtype=torch.int64) + delta
+            parts.append(later.expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _propose(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Speculative decoding: the next proposals of each request that sampled this step (none
@@ -383,6 +436,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 lora_request=new.lora_request,
+                mm_features=list(new.mm_features),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -408,6 +462,8 @@ class ModelRunner:
         prompt_rows: list[PromptLogprobsRows] = []
         prompt_indices: list[int] = []
         prompt_targets: list[int] = []
+        mrope: list[torch.Tensor] | None = [] if getattr(self.model, "uses_mrope", False) else None
+        mm_rows: list[tuple[int, MultiModalFeature, int, int]] = []
         for rid in req_ids:
             state = self.requests[rid]
             start, n = state.num_computed_tokens, counts[rid]
@@ -417,6 +473,12 @@ class ModelRunner:
             ids.extend(state.token_slice(start, end - len(spec)))
             ids.extend(spec)
             positions.extend(range(start, end))
+            if mrope is not None:
+                mrope.append(self._mrope_positions(state, start, end))
+            for f in state.mm_features:  # images whose placeholder rows this chunk holds
+                a, b = max(start, f.placeholder.offset), min(end, f.placeholder.end)
+                if a < b:
+                    mm_rows.append((len(ids) - n + a - start, f, a - f.placeholder.offset, b - f.placeholder.offset))
             if n == 1:  # plain Python for a single token: a numpy call costs more than its work
                 slots.append(blocks[start // bs] * bs + start % bs)
                 num_decodes += 1
@@ -446,7 +508,7 @@ class ModelRunner:
         return BatchInputs(
             req_ids=req_ids,
             input_ids=tensor(ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            positions=tensor(positions, torch.int64) if mrope is None else torch.cat(mrope, dim=1).to(d),
             metadata=md,
             logits_indices=tensor(logits_rows, torch.int64),
             sampled_req_ids=sampled,
@@ -454,6 +516,7 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             prompt_indices=tensor(prompt_indices, torch.int64) if prompt_rows else None,
             prompt_targets=tensor(prompt_targets, torch.int64) if prompt_rows else None,
+            mm_rows=mm_rows,
         )
 
 

@@ -26,6 +26,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit (or fork) length: the runner computes from here
     lora_request: Any = None  # a portside.lora.request.LoRARequest: the adapter its tokens use
+    mm_features: list[Any] = field(default_factory=list)  # its images (portside.multimodal.inputs.MultiModalFeature)
 
 
 @dataclass

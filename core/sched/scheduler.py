@@ -66,8 +66,12 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         num_micro_batches: int = 1,
         send_token_ids: bool = False,
+        max_encoder_tokens: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        # image embedding rows encoded per step (None: the token budget); see _fit_encoder_budget
+        self.max_encoder_tokens = max_encoder_tokens
+        self._encoder_budget = 0
         self.num_spec_tokens = num_spec_tokens  # proposals per request and step (0: no speculation)
         self.num_lookahead_tokens = num_lookahead_tokens  # KV slots past a step's tokens (a draft model's)
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the runner's slots); 0: no LoRA
@@ -118,6 +122,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
         preempted: list[Request] = []
         spec: dict[str, list[int]] = {}
+        self._encoder_budget = self.max_encoder_tokens if self.max_encoder_tokens is not None else budget
         budget = self._schedule_running(scheduled, preempted, budget, spec)
         new_reqs: list[Request] = []
         if not preempted:  # the pool is exhausted: admitting now would only thrash
@@ -153,6 +158,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} has nothing to compute: the runner sampled no token for it"
+            if request.mm_features:
+                num_new = self._fit_encoder_budget(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next image waits for a step with encoder budget left
+                    i += 1
+                    continue
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             waits = False
             while self.kv.allocate_slots(request, num_new + lookahead) is None:
@@ -203,6 +213,10 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_computed, budget)
             if num_new is None:
                 return
+            if request.mm_features:
+                num_new = self._fit_encoder_budget(request, num_computed, num_new)
+                if num_new == 0:
+                    return
             lookahead = self._lookahead(request, num_computed + num_new)
             if self.kv.allocate_slots(request, num_new + lookahead, new_computed_blocks=computed_blocks) is None:
                 # with a window the pool may be sized below max_model_len: a long prefix hit plus
@@ -227,6 +241,29 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             new_reqs.append(request)
             budget -= num_new
+
+    def _fit_encoder_budget(self, request: Request, start: int, num_new: int) -> int:
+        """Shorten a chunk [start, start + num_new) to end before the first image it reaches
+        that this step's encoder budget cannot pay for (an image is encoded whole, at the first
+        chunk that reaches it; later chunks of it read the runner's encoder cache). The step's
+        first image is always paid for, so an image larger than the budget still runs."""
+        end = start + num_new
+        for k, f in enumerate(request.mm_features):
+            p = f.placeholder
+            if p.end <= start or k in request.mm_encoded:
+                continue
+            if p.offset >= end:
+                break
+            cost = f.encoder_cost()
+            if cost > self._encoder_budget and self._encoder_budget < self._encoder_budget_full:
+                return max(0, p.offset - start)
+            self._encoder_budget -= cost
+            request.mm_encoded.add(k)
+        return num_new
+
+    @property
+    def _encoder_budget_full(self) -> int:
+        return self.max_encoder_tokens if self.max_encoder_tokens is not None else self.config.max_num_batched_tokens
 
     def _lookahead(self, request: Request, end: int) -> int:
         """Slots past `end` (the computed count after this step) for a draft model's proposals:
@@ -261,6 +298,7 @@ class Scheduler:
         self._num_sent_blocks.pop(request.request_id, None)
         self._num_sent_tokens.pop(request.request_id, None)
         request.spec_token_ids = []
+        request.mm_encoded.clear()  # its images are charged again when it is recomputed
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -281,6 +319,7 @@ class Scheduler:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:
