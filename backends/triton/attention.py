@@ -17,6 +17,7 @@ from portside.backend_api import (
     is_quantized_kv,
 )
 from portside.backends.triton import kv_cache as _kv
+from portside.backends.triton.encoder_attention import choose_encoder_launch, encoder_attention
 from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch
 from portside.backends.triton.paged_attention import paged_attention
 
@@ -42,6 +43,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     Features: ``sliding_window`` and ``logit_softcap`` are kernel arguments (constexpr flags), so
     a layer's values are baked into a captured graph like its scale.
+
+    Encoder attention (non-causal, no cache: vision towers) is one launch of the varlen flash
+    kernel of `encoder_attention.py` (any head size; fp32, fp16, bf16).
 
     KV-cache dtypes: the model's, or fp8 (e4m3fn, e5m2) in the same layout, cast on write and
     decoded in the attention kernel (`paged_attention._kv_values`). No int8: its per-row scales
@@ -127,3 +131,15 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
         )
+
+    def encoder_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32, on the device
+        max_seqlen: int,
+        scale: float,
+    ) -> torch.Tensor:
+        launch = choose_encoder_launch(self.arch(query.device), query.shape[2], max_seqlen, query.dtype)
+        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, launch)

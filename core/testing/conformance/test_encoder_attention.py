@@ -57,7 +57,9 @@ def test_encoder_attention_matches_reference(conformance_platform: type[Platform
     gen = torch.Generator().manual_seed(sum(lengths) * 100 + d)
     for dtype in platform.supported_dtypes:
         backend = platform.attention_backend(engine_config(platform, dtype, platform.default_block_size))
-        where = f"{backend.name}.encoder_attention, lengths {list(lengths)}, {NUM_HEADS} heads of {d}, {layout}, {dtype}"
+        where = (
+            f"{backend.name}.encoder_attention, lengths {list(lengths)}, {NUM_HEADS} heads of {d}, {layout}, {dtype}"
+        )
         packed = torch.randn(sum(lengths), 3, NUM_HEADS, d, generator=gen).to(dtype)
         q, k, v = _inputs(packed, layout)
         qd, kd, vd = _inputs(packed.to(device), layout)
