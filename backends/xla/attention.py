@@ -23,6 +23,14 @@ and the cap are Python constants of the layer, so each layer traces to one fixed
 Nothing reads a device tensor on the host (`.item()`, `.tolist()`, Python `if` on values): the
 per-token request index and position are computed on the device in `prepare`.
 
+Encoder attention (`AttentionBackend.encoder_attention`: non-causal within each packed
+sequence, no cache; vision towers) is one dense attention over all T packed tokens under a
+block-diagonal mask built on the device from cu_seqlens (`encoder_attention_masked`): the graph
+depends only on T, H, D and the number of sequences, never on their lengths, so one compiled
+program serves every image layout of a size (a loop over sequences would compile one per
+layout). It costs O(H * T^2) scores where the sequences need O(H * sum of len^2), which is
+what static shapes buy; vision towers have T in the hundreds to a few thousand.
+
 fp8 caches (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`): the same layout in float8; K/V are cast on
 write (saturating, `portside.backend_api.quantize_kv`) and the gather path upcasts what it
 gathers to fp32 (a plain dequantize-on-read); the platform does not pick Pallas for them.
@@ -38,7 +46,7 @@ import torch
 
 from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport, is_quantized_kv, quantize_kv
 
-__all__ = ["XlaAttentionBackend", "XlaAttentionData", "pallas_available"]
+__all__ = ["XlaAttentionBackend", "XlaAttentionData", "encoder_attention_masked", "pallas_available"]
 
 
 def pallas_available() -> bool:
@@ -141,6 +149,11 @@ class XlaAttentionBackend(AttentionBackend):
             return self._pallas(query, kv_cache, metadata, data, scale, sliding_window, logit_softcap)
         return _gather_attention(query, kv_cache, metadata.block_tables, data, scale, sliding_window, logit_softcap)
 
+    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+        """One masked attention over the packed tokens (`encoder_attention_masked`); nothing is
+        read back to the host, and `max_seqlen` is not needed."""
+        return encoder_attention_masked(query, key, value, cu_seqlens, scale)
+
     def _pallas(
         self, query, kv_cache, md: AttentionMetadata, data: XlaAttentionData, scale: float,
         sliding_window: int | None, logit_softcap: float | None,
@@ -194,3 +207,24 @@ def _gather_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("tkgs,tskd->tkgd", probs, v)  # [T, kvh, G, D]
     return out.reshape(num_tokens, num_heads, d).to(query.dtype)
+
+
+def encoder_attention_masked(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, H, D]
+    value: torch.Tensor,  # [T, H, D]
+    cu_seqlens: torch.Tensor,  # [S + 1] int32, on the device
+    scale: float,
+) -> torch.Tensor:
+    """Non-causal attention within each sequence as one attention over all T tokens: token t
+    belongs to sequence ``#{s : cu_seqlens[s + 1] <= t}`` and sees the keys of its sequence only
+    (rows past cu_seqlens[-1], padding, form one more sequence, so no row is empty). fp32 math,
+    [T, H, D] in the query's dtype. Shapes depend on T, H, D and S alone: traced once per size."""
+    num_tokens = query.shape[0]
+    t = torch.arange(num_tokens, device=query.device, dtype=torch.int64)
+    ends = cu_seqlens[1:].to(torch.int64)  # [S]
+    seq = (ends.unsqueeze(0) <= t.unsqueeze(1)).sum(dim=1)  # [T]: each token's sequence
+    same = seq.unsqueeze(0) == seq.unsqueeze(1)  # [T, T] block diagonal
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale  # [H, T, T]
+    probs = torch.softmax(scores.masked_fill(~same, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)
