@@ -1,0 +1,110 @@
+"""End-to-end vision-language models: portside's greedy tokens equal transformers' `generate` with
+the same images (one and two per prompt, batched with text-only requests), across block
+boundaries, chunked prefill that cuts through images, a small encoder budget, and prefix-cache
+hits (which must tell two images behind the same placeholder tokens apart)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from portside import LLM, SamplingParams
+from portside.testing.tiny_llava import make_tiny_llava
+from portside.testing.vlm import hf_vlm_greedy, make_image
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _llava(kind: str):
+    def make(path: Path) -> Path:
+        if kind == "llava-clip":
+            return make_tiny_llava(path, vision="clip")
+        if kind == "llava-siglip":
+            return make_tiny_llava(path, vision="siglip")
+        return make_tiny_llava(path, vision="clip", next=True)
+    return make
+
+
+def _qwen(path: Path) -> Path:
+    from portside.testing.tiny_qwen_vl import make_tiny_qwen2_5_vl
+
+    return make_tiny_qwen2_5_vl(path)
+
+
+MAKERS = {"llava-clip": _llava("llava-clip"), "llava-siglip": _llava("llava-siglip"),
+          "llava-next": _llava("llava-next"), "qwen2.5-vl": _qwen}
+PLACEHOLDER = {"qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+@pytest.fixture(scope="module", params=["llava-clip", pytest.param("llava-siglip", marks=pytest.mark.slow),
+                                        "llava-next", "qwen2.5-vl"])
+def vlm(request, tmp_path_factory) -> tuple[str, Path]:
+    if request.param == "qwen2.5-vl":
+        pytest.importorskip("portside.testing.tiny_qwen_vl")
+    return request.param, MAKERS[request.param](tmp_path_factory.mktemp(request.param.replace(".", "")))
+
+
+def prompts_for(kind: str) -> list[tuple[str, list[Any]]]:
+    """(text, images): two images of different sizes, one image, text only, the first image again."""
+    ph = PLACEHOLDER.get(kind, "<image>")
+    big, small, wide = make_image(1, (56, 56)), make_image(2, (30, 40)), make_image(3, (84, 42))
+    return [
+        (f"USER: {ph}\nthe quick {ph} brown fox\nASSISTANT:", [big, wide]),
+        (f"USER: {ph} what is in the picture?\nASSISTANT:", [small]),
+        ("USER: the lazy dog sleeps in the sun\nASSISTANT:", []),
+        (f"USER: describe {ph}\nASSISTANT:", [big]),
+    ]
+
+
+def run(path: Path, prompts: list[tuple[str, list[Any]]], **engine: Any) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model=str(path), device="cpu", max_model_len=512, **engine)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts]
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def expected(path: Path, prompts: list[tuple[str, list[Any]]]) -> list[list[int]]:
+    return [hf_vlm_greedy(path, t, ims, MAX_TOKENS) for t, ims in prompts]
+
+
+def assert_clean(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_batched_greedy_equals_transformers(vlm: tuple[str, Path]):
+    kind, path = vlm
+    prompts = prompts_for(kind)
+    llm, got = run(path, prompts, block_size=16)
+    assert got == expected(path, prompts)
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("budget", [8, 20])
+def test_chunked_prefill_through_images_and_small_encoder_budget(vlm: tuple[str, Path], budget: int):
+    kind, path = vlm
+    prompts = prompts_for(kind)
+    llm, got = run(path, prompts, block_size=4, max_num_batched_tokens=budget, max_num_encoder_input_tokens=budget)
+    assert got == expected(path, prompts)
+    assert_clean(llm)
+
+
+def test_prefix_cache_hits_keep_images_apart(vlm: tuple[str, Path]):
+    kind, path = vlm
+    ph = PLACEHOLDER.get(kind, "<image>")
+    text = f"USER: a long shared instruction about the picture that follows {ph} and then some more words\nASSISTANT:"
+    a, b = make_image(11, (56, 56)), make_image(12, (56, 56))  # same size: the same placeholder tokens
+    llm = LLM(model=str(path), device="cpu", max_model_len=512, block_size=4)
+    first = llm.generate([{"prompt": text, "multi_modal_data": {"image": a}}], GREEDY, use_tqdm=False)
+    hits_before = llm.engine.stats().prefix_cache_hits
+    again = llm.generate([{"prompt": text, "multi_modal_data": {"image": a}},
+                          {"prompt": text, "multi_modal_data": {"image": b}}], GREEDY, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > hits_before  # the same image: the whole prompt but its last block
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids == hf_vlm_greedy(path, text, [a], MAX_TOKENS)
+    assert again[1].outputs[0].token_ids == hf_vlm_greedy(path, text, [b], MAX_TOKENS)
+    assert_clean(llm)
