@@ -1,6 +1,7 @@
 """Core's attention references with the per-layer features (sliding window, logit softcap) against
-independent dense computations; the read_kv fallback on a backend with its own cache layout; and
-`ForwardContext.attention`'s dispatch between a backend's `forward` and that fallback."""
+independent dense computations; the read_kv fallback on a backend with its own cache layout;
+`ForwardContext.attention`'s dispatch between a backend's `forward` and that fallback; and the
+non-causal encoder attention against one dense SDPA under a block-diagonal mask."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from portside.attention.reference import (
     ReferenceAttentionBackend,
     attend,
     attention_through_read_kv,
+    encoder_attention,
     paged_attention,
     write_kv,
 )
@@ -247,3 +249,77 @@ def test_kit_feature_settings_change_the_result(block_size, feature):
                 assert moved == 0, features
             else:
                 assert moved > tol["atol"] + tol["rtol"], (features, requests)
+
+
+# ---- encoder attention (non-causal, packed sequences) -------------------------------------------
+
+
+def cu_seqlens(lengths):
+    return torch.tensor((0, *lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def block_diagonal_sdpa(q, k, v, lengths, scale):
+    """Every packed token at once, by torch SDPA in float64 with a block-diagonal mask: token i
+    sees token j iff both lie in the same sequence."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+    allowed = seq.unsqueeze(1) == seq.unsqueeze(0)  # [T, T]
+    out = F.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v)), attn_mask=allowed,
+                                         scale=scale)  # fmt: skip
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "lengths", [(7, 100, 1, 64, 16), (50,), (16, 16, 16, 16, 9), (1, 1, 1)], ids=["mixed", "one", "windows", "ones"]
+)
+def test_encoder_attention_matches_block_diagonal_sdpa(lengths):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    q, k, v = (torch.randn(sum(lengths), 4, 32, generator=gen) for _ in range(3))
+    out = encoder_attention(q, k, v, cu_seqlens(lengths), max(lengths), 0.2)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), block_diagonal_sdpa(q, k, v, lengths, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_attention_is_bidirectional_and_per_sequence():
+    """Unlike causal attention, the first token sees the last; a sequence's output does not
+    depend on its neighbours (packing order or content)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(12, 2, 8, generator=gen) for _ in range(3))
+    out = encoder_attention(q, k, v, cu_seqlens((5, 7)), 7, 0.5)
+    alone = encoder_attention(q[5:], k[5:], v[5:], cu_seqlens((7,)), 7, 0.5)
+    torch.testing.assert_close(out[5:], alone)
+    swapped = encoder_attention(torch.cat([q[5:], q[:5]]), torch.cat([k[5:], k[:5]]), torch.cat([v[5:], v[:5]]),
+                                cu_seqlens((7, 5)), 7, 0.5)  # fmt: skip
+    torch.testing.assert_close(swapped[:7], out[5:])
+    torch.testing.assert_close(swapped[7:], out[:5])
+    v2 = v.clone()
+    v2[11] += 1.0  # the last key of the second sequence
+    moved = encoder_attention(q, k, v2, cu_seqlens((5, 7)), 7, 0.5)
+    assert (moved[5] - out[5]).abs().max() > 1e-3  # its first token sees it
+    torch.testing.assert_close(moved[:5], out[:5], atol=0, rtol=0)  # the other sequence does not
+
+
+def test_encoder_attention_edge_cases():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(4, 3, 8, generator=gen) for _ in range(3))
+    # a 1-token sequence attends only to itself: its output is its value
+    out = encoder_attention(q, k, v, cu_seqlens((1, 3)), 3, 0.3)
+    torch.testing.assert_close(out[0], v[0])
+    # empty sequences (equal consecutive offsets) contribute nothing
+    torch.testing.assert_close(encoder_attention(q, k, v, cu_seqlens((0, 1, 0, 3, 0)), 3, 0.3), out)
+    # an empty batch
+    e = torch.empty(0, 3, 8)
+    assert encoder_attention(e, e, e, cu_seqlens(()), 0, 0.3).shape == (0, 3, 8)
+    # half precision in, fp32 math, the query's dtype out
+    half = encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_seqlens((4,)), 4, 0.3)
+    assert half.dtype == torch.bfloat16
+    want = encoder_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), cu_seqlens((4,)), 4, 0.3)
+    torch.testing.assert_close(half, want.bfloat16(), atol=0, rtol=0)
+
+
+def test_encoder_attention_default_is_the_reference():
+    """A backend that does not override `encoder_attention` runs core's reference."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(9, 2, 8, generator=gen) for _ in range(3))
+    cu = cu_seqlens((2, 7))
+    out = ReferenceAttentionBackend().encoder_attention(q, k, v, cu, 7, 0.4)
+    torch.testing.assert_close(out, encoder_attention(q, k, v, cu, 7, 0.4), atol=0, rtol=0)
