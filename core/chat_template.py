@@ -8,6 +8,12 @@ with those contents replaced by sentinels, which show unambiguously where the co
 content equal to the template's own markers cannot be mistaken for them); a template that does
 not render such a content verbatim (or stripped) is refused with ValueError rather than forged.
 `budget_s` bounds the render time (a tracer in the rendering thread), `max_chars` the text.
+
+A message's content may be a list of parts, {"type": "text", "text": ...} and {"type": "image"}
+(one per image, where the image goes), as the templates of vision-language models read it; the
+template writes the model's image placeholder for each image part. With `supports_images=False`
+(a text-only model) a message holding image parts is refused with ValueError; a template that
+prints the parts as text instead of rendering them is refused too.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TemplateBudgetError", "render_chat", "render_chat_ids", "special_tokens"]
+__all__ = ["TemplateBudgetError", "count_images", "render_chat", "render_chat_ids", "special_tokens"]
 
 PLAIN_ROLES = ("user", "tool")  # whose contents are tokenized without special-token parsing
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
@@ -39,21 +45,30 @@ def render_chat_ids(
     tokenizer: Any, messages: list[dict[str, Any]], *, chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None, budget_s: float | None = None, max_chars: int | None = None,
+    supports_images: bool | None = None, model_name: str | None = None,
 ) -> list[int]:
     """The prompt ids of `messages` through the chat template (see `render_chat`)."""
     return render_chat(tokenizer, messages, chat_template=chat_template, tools=tools,
                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       template_kwargs=template_kwargs, budget_s=budget_s, max_chars=max_chars)[1]
+                       template_kwargs=template_kwargs, budget_s=budget_s, max_chars=max_chars,
+                       supports_images=supports_images, model_name=model_name)[1]
 
 
 def render_chat(
     tokenizer: Any, messages: list[dict[str, Any]], *, chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None, budget_s: float | None = None, max_chars: int | None = None,
+    supports_images: bool | None = None, model_name: str | None = None,
 ) -> tuple[str, list[int]]:
     """(rendered text, prompt ids). Template errors propagate as raised; TemplateBudgetError past
-    `budget_s` s of rendering; ValueError past `max_chars`, or for a forged token it cannot place."""
+    `budget_s` s of rendering; ValueError past `max_chars`, or for a forged token it cannot place.
+    `supports_images`: False refuses image parts (ValueError naming `model_name`); None: not checked."""
     deadline = time.monotonic() + (budget_s or 0.0)
+    images = count_images(messages)
+    if images and supports_images is False:
+        name = f"model {model_name}" if model_name else "this model"
+        raise ValueError(f"{name} does not take images: it is a text-only model; send text content only "
+                         "(image parts need a vision-language model)")
 
     def render(msgs: list[dict[str, Any]]) -> str:
         call = functools.partial(
@@ -65,6 +80,9 @@ def render_chat(
         return text
 
     text = render(messages)
+    if images and _PART_REPR.search(text):
+        raise ValueError("the chat template printed the message's content parts as text instead of rendering them: it "
+                         "does not take image parts; use the model's own template (or one that iterates over content parts)")
     tokens = special_tokens(tokenizer)
     forged = _forged_parts(messages, tokens)
     if not forged:  # the fast path: byte-for-byte what transformers does
@@ -72,6 +90,16 @@ def render_chat(
     spans = _locate(text, render(_with_sentinels(messages, forged)), [part for part, _ in forged], tokens)
     cuts = [0, *(x for span in spans for x in span), len(text)]  # template text, content, template text, ...
     return text, [t for n, (a, b) in enumerate(zip(cuts, cuts[1:])) for t in _encode(tokenizer, text[a:b], a > 0, plain=n % 2 == 1)]
+
+
+def count_images(messages: list[dict[str, Any]]) -> int:
+    """The image parts ({"type": "image"}, or vLLM's "image_url" / "image_pil" ones) of `messages`."""
+    return sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"] if isinstance(p, dict) and p.get("type") in _IMAGE_TYPES)
+
+
+_IMAGE_TYPES = ("image", "image_url", "image_pil")
+_PART_REPR = re.compile(r"""\{['"]type['"]: ['"](?:text|image)""")  # a part dict's repr (or JSON) in the output
 
 
 def special_tokens(tokenizer: Any) -> tuple[str, ...]:

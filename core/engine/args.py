@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from portside.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -82,6 +84,10 @@ class EngineArgs:
     # "prompt_lookup_max": b} or {"model": DRAFT, "num_speculative_tokens": k} (a dict, or its JSON text from
     # --speculative-config)
     speculative_config: dict[str, Any] | str | None = None
+    # most images per prompt (vision-language models), as vLLM's: {"image": N} (or its JSON text); None: 4
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    # image embedding rows encoded per step (vLLM's name); None: max_num_batched_tokens
+    max_num_encoder_input_tokens: int | None = None
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -133,6 +139,7 @@ class EngineArgs:
             parallel=self._resolve_parallel(),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             speculative=self._resolve_speculative(pooler, hf, dtype, max_model_len),
+            multimodal=self._resolve_multimodal(),
             device=platform.name,
             platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
@@ -253,6 +260,15 @@ class EngineArgs:
                             max_logprobs=0)
         return dataclasses.replace(spec, model=path, draft=draft)
 
+    def _resolve_multimodal(self) -> MultiModalConfig:
+        n = self.max_num_encoder_input_tokens
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"max_num_encoder_input_tokens must be a positive integer, got {n!r}")
+        limits = dict(MultiModalConfig().limit_per_prompt)
+        if self.limit_mm_per_prompt is not None:
+            limits |= parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        return MultiModalConfig(limit_per_prompt=tuple(sorted(limits.items())), max_encoder_tokens_per_step=n)
+
     def _resolve_pooler(self) -> PoolerConfig | None:
         task = {"pooling": "embed"}.get(self.task, self.task)  # vLLM's --runner pooling
         if task not in ("generate", "embed"):
@@ -276,6 +292,41 @@ class EngineArgs:
         chosen = platform.auto_dtype(DTYPES.get(str(stored), torch.float32))
         logger.info("dtype auto: checkpoint %s -> %s on %s", stored, str(chosen).removeprefix("torch."), platform.name)
         return chosen
+
+
+MM_MODALITIES = ("image",)  # what --limit-mm-per-prompt may limit
+
+
+def parse_limit_mm_per_prompt(value: dict[str, Any] | str) -> dict[str, int]:
+    """`--limit-mm-per-prompt` / `limit_mm_per_prompt`: {"image": N} or its JSON text, N >= 0
+    (0: no images). ValueError naming the fix for bad JSON, an unknown modality or a bad count."""
+    example = "e.g. --limit-mm-per-prompt '{\"image\": 2}'"
+    if isinstance(value, str) and re.fullmatch(r"\s*\w+\s*=\s*-?\d+\s*(,\s*\w+\s*=\s*-?\d+\s*)*", value):
+        value = {k.strip(): int(n) for k, n in (item.split("=") for item in value.split(","))}  # vLLM's older image=2 form
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt: not valid JSON ({e}); pass a JSON object, {example}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt: expected a JSON object of modality to count, {example}; "
+                         f"got {type(value).__name__}")
+    out: dict[str, int] = {}
+    for modality, n in value.items():
+        if modality not in MM_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r}; supported: {', '.join(MM_MODALITIES)} "
+                             f"({example})")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt: {modality!r} must be a count of at least 0 (0: none), got {n!r}")
+        out[modality] = n
+    return out
+
+
+def _limit_mm_arg(text: str) -> dict[str, int]:
+    try:
+        return parse_limit_mm_per_prompt(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("limit_mm_per_prompt: ")) from None
 
 
 def _local_model_path(model: str) -> str:
@@ -356,6 +407,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '\'{"model": DRAFT_FOLDER, "num_speculative_tokens": 4}\' (a smaller model with the same '
                         'vocabulary); verified in one forward, greedy output unchanged')
     g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
+    g.add_argument("--limit-mm-per-prompt", type=_limit_mm_arg, default=None, metavar="JSON",
+                   help='vision-language models: most images in one prompt, as vLLM\'s: \'{"image": N}\' (default 4; 0: '
+                        "no images); more is a 400")
     add_unsupported_args(parser)
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")

@@ -37,8 +37,13 @@ class LLM:
         max_num_seqs: int = 128,
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
+        allowed_local_media_path: str | None = None,
         **kwargs: Any,
     ) -> None:
+        from portside.multimodal.media import MediaConnector
+
+        # chat() image URLs: data URLs, and file:// ones under this folder (as vLLM's LLM)
+        self.media = MediaConnector(allowed_local_media_path=allowed_local_media_path or None)
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, device=device, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -78,8 +83,13 @@ class LLM:
         lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. `lora_request`: a
-        `LoRARequest` for every prompt, or a list of them (None entries: the base model)."""
+        `LoRARequest` for every prompt, or a list of them (None entries: the base model).
+        A prompt dict may carry images (vision-language models):
+        {"prompt": text with the model's image placeholders, "multi_modal_data": {"image": PIL image or list}}."""
         prompt_list = _as_prompt_list(prompts)
+        for i, p in enumerate(prompt_list):
+            if isinstance(p, dict) and "multi_modal_data" in p:
+                _check_multi_modal_data(i, p["multi_modal_data"])
         return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True, lora_request=lora_request)
 
     def beam_search(
@@ -116,12 +126,31 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template.
+        A message's content may be a list of parts (vision-language models): {"type": "text",
+        "text": ...}, {"type": "image_url", "image_url": {"url": ...}} (a data:image/...;base64 URL,
+        or a file:// one under `allowed_local_media_path`) and {"type": "image_pil", "image_pil":
+        PIL.Image}, as vLLM's."""
         conversations = cast(
             list[list[dict[str, Any]]], [messages] if messages and isinstance(messages[0], dict) else messages
         )
-        texts: list[Prompt] = [self.engine.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        texts: list[Prompt] = [self._chat_prompt(c, add_generation_prompt, chat_template) for c in conversations]
         return self._run(texts, sampling_params, use_tqdm, None, add_special_tokens=False, lora_request=lora_request)
+
+    def _chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None) -> Prompt:
+        """One conversation as a prompt; with image parts, the rendered prompt and its loaded images."""
+        messages, images = chat_images(conversation, self.media)
+        if not images:
+            return self.engine.apply_chat_template(messages, add_generation_prompt, chat_template)
+        from portside.chat_template import render_chat
+
+        engine = self.engine
+        if chat_template is None and not getattr(engine.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass one (chat_template=...)")
+        text, ids = render_chat(engine.tokenizer, messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                supports_images=bool(getattr(engine, "supports_images", False)),
+                                model_name=engine.config.model.path)
+        return {"prompt": text, "prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def embed(
         self,
@@ -183,6 +212,66 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[r] for r in ids]
+
+
+def chat_images(conversation: list[dict[str, Any]], media: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(the messages as the chat template takes them, the images in order): "image_url" parts
+    (loaded by `media`, a MediaConnector) and "image_pil" parts become {"type": "image"}; a
+    message without images is unchanged."""
+    from PIL import Image
+
+    out, images = [], []
+    for i, msg in enumerate(conversation):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in ("image_url", "image_pil", "image")
+                                                    for p in content):
+            out.append(msg)
+            continue
+        if msg.get("role") != "user":
+            raise ValueError(f"messages[{i}]: image parts are only accepted in user messages, not in a {msg.get('role')!r} one")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages[{i}].content[{j}]"
+            if kind == "image_url":
+                value = part.get("image_url")
+                url = value.get("url") if isinstance(value, dict) else value
+                if not isinstance(url, str):
+                    raise ValueError(f"{where}: image_url needs a 'url' string")
+                try:
+                    images.append(media.load_image(url))
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+            elif kind == "image_pil":
+                image = part.get("image_pil")
+                if not isinstance(image, Image.Image):
+                    raise ValueError(f"{where}: image_pil must be a PIL.Image.Image, got {type(image).__name__}")
+                images.append(image)
+            elif kind == "image":
+                raise ValueError(f"{where}: a bare {{'type': 'image'}} part carries no image; use image_url or image_pil")
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "image"})
+        out.append({**msg, "content": parts})
+    return out, images
+
+
+def _check_multi_modal_data(i: int, data: Any) -> None:
+    """`multi_modal_data`: {"image": a PIL image or a non-empty list of them}."""
+    from PIL import Image
+
+    if not isinstance(data, dict) or set(data) != {"image"}:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"prompt {i}: multi_modal_data must be {{'image': PIL image or list of them}}, got {got}")
+    value = data["image"]
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ValueError(f"prompt {i}: multi_modal_data['image'] is an empty list; leave multi_modal_data out for no images")
+    for j, item in enumerate(items):
+        if not isinstance(item, Image.Image):
+            raise ValueError(f"prompt {i}: multi_modal_data['image'][{j}] is a {type(item).__name__}; pass PIL.Image.Image "
+                             "objects (portside.multimodal.media.MediaConnector().load_image(url) loads one from a URL)")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -72,6 +72,7 @@ class ServerConfig:
     log_stats_interval: float = 10.0
     otlp_traces_endpoint: str | None = None  # a span per request over OTLP (--otlp-traces-endpoint)
     span_exporter: Any = None  # an OpenTelemetry SpanExporter to trace to instead (tests)
+    media: Any = None  # a portside.multimodal.media.MediaConnector: where image URLs may point (None: data URLs only)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,6 +113,8 @@ def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> Fa
         holder["ctx"] = c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
                                                    config.tool_parser, config.trust_request_chat_template)
         c.response_role = config.response_role
+        if config.media is not None:
+            c.media = config.media
         engine_config = getattr(engine, "config", None)
         if engine_config is not None:
             c.max_logprobs = engine_config.model.max_logprobs

@@ -108,6 +108,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="the role of chat completion replies when the request adds the generation prompt")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key (with --ssl-certfile)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain) (with --ssl-keyfile)")
+    g = parser.add_argument_group("images (vision-language models; data:image/...;base64 URLs are always accepted)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image_url parts name files under this folder (file:///DIR/...); symlinks and .. that lead "
+                        "outside it are refused (default: no local files)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="let image_url parts name http(s):// URLs on these hosts (exact host names); redirects are "
+                        "followed only within the same host (default: no remote images)")
+    g.add_argument("--media-max-bytes", type=int, default=20 << 20, metavar="N",
+                   help="largest encoded image accepted, from a data URL, a file or a download (default 20 MiB); note "
+                        "that a data URL also counts against --max-request-body-bytes")
+    g.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a remote image's whole download may take (default 10)")
     g = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
     g.add_argument("--allowed-origins", type=str_list, default=None, metavar="ORIGINS",
                    help='origins browsers may call from: a JSON list (\'["https://app.example"]\', \'["*"]\') or a,b; '

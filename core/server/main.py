@@ -75,8 +75,30 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         root_path=_root_path(args.root_path),
         response_role=_response_role(args.response_role),
+        media=_media(args),
         **_cors(args),
     )
+
+
+def _media(args: argparse.Namespace) -> Any:
+    """The image loader of --allowed-local-media-path, --allowed-media-domains, --media-max-bytes
+    and --media-fetch-timeout (ValueError naming the flag)."""
+    from portside.multimodal.media import MediaConnector
+
+    if args.media_max_bytes < 1:
+        raise ValueError(f"--media-max-bytes must be a positive number of bytes, got {args.media_max_bytes}")
+    if not args.media_fetch_timeout > 0:
+        raise ValueError(f"--media-fetch-timeout must be a positive number of seconds, got {args.media_fetch_timeout}")
+    path = args.allowed_local_media_path
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"--allowed-local-media-path {path!r} is not a folder")
+    try:
+        return MediaConnector(allowed_local_media_path=path, allowed_media_domains=tuple(args.allowed_media_domains or ()),
+                              max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout)
+    except ValueError as e:
+        msg = str(e)
+        name = msg.split(" ", 1)[0].rstrip(":")
+        raise ValueError("--" + name.replace("_", "-") + msg[len(name):] if name.islower() and "_" in name else msg) from None
 
 
 def _root_path(value: str | None) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from portside.sampling_params import MAX_BEAM_WIDTH, MAX_BEST_OF
 
@@ -208,9 +208,43 @@ class MessageToolCall(OpenAIModel):
     function: FunctionCall
 
 
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail (accepted; images are processed as the model's processor does)
+IMAGE_ROLES = ("user",)  # the roles whose messages may hold image parts
+
+
+def _image_url(i: int, part: dict[str, Any]) -> str:
+    """The URL of an image_url content part: {"image_url": {"url": ..., "detail": ...}} (OpenAI's)
+    or {"image_url": "..."} (the bare string vLLM also accepts)."""
+    extra = sorted(set(part) - {"type", "image_url"})
+    if extra:
+        raise ValueError(f"part {i}: unexpected field {extra[0]!r} in an image_url part")
+    value = part.get("image_url")
+    if isinstance(value, str):
+        url = value
+    elif isinstance(value, dict):
+        extra = sorted(set(value) - {"url", "detail"})
+        if extra:
+            raise ValueError(f"part {i}: unexpected field image_url.{extra[0]} (an image_url part holds url and detail)")
+        url = value.get("url")
+        detail = value.get("detail", "auto")
+        if detail not in IMAGE_DETAILS:
+            raise ValueError(f"part {i}: image_url.detail must be one of {', '.join(IMAGE_DETAILS)}, got {detail!r}")
+    else:
+        raise ValueError(f"part {i}: image_url must be an object {{'url': ...}} (or the URL as a string)")
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"part {i}: image_url.url must be a non-empty string (a data:image/...;base64 URL, "
+                         "or an http(s):// or file:// URL where the server allows them)")
+    return url
+
+
 class ChatMessage(OpenAIModel):
+    """One message. `content` is what the chat template renders: a string (text parts are joined
+    into one), or, for a user message with images, a list of template parts in order,
+    {"type": "text", "text": ...} and {"type": "image"} (the form HF templates of vision-language
+    models read); `image_urls` are the images' URLs in the same order."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = Field(default=None, validate_default=True)  # str | list[TextPart]; None: an assistant's tool calls
+    content: Any = Field(default=None, validate_default=True)  # str | list[TextPart | image_url part]; None: an assistant's tool calls
     name: str | None = None
     tool_call_id: str | None = None  # role "tool": the call this message answers
     tool_calls: list[MessageToolCall] | None = None  # role "assistant": the calls it made
@@ -220,32 +254,71 @@ class ChatMessage(OpenAIModel):
     annotations: None = None
     audio: None = None
     function_call: None = None
+    _image_urls: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("content")
     @classmethod
-    def _check_content(cls, v: Any, info: ValidationInfo) -> str | None:
-        """Flatten text parts into one string; any other part type is a 400. Only an assistant's
-        content may be null or missing (as OpenAI's: when it made tool calls or refused)."""
+    def _check_content(cls, v: Any, info: ValidationInfo) -> str | list[dict[str, Any]] | None:
+        """Text parts are flattened into one string; a user message with image_url parts keeps its
+        parts in order (split into template parts and URLs after validation). Any other part type
+        is a 400, as are images in other roles. Only an assistant's content may be null or missing
+        (as OpenAI's: when it made tool calls or refused)."""
+        role = info.data.get("role")
         if v is None:
-            if info.data.get("role") == "assistant":
+            if role == "assistant":
                 return None
             raise ValueError("is required for this role (a string or a list of content parts), got null or nothing")
         if isinstance(v, str):
             return v
         if isinstance(v, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
+            has_image = False
             for i, part in enumerate(v):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"part {i}: only text content parts ({{'type': 'text', 'text': ...}}) are supported")
-                texts.append(part["text"])
-            return "".join(texts)
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image_url":
+                    if role is not None and role not in IMAGE_ROLES:
+                        raise ValueError(f"part {i}: image parts are only accepted in user messages, not in a {role!r} message")
+                    parts.append({"type": "image_url", "url": _image_url(i, part)})
+                    has_image = True
+                elif kind == "text":
+                    raise ValueError(f"part {i}: a text part needs a string 'text'")
+                elif isinstance(part, dict):
+                    raise ValueError(f"part {i}: unsupported content part type {kind!r}; supported: 'text' "
+                                     "({'type': 'text', 'text': ...}) and, in user messages, 'image_url' "
+                                     "({'type': 'image_url', 'image_url': {'url': ...}})")
+                else:
+                    raise ValueError(f"part {i}: a content part must be an object with a 'type', got {type(part).__name__}")
+            if not has_image:
+                return "".join(p["text"] for p in parts)
+            return parts
         raise ValueError("must be a string or a list of content parts")
 
     @model_validator(mode="after")
     def _assistant_says_something(self) -> ChatMessage:
         if self.role == "assistant" and self.content is None and not self.tool_calls and self.refusal is None:
             raise ValueError("content: an assistant message needs content, tool_calls or refusal")
+        if isinstance(self.content, list):  # image_url parts -> {"type": "image"} in place, URLs aside
+            self._image_urls = [p["url"] for p in self.content if p["type"] == "image_url"]
+            self.content = [{"type": "image"} if p["type"] == "image_url" else p for p in self.content]
         return self
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of this message's images, in order (their {"type": "image"} parts' order)."""
+        return list(self._image_urls)
+
+
+def image_urls(messages: list[ChatMessage] | None) -> list[str]:
+    """Every image URL of a conversation, in the order the template places them."""
+    return [u for m in messages or () for u in m.image_urls]
+
+
+def _refuse_images(messages: list[ChatMessage] | None, endpoint: str) -> None:
+    for i, m in enumerate(messages or ()):
+        if m.image_urls:
+            raise ValueError(f"messages[{i}].content: image parts are accepted by /v1/chat/completions only, not by {endpoint}")
 
 
 class FunctionDefinition(OpenAIModel):
@@ -366,6 +439,7 @@ class TokenizeRequest(OpenAIModel):
                                            "chat_template_kwargs", "tools") if f in self.model_fields_set)
             if chat_only:
                 raise ValueError(f"{chat_only[0]}: applies to messages only, not to a prompt")
+        _refuse_images(self.messages, "/tokenize")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it false)")
         return self
@@ -405,6 +479,7 @@ class EmbeddingRequest(OpenAIModel):
                                            "chat_template_kwargs") if f in self.model_fields_set)
             if chat_only:
                 raise ValueError(f"{chat_only[0]}: applies to messages only, not to input")
+        _refuse_images(self.messages, "/v1/embeddings")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it false)")
         return self

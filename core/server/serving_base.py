@@ -37,6 +37,12 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
+def _default_media() -> Any:
+    from portside.multimodal.media import MediaConnector
+
+    return MediaConnector()  # data URLs only
+
+
 @dataclass
 class ServingContext:
     """Everything a handler needs; one per app."""
@@ -59,6 +65,7 @@ class ServingContext:
     response_role: str = "assistant"  # --response-role: the role of chat replies
     max_logprobs: int = 20  # --max-logprobs (the engine's max_logprobs; -1: no limit)
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config: for fields a request leaves unset
+    media: Any = field(default_factory=_default_media)  # a MediaConnector: where image URLs may point (--allowed-*-media-*)
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None,

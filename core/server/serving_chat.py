@@ -1,6 +1,12 @@
 """POST /v1/chat/completions: messages through the model's chat template, streamed or not, with
 structured output, tool calls (`portside.server.tools`) and reasoning split from the answer
-(`--reasoning-parser`)."""
+(`--reasoning-parser`).
+
+Images (`image_url` content parts, vision-language models): the template renders an image
+placeholder per image part; the images are loaded by the server's `MediaConnector` (downloads
+awaited, decoding in worker threads) and processed by the engine's `process_multimodal` (in a
+worker thread too) before the request is added, so a bad image is a 400 and the engine never sees
+the request."""
 
 from __future__ import annotations
 
@@ -11,10 +17,10 @@ from typing import Any
 
 from fastapi import Request
 
-from portside.chat_template import render_chat_ids
+from portside.chat_template import render_chat
 from portside.outputs import CompletionOutput, RequestOutput
 from portside.server.beam_search import beam_search
-from portside.server.errors import bad_request
+from portside.server.errors import APIError, bad_request
 from portside.server.protocol import ChatCompletionRequest
 from portside.server.serving_base import (
     SSE_DONE,
@@ -67,8 +73,15 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     req, large = await parse_body(ctx, request, ChatCompletionRequest)
     lora = ctx.check_model(req.model)
     check_template_fields(ctx, req)
+    images = _image_parts(req)
+    if images:
+        _check_images(ctx, req, images)
     plan = plan_tools(req, ctx.tool_parser, ctx.tokenizer)
-    prompt_ids = await ctx.offload.run(_render, ctx, req, plan, large=large or req.chat_template is not None)
+    text, prompt_ids = await ctx.offload.run(_render, ctx, req, plan, bool(images), large=large or req.chat_template is not None)
+    prompt: list[int] | dict[str, Any] = prompt_ids
+    if images:  # loaded and processed before anything reaches the engine: a bad image adds no request
+        prompt = await _image_prompt(ctx, text, prompt_ids, images)
+        prompt_ids = prompt["prompt_token_ids"]
     requested, field_name = req.requested_max_tokens
     max_tokens = resolve_max_tokens(requested, field_name, True, len(prompt_ids), ctx.max_model_len, "messages")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -84,7 +97,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     if req.use_beam_search:
         (final,) = await beam_search(ctx, request, request_id, [prompt_ids], [max_tokens], req, lora, "messages")
     else:
-        streams = await submit_all(ctx, request_id, [prompt_ids], [params], req.priority, "messages", lora)
+        streams = await submit_all(ctx, request_id, [prompt], [params], req.priority, "messages", lora)  # type: ignore[list-item]
         if req.stream:
             body = _stream(ctx, req, plan, thinking, request_id, created, merged(streams), len(prompt_ids))
             return EngineStreamingResponse(body, streams)
@@ -94,19 +107,81 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     return await json_response(ctx, build, values)
 
 
-def _render(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-    """The prompt's token ids through the chat template (on an offload worker). Special tokens
-    written in user and tool messages are plain text: a user cannot forge a turn."""
+def _image_parts(req: ChatCompletionRequest) -> list[tuple[str, str]]:
+    """(parameter, URL) of every image of the conversation, in order: messages[i].content[j]."""
+    out = []
+    for i, m in enumerate(req.messages):
+        urls = iter(m.image_urls)
+        if isinstance(m.content, list):
+            out += [(f"messages[{i}].content[{j}]", next(urls)) for j, p in enumerate(m.content) if p.get("type") == "image"]
+    return out
+
+
+def supports_images(ctx: ServingContext) -> bool:
+    """Whether the served model takes images (a vision-language model)."""
+    value = getattr(ctx.engine, "supports_images", None)
+    if value is None:
+        value = getattr(getattr(ctx.engine, "engine", None), "supports_images", False)
+    return bool(value)
+
+
+def _image_limit(ctx: ServingContext) -> int | None:
+    """--limit-mm-per-prompt's image count (None: unknown here; the engine checks it)."""
+    config = getattr(getattr(ctx.engine, "engine", None), "config", None)
+    multimodal = getattr(config, "multimodal", None)
+    return multimodal.limit("image") if multimodal is not None else None
+
+
+def _check_images(ctx: ServingContext, req: ChatCompletionRequest, images: list[tuple[str, str]]) -> None:
+    """The 400s an image request gets before any image is read."""
+    first = images[0][0]
+    if not supports_images(ctx):
+        raise bad_request(f"model {req.model!r} does not take images: it is a text-only model; send text content only "
+                          "(image parts need a vision-language model)", first)
+    if req.use_beam_search:
+        raise bad_request("use_beam_search: not supported with images", "use_beam_search")
+    limit = _image_limit(ctx)
+    if limit is not None and len(images) > limit:
+        raise bad_request(f"{len(images)} images in one request, more than the {limit} this server allows per prompt "
+                          "(its operator can raise it with --limit-mm-per-prompt '{\"image\": N}')", images[limit][0])
+
+
+async def _image_prompt(ctx: ServingContext, text: str, ids: list[int], images: list[tuple[str, str]]) -> dict[str, Any]:
+    """The engine's processed prompt for the rendered conversation and its images. Reading and
+    decoding happen in worker threads (`MediaConnector.load_images`), processing too
+    (`process_multimodal`); every failure is a 400 naming the image."""
+    from portside.multimodal.media import ImageLoadError
+
+    try:
+        loaded = await ctx.media.load_images([url for _, url in images])
+    except ImageLoadError as e:
+        raise bad_request(f"{images[e.index][0]}: the image could not be loaded: {e.reason}", images[e.index][0]) from None
+    process = getattr(ctx.engine, "process_multimodal", None)
+    if process is None:
+        raise APIError(501, "this server's engine cannot process images", param=images[0][0], code="not_implemented")
+    try:
+        return await process({"prompt": text, "prompt_token_ids": ids, "multi_modal_data": {"image": loaded}},
+                             add_special_tokens=False)
+    except ValueError as e:  # too many images, a model without images, a processor's refusal
+        raise bad_request(str(e), "messages") from None
+    finally:
+        del loaded
+
+
+def _render(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, images: bool = False) -> tuple[str, list[int]]:
+    """The prompt's text and token ids through the chat template (on an offload worker). Special
+    tokens written in user and tool messages are plain text: a user cannot forge a turn."""
     template = req.chat_template or ctx.chat_template
     tok = ctx.offload.tokenizer()
     if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with --chat-template", "messages")
     untrusted = req.chat_template is not None
     try:
-        return render_chat_ids(
+        return render_chat(
             tok, template_messages(req), chat_template=template, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
             budget_s=REQUEST_TEMPLATE_BUDGET_S if untrusted else None, max_chars=REQUEST_TEMPLATE_MAX_CHARS if untrusted else None,
+            supports_images=supports_images(ctx) if images else None, model_name=req.model,
         )  # fmt: skip
     except Exception as e:  # template errors (e.g. a template that enforces role order) are the request's fault
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
