@@ -80,8 +80,9 @@ def _config(tok: Any, overrides: dict[str, Any]) -> Any:
     text.update(overrides.pop("text_config", {}))
     vision.update(overrides.pop("vision_config", {}))
     vision["out_hidden_size"] = text["hidden_size"]
+    top: dict[str, Any] = dict(eos_token_id=eos_id, pad_token_id=pad_id, **ids, **overrides)
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
-                              eos_token_id=eos_id, pad_token_id=pad_id, **ids, **overrides)
+                              **top)
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     return config
 
@@ -96,7 +97,7 @@ def make_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0, init_std: float
     tok = make_tiny_tokenizer(path, added_tokens=QWEN_VL_TOKENS, chat_template=QWEN_VL_TEMPLATE)
     config = _config(tok, dict(overrides))
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = Qwen2_5_VLForConditionalGeneration(config)  # fp32 (torch's default dtype)
     _widen_init(model, init_std, seed)
     if config.tie_word_embeddings:
         model.tie_weights()

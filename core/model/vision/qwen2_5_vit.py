@@ -163,6 +163,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
     """`forward(pixel_values [N, C * t * p * p], grid_thw [n, 3], attention) -> [N / merge^2, out_hidden_size]`.
     `config`: transformers' Qwen2_5_VLVisionConfig (or its dict)."""
 
+    inv_freq: torch.Tensor  # registered buffer [head_dim / 4] fp32: the 2-D rotary's frequencies
+
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         hidden, heads = int(_cfg(config, "hidden_size")), int(_cfg(config, "num_heads"))
