@@ -14,6 +14,8 @@ It checks, for the platform registered as NAME:
   the platform declares; and each attention feature (`ATTENTION_FEATURES`) through
   `ForwardContext.attention`: natively where the backend lists it in `features`, else by core's
   fallback over the backend's own `write_kv`/`read_kv`;
+- encoder attention (`test_encoder_attention.py`): `AttentionBackend.encoder_attention`
+  (non-causal, packed sequences, no cache) against core's reference in every declared dtype;
 - model ops (`test_model_ops.py`): `Platform.model_ops()`'s mixture-of-experts kernels against
   core's references (`portside.ops.moe`) in every declared dtype;
 - graph (`test_graph.py`): the platform's graph runner, after `capture`, gives what
