@@ -101,6 +101,34 @@ def test_image_features_equal_transformers(model: Any, hf_model: Any, preprocess
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
+def test_vision_tower_batches_images(model: Any, hf_model: Any, preprocessor_config: dict[str, Any]) -> None:
+    """Several images in one call: each attends within itself (and its windows), rows in order."""
+    images = [preprocess_qwen2_5_vl_image(_image(h, w, seed=h), preprocessor_config) for h, w in [(112, 84), (56, 56), (84, 112)]]
+    pixels, grids = torch.cat([d["pixel_values"] for d in images]), torch.cat([d["image_grid_thw"] for d in images])
+    with torch.no_grad():
+        got = model.visual(pixels, grids, encoder_attention)
+        ref = torch.cat(hf_model.model.get_image_features(pixels, grids).pooler_output)
+        alone = torch.cat([model.embed_image(d, encoder_attention) for d in images])
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got, alone, atol=ATOL, rtol=RTOL)
+
+
+def test_mrope_rotary_is_transformers_bit_for_bit(folder: Path, model: Any) -> None:
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    hf_rotary = Qwen2_5_VLRotaryEmbedding(AutoConfig.from_pretrained(str(folder)).text_config)
+    positions = torch.randint(0, 500, (3, 41), generator=torch.Generator().manual_seed(0))
+    cos, sin = model.model.rotary(positions, torch.float32)
+    hf_cos, hf_sin = hf_rotary(torch.zeros(1), positions[:, None])
+    half = cos.shape[-1]
+    assert torch.equal(cos, hf_cos[0, :, :half]) and torch.equal(sin, hf_sin[0, :, :half])
+    assert torch.equal(hf_cos[0, :, half:], hf_cos[0, :, :half])
+    flat = positions[0]  # 1-D positions: the same in all three
+    torch.testing.assert_close(model.model.rotary(flat, torch.float32), model.model.rotary(flat.expand(3, -1), torch.float32),
+                               rtol=0, atol=0)
+
+
 def test_vision_tower_on_first_pipeline_stage_only(folder: Path) -> None:
     from portside.model.decoder import pipeline_stages
     from portside.model.loader import load_checkpoint
