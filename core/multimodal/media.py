@@ -52,7 +52,7 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0  # a remote image's whole fetch
 DEFAULT_MAX_PIXELS = 1 << 26  # ~67 megapixels (8192 x 8192; a 48 MP photo fits): past it, a decompression bomb
 MAX_REDIRECTS = 5
 # the formats decoded (PIL's names); PIL's rarer plugins never see request bytes
-IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "MPO")
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")  # JPEG covers MPO (multi-picture) files
 _DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)$", re.S)
 
 
@@ -212,10 +212,11 @@ class MediaConnector:
             fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
         except OSError as e:
             raise ValueError(f"cannot open image file {path!r}: {e.strerror or e}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise ValueError(f"{path!r} is not a regular file")
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{path!r} is not a regular file")
             opened = f"/proc/self/fd/{fd}"
             if os.path.exists(opened) and not _inside(os.path.realpath(opened), root):  # swapped after the check
                 raise ValueError(f"{path!r} is outside the folder this server allows images from (--allowed-local-media-path)")
@@ -318,6 +319,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
     """An RGB PIL image from encoded bytes (ValueError: not an image, truncated, too many pixels)."""
     from PIL import Image, UnidentifiedImageError
 
+    Image.init()  # registers every plugin (WebP, TIFF, MPO are not among preinit's)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit below is ours
