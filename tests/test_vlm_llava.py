@@ -26,7 +26,7 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
 # name -> make_tiny_llava arguments
 VARIANTS: dict[str, dict[str, Any]] = {
     "clip": {"vision": "clip"},
-    "siglip": {"vision": "siglip", "seed": 1},
+    "siglip": {"vision": "siglip", "seed": 1, "tie_word_embeddings": True},  # lm_head tied to the embeddings
     "next": {"vision": "clip", "next": True, "seed": 2},
     "next-siglip": {"vision": "siglip", "next": True, "seed": 3},
 }

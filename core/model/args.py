@@ -141,7 +141,8 @@ class ModelArgs:
             qkv_bias=bool(getattr(hf, "qkv_bias", False)) or attention_bias or _qwen2_attention(arch, hf),
             o_bias=attention_bias and not _qwen2_attention(arch, hf),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            # a vision-language model ties by its top-level flag (transformers copies text_config's into it)
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(whole, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(hf),
             eos_token_ids=_eos_ids(hf, folder),
             bos_token_id=getattr(hf, "bos_token_id", None),

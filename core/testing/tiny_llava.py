@@ -121,6 +121,7 @@ def make_tiny_llava(
     if next:
         kwargs.update(image_grid_pinpoints=pinpoints)
     kwargs.update(overrides)
+    config: Any
     if next:
         config = transformers.LlavaNextConfig(**kwargs)
         config.architectures = ["LlavaNextForConditionalGeneration"]
