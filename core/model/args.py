@@ -239,7 +239,8 @@ def _read_rope(hf: Any) -> tuple[float, RopeScaling | None, float | None]:
 def _rope_scaling(hf: Any, params: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type in ("default", "mrope"):  # mrope: default frequencies over 3-D positions (`mrope_section`)
+    if rope_type == "default" or (rope_type == "mrope" and params.get("mrope_section")):
+        # mrope: default frequencies over 3-D positions (`ModelArgs.mrope_section`)
         return theta, None
     rope_type = "longrope" if rope_type == "su" else rope_type  # older Phi-3 configs
     if rope_type not in RopeScaling.TYPES:

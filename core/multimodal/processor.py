@@ -8,11 +8,13 @@ the i-th placeholder is the i-th image. Each image goes through the folder's Hug
 processor on its own (`AutoProcessor`, transformers' PIL image processors: no torchvision), which
 also says how many placeholder tokens it expands to; the prompt's placeholders are expanded
 here, so text and token-id prompts are treated alike and equal what the HF processor gives for
-the whole prompt.
+the whole prompt. Qwen2.5-VL's images go through portside's own preprocessing
+(`qwen_vl_preprocess`): transformers' processor for it needs torchvision.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ __all__ = ["MultiModalProcessor", "ProcessedPrompt", "image_list"]
 
 # what a processor returns per image that the model's embed_image reads
 _IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
+_QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass
@@ -68,6 +71,16 @@ class MultiModalProcessor:
             raise ValueError(f"{folder}: config.json names no image token (image_token_id / image_token_index)")
         self.image_token_id = int(token_id)
         self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.hf_processor: Any = None
+        self.qwen_config: dict[str, Any] | None = None
+        if getattr(hf_config, "model_type", "") in _QWEN_VL:
+            # transformers' Qwen2.5-VL processor needs torchvision (its video half): portside's own
+            # image preprocessing, equal to transformers' PIL one (`qwen_vl_preprocess`)
+            config_file = Path(folder) / "preprocessor_config.json"
+            if not config_file.is_file():
+                raise ValueError(f"{folder}: a vision-language model folder needs its preprocessor_config.json")
+            self.qwen_config = json.loads(config_file.read_text())
+            return
         try:
             self.hf_processor = AutoProcessor.from_pretrained(str(folder))
         except Exception as e:  # a folder without processor files: say what is missing
@@ -78,6 +91,11 @@ class MultiModalProcessor:
 
     def process_image(self, image: Any) -> tuple[dict[str, torch.Tensor], int]:
         """One image -> (its processor tensors, batch dimension kept; its placeholder tokens)."""
+        if self.qwen_config is not None:
+            from portside.multimodal.qwen_vl_preprocess import num_image_tokens, preprocess_qwen2_5_vl_image
+
+            data = preprocess_qwen2_5_vl_image(image, self.qwen_config)
+            return data, num_image_tokens(data["image_grid_thw"], int(self.qwen_config.get("merge_size", 2)))
         out = self.hf_processor(text=[self._probe], images=[image], return_tensors="pt")
         data = {k: out[k] for k in _IMAGE_KEYS if k in out}
         n = int((out["input_ids"] == self.image_token_id).sum())

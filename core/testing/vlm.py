@@ -33,7 +33,32 @@ def _hf(path: str, stamp: float) -> tuple[Any, Any]:
     config = transformers.AutoConfig.from_pretrained(path)
     cls = getattr(transformers, config.architectures[0])
     model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    return model, transformers.AutoProcessor.from_pretrained(path)
+    try:
+        return model, transformers.AutoProcessor.from_pretrained(path)
+    except ImportError:  # Qwen2.5-VL's processor needs torchvision (its video half): the image half alone
+        return model, _QwenImageProcessor(transformers.AutoImageProcessor.from_pretrained(path),
+                                          transformers.AutoTokenizer.from_pretrained(path), config.image_token_id)
+
+
+class _QwenImageProcessor:
+    """What Qwen2_5_VLProcessor does for text and images: transformers' (PIL) image processor,
+    and each image's one `<|image_pad|>` expanded to grid_t * grid_h * grid_w / merge^2 of them."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, image_token_id: int) -> None:
+        self.image_processor, self.tokenizer, self.image_token_id = image_processor, tokenizer, image_token_id
+
+    def __call__(self, text: list[str], images: list[Any] | None = None, return_tensors: str = "pt", **kw: Any) -> Any:
+        pad = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        out: dict[str, Any] = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors="pt"))
+            counts = iter((out["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist())
+            text = [t.replace(pad, "\0") for t in text]
+            text = ["".join(part + (pad * next(counts) if i < t.count("\0") else "")
+                            for i, part in enumerate(t.split("\0"))) for t in text]
+        enc = dict(self.tokenizer(text, return_tensors="pt", **kw))
+        enc["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).int()  # 1: image (the model's 3-D positions)
+        return {**enc, **out}
 
 
 def hf_model_and_processor(path: str | os.PathLike) -> tuple[Any, Any]:
