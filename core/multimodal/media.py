@@ -135,7 +135,11 @@ class MediaConnector:
         return await asyncio.to_thread(self._load_local_or_data, url, kind)
 
     def _load_local_or_data(self, url: str, kind: str) -> Any:
-        return self.decode(self._read_local(url) if kind == "file" else self._read_data_url(url))
+        try:
+            data = self._read_local(url) if kind == "file" else self._read_data_url(url)
+        except OSError as e:  # a read error on an opened file
+            raise ValueError(f"cannot read image file: {e.strerror or e}") from None
+        return self.decode(data)
 
     def decode(self, data: bytes) -> Any:
         return decode_image(data, self.max_pixels)

@@ -219,6 +219,7 @@ def _image_url(i: int, part: dict[str, Any]) -> str:
     if extra:
         raise ValueError(f"part {i}: unexpected field {extra[0]!r} in an image_url part")
     value = part.get("image_url")
+    url: Any = None
     if isinstance(value, str):
         url = value
     elif isinstance(value, dict):

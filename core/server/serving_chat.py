@@ -134,15 +134,15 @@ def _image_limit(ctx: ServingContext) -> int | None:
 
 def _check_images(ctx: ServingContext, req: ChatCompletionRequest, images: list[tuple[str, str]]) -> None:
     """The 400s an image request gets before any image is read."""
-    first = images[0][0]
-    if not supports_images(ctx):
-        raise bad_request(f"model {req.model!r} does not take images: it is a text-only model; send text content only "
-                          "(image parts need a vision-language model)", first)
+    if not supports_images(ctx):  # about the message, not one image: the param names its content
+        where = images[0][0].rsplit("[", 1)[0]
+        raise bad_request(f"{where}: model {req.model!r} does not take images: it is a text-only model; send text content "
+                          "only (image parts need a vision-language model)", where)
     if req.use_beam_search:
         raise bad_request("use_beam_search: not supported with images", "use_beam_search")
     limit = _image_limit(ctx)
     if limit is not None and len(images) > limit:
-        raise bad_request(f"{len(images)} images in one request, more than the {limit} this server allows per prompt "
+        raise bad_request(f"{images[limit][0]}: {len(images)} images in one request, more than the {limit} this server allows per prompt "
                           "(its operator can raise it with --limit-mm-per-prompt '{\"image\": N}')", images[limit][0])
 
 
@@ -163,7 +163,7 @@ async def _image_prompt(ctx: ServingContext, text: str, ids: list[int], images: 
         return await process({"prompt": text, "prompt_token_ids": ids, "multi_modal_data": {"image": loaded}},
                              add_special_tokens=False)
     except ValueError as e:  # too many images, a model without images, a processor's refusal
-        raise bad_request(str(e), "messages") from None
+        raise bad_request(f"messages: {e}", "messages") from None
     finally:
         del loaded
 

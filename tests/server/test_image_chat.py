@@ -110,7 +110,7 @@ def text_client(tiny_llama: Path) -> Iterator[Any]:
 
 def test_text_only_model_refuses_images(text_client: Any):
     err = _error(text_client.post("/v1/chat/completions", json=chat([user("what is it?", image_part(RED))])))
-    assert "does not take images" in err["message"] and err["param"] == "messages[0].content[1]"
+    assert "does not take images" in err["message"] and err["param"] == "messages[0].content"
     err = _error(text_client.post("/v1/chat/completions", json=chat([{"role": "system", "content": [image_part(RED)]},
                                                                        user("hi")])))
     assert "only accepted in user messages" in err["message"] and err["param"].startswith("messages[0].content")
@@ -188,12 +188,35 @@ def test_image_chat_in_process(vlm: tuple[Any, Any], media_dir: Path):
     assert not engine.has_unfinished_requests()
 
 
-@needs_engine
-def test_image_limit_zero_refuses(llava: Path):
-    from portside import LLM
+def test_limit_mm_per_prompt_and_media_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    from portside.cli import build_parser, parse_args
+    from portside.engine.args import EngineArgs
+    from portside.server.main import server_config
 
+    def usage_error(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            parse_args(build_parser(), ["serve", *argv])
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "unknown modality 'video'; supported: image" in usage_error("--limit-mm-per-prompt", '{"video": 1}')
+    assert "not valid JSON" in usage_error("--limit-mm-per-prompt", '{"image": 2')
+    assert "'image' must be a count of at least 0" in usage_error("--limit-mm-per-prompt", '{"image": -1}')
+    args = parse_args(build_parser(), ["serve", "--limit-mm-per-prompt", '{"image": 2}', "--allowed-media-domains", "a.example",
+                                       "b.example", "--allowed-local-media-path", str(tmp_path), "--media-max-bytes", "1000"])
+    assert args.limit_mm_per_prompt == {"image": 2}
+    media = server_config(args).media
+    assert media.allowed_media_domains == ("a.example", "b.example") and media.max_bytes == 1000
+    assert media.allowed_local_media_path == str(tmp_path.resolve())
+    for argv, needle in ((["--media-max-bytes", "0"], "--media-max-bytes must be"),
+                         (["--media-fetch-timeout", "-1"], "--media-fetch-timeout must be"),
+                         (["--allowed-local-media-path", str(tmp_path / "nope")], "is not a folder"),
+                         (["--allowed-media-domains", "https://x.example/"], "--allowed-media-domains: ")):
+        with pytest.raises(ValueError, match=needle):
+            server_config(parse_args(build_parser(), ["serve", *argv]))
+    assert EngineArgs(limit_mm_per_prompt="image=0")._resolve_multimodal().limit("image") == 0
     with pytest.raises(ValueError, match="limit_mm_per_prompt: unknown modality 'video'"):
-        LLM(model=str(llava), device="cpu", limit_mm_per_prompt={"video": 1})
+        EngineArgs(limit_mm_per_prompt={"video": 1})._resolve_multimodal()
 
 
 def test_generate_checks_multi_modal_data(tiny_llama: Path):
