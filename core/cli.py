@@ -30,7 +30,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     print(format_architectures())
     print()
     print(textwrap.fill("needs: attention features each platform's attention backend runs natively or through core's "
-                        "reference (see `portside devices`); moe: the platform's ModelOps.fused_moe",
+                        "reference (see `portside devices`), in brackets where only some checkpoints' configs ask for "
+                        "them; moe: the platform's ModelOps.fused_moe. llava and qwen2_5_vl take images "
+                        "(docs/multimodal.md)",
                         shutil.get_terminal_size((80, 24)).columns))
     return 0
 

@@ -129,7 +129,6 @@ def test_models_table_fits_80_columns(capsys: pytest.CaptureFixture[str], monkey
     (("--load-format", "bitsandbytes"), "--load-format bitsandbytes"),
     (("--enable-sleep-mode",), "--enable-sleep-mode"),
     (("--mm-processor-kwargs", "{}"), "--mm-processor-kwargs"),
-    (("--limit-mm-per-prompt", "image=2"), "--limit-mm-per-prompt"),
     (("--tokenizer-mode", "mistral"), "--tokenizer-mode mistral"),
     (("--tokenizer-mode", "slow"), "--tokenizer-mode slow"),
     (("--revision", "v1.0"), "--revision"),

@@ -410,6 +410,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-mm-per-prompt", type=_limit_mm_arg, default=None, metavar="JSON",
                    help='vision-language models: most images in one prompt, as vLLM\'s: \'{"image": N}\' (default 4; 0: '
                         "no images); more is a 400")
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=None, metavar="N",
+                   help="vision-language models: image embedding rows the vision encoder computes per engine step "
+                        "(default: --max-num-batched-tokens); a prefill chunk stops before an image that would exceed it")
     add_unsupported_args(parser)
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")

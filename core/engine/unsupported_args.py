@@ -83,8 +83,8 @@ NO_EFFECT: dict[tuple[str, ...], str] = {
 }
 # flag prefixes handled when argparse finds them unknown (any value)
 UNSUPPORTED_PREFIXES = {
-    "--mm-": "multimodal inputs are not supported: portside serves text-only models",
-    "--limit-mm-per-prompt": "multimodal inputs are not supported: portside serves text-only models",
+    "--mm-": "portside takes images with the model's own processor settings and has no --mm-* options "
+             "(--limit-mm-per-prompt and --max-num-encoder-input-tokens are the multimodal flags; see docs/multimodal.md)",
 }
 
 

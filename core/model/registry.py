@@ -51,12 +51,14 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
 
 
 def format_architectures() -> str:
-    """The `portside models` table: every architecture, its model module and what it needs."""
-    rows = [("architecture", "model", "needs", "if config sets it")]
+    """The `portside models` table: every architecture, its model module and what it needs of a
+    platform (in brackets: only where a checkpoint's config asks for it)."""
+    rows = [("architecture", "model", "needs")]
     for name, a in sorted(SUPPORTED_ARCHITECTURES.items()):
-        rows.append((name, a.module.removeprefix("portside.model."), ", ".join(a.needs) or "-", ", ".join(a.may_need) or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] for r in rows)
+        needs = [*a.needs, *(f"[{f}]" for f in a.may_need)]
+        rows.append((name, a.module.removeprefix("portside.model."), ", ".join(needs) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[2] for r in rows)
 
 
 def model_class(architecture: str) -> type[nn.Module]:
