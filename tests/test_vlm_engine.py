@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from portside import LLM, SamplingParams
 from portside.testing.tiny_llava import make_tiny_llava
@@ -59,8 +60,8 @@ def prompts_for(kind: str) -> list[tuple[str, list[Any]]]:
     ]
 
 
-def run(path: Path, prompts: list[tuple[str, list[Any]]], **engine: Any) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(model=str(path), device="cpu", max_model_len=512, **engine)
+def run(path: Path, prompts: list[tuple[str, list[Any]]], max_model_len: int = 512, **engine: Any) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model=str(path), device="cpu", max_model_len=max_model_len, **engine)
     inputs = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts]
     outs = llm.generate(inputs, GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -108,3 +109,33 @@ def test_prefix_cache_hits_keep_images_apart(vlm: tuple[str, Path]):
     assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids == hf_vlm_greedy(path, text, [a], MAX_TOKENS)
     assert again[1].outputs[0].token_ids == hf_vlm_greedy(path, text, [b], MAX_TOKENS)
     assert_clean(llm)
+
+
+def test_preemption_recomputes_images(vlm: tuple[str, Path]):
+    """A pool too small for every request at once: preempted image requests are recomputed
+    (their images encoded again or read from the encoder cache) with unchanged tokens."""
+    kind, path = vlm
+    prompts = prompts_for(kind)
+    llm, got = run(path, prompts, max_model_len=128, block_size=4, num_kv_blocks=40, max_num_batched_tokens=32)
+    assert got == expected(path, prompts)
+    assert llm.engine.stats().num_preemptions > 0
+    assert_clean(llm)
+
+
+@torch.no_grad()
+def test_beam_search_with_an_image_equals_transformers(tmp_path: Path):
+    from portside import BeamSearchParams
+    from portside.testing.vlm import hf_model_and_processor
+
+    path = make_tiny_llava(tmp_path / "llava", vision="clip")
+    text, image = "USER: <image>\nwhat is it?\nASSISTANT:", make_image(5, (56, 56))
+    llm = LLM(model=str(path), device="cpu", max_model_len=256, block_size=4)
+    out = llm.beam_search([{"prompt": text, "multi_modal_data": {"image": image}}],
+                          BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))[0]
+    model, processor = hf_model_and_processor(path)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    want = model.generate(**inputs, num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=6,
+                          min_new_tokens=6, length_penalty=1.0, temperature=None, top_p=None, top_k=None)
+    n = inputs["input_ids"].shape[1]
+    assert [s.tokens[n:] for s in out.sequences] == [row[n:] for row in want.tolist()]
+    assert all(s.tokens[:n] == inputs["input_ids"][0].tolist() for s in out.sequences)

@@ -119,6 +119,11 @@ class BeamSearchBatch:
         self._owners = [s for s in self.states for _ in s.live]
         return [b for s in self.states for b in s.beam_prompts()]
 
+    @property
+    def owners(self) -> list[BeamSearchState]:
+        """The prompt each of the last `prompts()` belongs to."""
+        return self._owners
+
     def advance(self, outputs: list[RequestOutput]) -> None:
         tops: dict[int, list[dict[int, Logprob]]] = {}
         for owner, out in zip(self._owners, outputs, strict=True):

@@ -106,12 +106,17 @@ class LLM:
         through the prefix cache."""
         engine = self.engine
         step = step_params(params.beam_width, engine.config.model.max_logprobs)
+        # a prompt with images is processed once; every beam's request carries its images
+        prompt_list = [engine.process_multimodal(p) if isinstance(p, dict) and p.get("multi_modal_data") else p
+                       for p in _as_prompt_list(prompts)]
         batch = BeamSearchBatch([BeamSearchState(engine.prompt_token_ids(p), params, engine.eos_token_ids,
-                                                 engine.max_model_len) for p in _as_prompt_list(prompts)])
+                                                 engine.max_model_len) for p in prompt_list])
+        images = {id(s): p["mm_features"] for s, p in zip(batch.states, prompt_list) if isinstance(p, dict) and p.get("mm_features")}
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="step") as bar:
             while not batch.done:
-                batch.advance(self._run([{"prompt_token_ids": b} for b in batch.prompts()], step, False, None,
-                                        add_special_tokens=False, lora_request=lora_request))
+                beams = [{"prompt_token_ids": b} | ({"mm_features": images[id(s)]} if id(s) in images else {})
+                         for b, s in zip(batch.prompts(), batch.owners, strict=True)]
+                batch.advance(self._run(beams, step, False, None, add_special_tokens=False, lora_request=lora_request))
                 bar.update(1)
         decode = engine.tokenizer.decode
         return [BeamSearchOutput(sequences=s.sequences(lambda ids: decode(ids, skip_special_tokens=True)))
