@@ -18,8 +18,10 @@ from portside.server.serving_base import ServingContext, collect, merged, submit
 
 
 async def beam_search(ctx: ServingContext, request: Request, request_id: str, prompts: list[list[int]],
-                      max_tokens: list[int], req: Any, lora: Any, prompt_param: str) -> list[RequestOutput]:
-    """The best `req.n` beams of each prompt, as transformers' `generate(num_beams=n)` ranks them."""
+                      max_tokens: list[int], req: Any, lora: Any, prompt_param: str,
+                      mm_features: list[list[Any]] | None = None) -> list[RequestOutput]:
+    """The best `req.n` beams of each prompt, as transformers' `generate(num_beams=n)` ranks them.
+    `mm_features`: each prompt's processed images (`process_multimodal`), carried by its beams."""
     try:
         step = step_params(req.n, ctx.max_logprobs)
     except ValueError as e:
@@ -30,9 +32,11 @@ async def beam_search(ctx: ServingContext, request: Request, request_id: str, pr
                                               ignore_eos=req.ignore_eos), engine.eos_token_ids, ctx.max_model_len)
         for ids, m in zip(prompts, max_tokens)
     ])  # fmt: skip
+    images = {id(s): f for s, f in zip(batch.states, mm_features or []) if f}
     n_step = 0
     while not batch.done:
-        beams = batch.prompts()
+        beams: list[Any] = [{"prompt_token_ids": b, "mm_features": images[id(s)]} if id(s) in images else b
+                            for b, s in zip(batch.prompts(), batch.owners, strict=True)]
         streams = await submit_all(ctx, f"{request_id}-beam{n_step}", beams, [step] * len(beams), req.priority,
                                    prompt_param, lora)
         batch.advance(await until_disconnected(request, collect(merged(streams), len(streams))))

@@ -95,7 +95,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Any:
     created = int(time.time())
     thinking = ctx.reasoning_parser is not None and bool(ctx.reasoning_parser.prompt_opens_reasoning(prompt_ids))
     if req.use_beam_search:
-        (final,) = await beam_search(ctx, request, request_id, [prompt_ids], [max_tokens], req, lora, "messages")
+        features = [prompt["mm_features"]] if isinstance(prompt, dict) else None
+        (final,) = await beam_search(ctx, request, request_id, [prompt_ids], [max_tokens], req, lora, "messages", features)
     else:
         streams = await submit_all(ctx, request_id, [prompt], [params], req.priority, "messages", lora)  # type: ignore[list-item]
         if req.stream:
@@ -138,8 +139,6 @@ def _check_images(ctx: ServingContext, req: ChatCompletionRequest, images: list[
         where = images[0][0].rsplit("[", 1)[0]
         raise bad_request(f"{where}: model {req.model!r} does not take images: it is a text-only model; send text content "
                           "only (image parts need a vision-language model)", where)
-    if req.use_beam_search:
-        raise bad_request("use_beam_search: not supported with images", "use_beam_search")
     limit = _image_limit(ctx)
     if limit is not None and len(images) > limit:
         raise bad_request(f"{images[limit][0]}: {len(images)} images in one request, more than the {limit} this server allows per prompt "
