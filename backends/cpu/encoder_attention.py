@@ -16,10 +16,10 @@ machine: 0.6x the reference's speed, fp32 SDPA on upcast inputs: 1.3-2.9x). Anyt
 not take here (float64, mixed dtypes) goes to the reference.
 
 Measured against the reference (`portside.attention.reference.encoder_attention`) on an AVX2
-AMD EPYC, 2 threads, fp32: 4 LLaVA images of 577 tokens (16 heads of 64) 1.8x; 40 Qwen2.5-VL
-windows of 64 tokens + 8 of 16 (16 x 80) 1.4x; 20 sequences of 1-100 tokens 1.7x; 2 SigLIP
-images of 729 tokens 2.7x. Per-sequence SDPA calls were slower than the reference (0.8-1.2x),
-one padded SDPA with key masks 0.5-1.1x.
+AMD EPYC, fp32, 2 threads (1 thread): 4 LLaVA images of 577 tokens (16 heads of 64) 1.8x (1.3x);
+40 Qwen2.5-VL windows of 64 tokens + 8 of 16 (16 x 80) 1.4x (1.2x); 20 sequences of 1-100 tokens
+1.7x (1.4x); 2 SigLIP images of 729 tokens 2.7x (2.5x); bf16 alike. Per-sequence SDPA calls were
+slower than the reference (0.8-1.2x), one padded SDPA with key masks 0.4-1.1x.
 """
 
 from __future__ import annotations
