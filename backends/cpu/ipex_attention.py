@@ -82,6 +82,12 @@ class IpexAttentionBackend(AttentionBackend):
             return f"IPEX paged attention has no {dtype} kernel"
         return None
 
+    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Vision encoders: the cpu backend's (one SDPA per sequence length; no paged cache involved)."""
+        from portside.backends.cpu.encoder_attention import encoder_attention
+
+        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
+
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         md = metadata
         nd = md.num_decode_tokens
