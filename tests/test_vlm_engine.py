@@ -139,3 +139,20 @@ def test_beam_search_with_an_image_equals_transformers(tmp_path: Path):
     n = inputs["input_ids"].shape[1]
     assert [s.tokens[n:] for s in out.sequences] == [row[n:] for row in want.tolist()]
     assert all(s.tokens[:n] == inputs["input_ids"][0].tolist() for s in out.sequences)
+
+
+@pytest.mark.slow  # spawns worker processes: CI's legs run it
+@pytest.mark.parametrize("kind", ["llava-next", "qwen2.5-vl"])
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel(kind: str, tp: int, pp: int, tmp_path: Path):
+    """The vision tower on every tensor-parallel rank / the first pipeline stage only; 3-D
+    positions on every stage; chunked prefill through images."""
+    path = MAKERS[kind](tmp_path / "m")
+    prompts = prompts_for(kind)
+    llm, got = run(path, prompts, block_size=4, max_num_batched_tokens=24, tensor_parallel_size=tp,
+                   pipeline_parallel_size=pp)
+    try:
+        assert got == expected(path, prompts)
+        assert_clean(llm)
+    finally:
+        llm.shutdown()

@@ -71,7 +71,7 @@ class Scheduler:
         self.config = scheduler_config
         # image embedding rows encoded per step (None: the token budget); see _fit_encoder_budget
         self.max_encoder_tokens = max_encoder_tokens
-        self._encoder_budget = 0
+        self._encoder_budget = self._encoder_step_budget = 0
         self.num_spec_tokens = num_spec_tokens  # proposals per request and step (0: no speculation)
         self.num_lookahead_tokens = num_lookahead_tokens  # KV slots past a step's tokens (a draft model's)
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the runner's slots); 0: no LoRA
@@ -122,7 +122,8 @@ class Scheduler:
         scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
         preempted: list[Request] = []
         spec: dict[str, list[int]] = {}
-        self._encoder_budget = self.max_encoder_tokens if self.max_encoder_tokens is not None else budget
+        self._encoder_budget = self._encoder_step_budget = \
+            self.max_encoder_tokens if self.max_encoder_tokens is not None else budget
         budget = self._schedule_running(scheduled, preempted, budget, spec)
         new_reqs: list[Request] = []
         if not preempted:  # the pool is exhausted: admitting now would only thrash
@@ -255,15 +256,11 @@ class Scheduler:
             if p.offset >= end:
                 break
             cost = f.encoder_cost()
-            if cost > self._encoder_budget and self._encoder_budget < self._encoder_budget_full:
+            if cost > self._encoder_budget and self._encoder_budget < self._encoder_step_budget:
                 return max(0, p.offset - start)
             self._encoder_budget -= cost
             request.mm_encoded.add(k)
         return num_new
-
-    @property
-    def _encoder_budget_full(self) -> int:
-        return self.max_encoder_tokens if self.max_encoder_tokens is not None else self.config.max_num_batched_tokens
 
     def _lookahead(self, request: Request, end: int) -> int:
         """Slots past `end` (the computed count after this step) for a draft model's proposals:
