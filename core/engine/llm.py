@@ -114,7 +114,7 @@ class LLM:
         images = {id(s): p["mm_features"] for s, p in zip(batch.states, prompt_list) if isinstance(p, dict) and p.get("mm_features")}
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="step") as bar:
             while not batch.done:
-                beams = [{"prompt_token_ids": b} | ({"mm_features": images[id(s)]} if id(s) in images else {})
+                beams: list[Prompt] = [{"prompt_token_ids": b} | ({"mm_features": images[id(s)]} if id(s) in images else {})
                          for b, s in zip(batch.prompts(), batch.owners, strict=True)]
                 batch.advance(self._run(beams, step, False, None, add_special_tokens=False, lora_request=lora_request))
                 bar.update(1)
