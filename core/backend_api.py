@@ -470,7 +470,9 @@ class GraphRunner(ABC):
     # previous stage's hidden states (the model's `stage_input`, set by the runner before each
     # call; zeros in a call without one, such as a warm-up on dummy inputs), and which has no LM
     # head unless it is the last stage. A runner that captures or compiles the embedding leaves
-    # this False; the engine then runs such stages with `EagerGraphRunner`.
+    # this False; the engine then runs such stages with `EagerGraphRunner`. The same goes for a
+    # vision-language model's steps with image rows: `stage_input` then holds the step's token
+    # embeddings with the images' merged in.
     supports_pipeline_stages: ClassVar[bool] = False
 
     def __init__(self, model_fn: ModelFn, config: EngineConfig) -> None:

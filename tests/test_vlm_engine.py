@@ -156,3 +156,27 @@ def test_tensor_and_pipeline_parallel(kind: str, tp: int, pp: int, tmp_path: Pat
         assert_clean(llm)
     finally:
         llm.shutdown()
+
+
+def test_parallel_samples_and_prompt_logprobs_with_an_image(vlm: tuple[str, Path]):
+    """n = 2 samples fork the image prompt's blocks (no second encoding needed); prompt_logprobs
+    over a prompt with image rows equal transformers' log-softmax."""
+    kind, path = vlm
+    text, images = prompts_for(kind)[1]
+    llm = LLM(model=str(path), device="cpu", max_model_len=512, block_size=4)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params, use_tqdm=False)[0]
+    want = hf_vlm_greedy(path, text, images, MAX_TOKENS)
+    assert [c.token_ids for c in out.outputs] == [want, want]
+    from portside.testing.vlm import hf_model_and_processor
+
+    model, processor = hf_model_and_processor(path)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
+    ids = inputs["input_ids"][0].tolist()
+    assert out.prompt_token_ids == ids and out.prompt_logprobs[0] is None
+    got = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    want_lp = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want_lp, atol=2e-4, rtol=1e-4)
+    assert_clean(llm)

@@ -30,8 +30,12 @@ logger = logging.getLogger(__name__)
 FUSED_DECODE_MODES = ("on", "off")
 # What the native step computes exactly: core's Llama-family class (exactly it, not a subclass
 # that may change a layer) for the architectures it serves, with no attention feature in any layer.
-FUSED_CLASSES = frozenset({"portside.model.llama.LlamaForCausalLM"})
-FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# LLaVA's language model is one of these (its vision tower runs outside the step: image rows come
+# as given embeddings, which the step declines)
+FUSED_CLASSES = frozenset({"portside.model.llama.LlamaForCausalLM", "portside.model.llava.LlavaForConditionalGeneration",
+                           "portside.model.llava.LlavaNextForConditionalGeneration"})
+FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                 "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
 # `ModelArgs` fields the step does not compute, with the value that means "not used"
 NEUTRAL_ARGS = {"hidden_act": "silu", "num_experts": 0, "partial_rotary_factor": 1.0, "clip_qkv": None,
                 "final_logit_softcap": None, "rope_local_theta": None}

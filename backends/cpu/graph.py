@@ -93,8 +93,8 @@ class _FusedDecodeSteps:
     def _fused_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """The step's hidden states when a fused step ran it (a one-row step's logits kept), else None."""
         self._step_logits, self._rows_step = None, False
-        if self._fused is None:
-            return None
+        if self._fused is None or getattr(getattr(self, "model_fn", None), "stage_input", None) is not None:
+            return None  # embeddings given (a vision-language model's image rows): op by op
         if self._fused.covers(input_ids, ctx):
             hidden, self._step_logits = self._fused(input_ids, positions, ctx)
             return hidden

@@ -179,16 +179,19 @@ class ModelRunner:
         else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
-        # vision-language models: steps with image rows run eagerly (graph runners embed token ids
-        # themselves); 3-D rotary positions (mrope) always do
+        # vision-language models: steps with image rows run in a runner that reads `stage_input`
+        # (graph runners that capture the embedding embed token ids themselves); with 3-D rotary
+        # positions (mrope) every step does
         self.multimodal = is_multimodal(self.model)
         self.encoder_cache = None
         if self.multimodal:
             from portside.multimodal.encoder_cache import EncoderCache
 
             self.encoder_cache = EncoderCache(config.multimodal.encoder_cache_size)
-            self.eager_runner = EagerGraphRunner(self.model, config)
-            if getattr(self.model, "uses_mrope", False) and not isinstance(self.graph_runner, EagerGraphRunner):
+            # a runner that reads `stage_input` (pipeline stages) takes merged image embeddings too
+            self.eager_runner = self.graph_runner if self.graph_runner.supports_pipeline_stages \
+                else EagerGraphRunner(self.model, config)
+            if getattr(self.model, "uses_mrope", False) and not self.graph_runner.supports_pipeline_stages:
                 logger.info("%s: 3-D rotary positions; the model runs eagerly", self.model.config.architecture)
                 self.graph_runner = self.eager_runner
         self.sampler = platform.sampler(config)
