@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 __all__ = ["PlaceholderRange", "MultiModalFeature", "content_hash"]
@@ -42,9 +40,6 @@ class MultiModalFeature:
         """What encoding it costs against the per-step encoder budget: its embedding rows."""
         return self.placeholder.length
 
-    def as_message(self) -> dict[str, Any]:
-        return {"modality": self.modality, "identifier": self.identifier, "offset": self.placeholder.offset,
-                "length": self.placeholder.length, "data": self.data}
 
 
 def content_hash(data: dict[str, torch.Tensor]) -> str:
