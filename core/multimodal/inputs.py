@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+
 import torch
 
 __all__ = ["PlaceholderRange", "MultiModalFeature", "content_hash"]
