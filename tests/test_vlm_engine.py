@@ -180,3 +180,17 @@ def test_parallel_samples_and_prompt_logprobs_with_an_image(vlm: tuple[str, Path
     want_lp = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     torch.testing.assert_close(got, want_lp, atol=2e-4, rtol=1e-4)
     assert_clean(llm)
+
+
+def test_embed_images_batched_equals_one_at_a_time(vlm: tuple[str, Path]):
+    """The runner encodes a step's new images together (`embed_images`): same rows as one by one."""
+    kind, path = vlm
+    llm = LLM(model=str(path), device="cpu", max_model_len=512, block_size=16)
+    runner = llm.engine.executor.runner
+    images = [make_image(21, (56, 56)), make_image(22, (30, 40)), make_image(23, (56, 56)), make_image(24, (84, 42))]
+    ph = PLACEHOLDER.get(kind, "<image>")
+    features = llm.engine.process_multimodal({"prompt": ph * 4, "multi_modal_data": {"image": images}})["mm_features"]
+    attention = runner.attn_backend.encoder_attention
+    together = runner.model.embed_images([f.data for f in features], attention)
+    for f, emb in zip(features, together, strict=True):
+        torch.testing.assert_close(emb, runner.model.embed_image(f.data, attention), atol=1e-5, rtol=1e-5)

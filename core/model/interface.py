@@ -63,6 +63,11 @@ class SupportsMultiModal(Protocol):
 
     def embed_image(self, data: dict[str, torch.Tensor], attention: EncoderAttention) -> torch.Tensor: ...
 
+    def embed_images(self, datas: list[dict[str, torch.Tensor]], attention: EncoderAttention) -> list[torch.Tensor]:
+        """`embed_image` of each, in as few vision-tower calls as the model can (optional: the
+        runner calls `embed_image` per image for a model without it)."""
+        ...
+
     def mrope_positions(self, prompt_token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         """-> (positions [3, len(prompt)] int64, delta): a later token at index i has position i + delta in all 3."""
         ...

@@ -123,6 +123,19 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         features = self.image_features(data["pixel_values"], attention)
         return features.reshape(-1, features.shape[-1])
 
+    @torch.no_grad()
+    def embed_images(self, datas: list[dict[str, torch.Tensor]], attention: EncoderAttention) -> list[torch.Tensor]:
+        """`embed_image` of each: the images of one size in one vision-tower call."""
+        out: list[torch.Tensor | None] = [None] * len(datas)
+        sizes: dict[tuple[int, ...], list[int]] = {}
+        for i, d in enumerate(datas):
+            sizes.setdefault(tuple(d["pixel_values"].shape), []).append(i)
+        for group in sizes.values():
+            features = self.image_features(torch.cat([datas[i]["pixel_values"] for i in group]), attention)
+            for i, f in zip(group, features.unbind(0)):
+                out[i] = f
+        return [f for f in out if f is not None]
+
     def mrope_positions(self, prompt_token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         raise NotImplementedError(f"{type(self).__name__} uses 1-D positions (uses_mrope is False)")
 
@@ -216,6 +229,9 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
             n = math.ceil(h / self.tile) * math.ceil(w / self.tile) + 1  # the grid's tiles and the base one
             out.append(self._pack(self.image_features(pixels[:n], attention), size))
         return torch.cat(out)
+
+    def embed_images(self, datas: list[dict[str, torch.Tensor]], attention: EncoderAttention) -> list[torch.Tensor]:
+        return [self.embed_image(d, attention) for d in datas]  # tiles per image differ: one at a time
 
     def _pack(self, features: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
         """[tiles, side * side, hidden] -> [rows, hidden]: the base tile's rows, then the grid's

@@ -72,6 +72,13 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         grid = data["image_grid_thw"].reshape(-1, 3)
         return self.visual(pixels, grid, attention).to(self.dtype)
 
+    def embed_images(self, datas: list[dict[str, torch.Tensor]], attention: EncoderAttention) -> list[torch.Tensor]:
+        """`embed_image` of several images in one vision-tower call (each image its own sequences)."""
+        merged = self.embed_image({"pixel_values": torch.cat([d["pixel_values"] for d in datas]),
+                                   "image_grid_thw": torch.cat([d["image_grid_thw"].reshape(-1, 3) for d in datas])}, attention)
+        rows = [int(d["image_grid_thw"].prod()) // self.visual.merge**2 for d in datas]  # type: ignore[union-attr]
+        return list(merged.split(rows))
+
     def mrope_positions(self, prompt_token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         """-> (positions [3, len(prompt)] int64, delta): a later token at index i has position
         i + delta in all three. Images are the features' placeholder ranges (each a run of image

@@ -39,12 +39,18 @@ class EncoderCache:
             return emb
         self.misses += 1
         emb = encode(feature)
+        self.add(feature, emb)
+        return emb
+
+    def add(self, feature: MultiModalFeature, emb: torch.Tensor) -> None:
+        """Keep `emb` [placeholder length, hidden], the feature's embeddings (encoded ahead, in a batch)."""
         if emb.shape[0] != feature.placeholder.length:
             raise ValueError(f"the image encoder gave {emb.shape[0]} embedding rows for an image with "
                              f"{feature.placeholder.length} placeholder tokens")
+        if feature.identifier in self._entries:
+            return
         while self._entries and self._rows + emb.shape[0] > self.capacity:
             _, old = self._entries.popitem(last=False)
             self._rows -= old.shape[0]
         self._entries[feature.identifier] = emb
         self._rows += emb.shape[0]
-        return emb

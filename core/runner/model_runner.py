@@ -327,6 +327,11 @@ class ModelRunner:
         assert self.encoder_cache is not None
         model: Any = self.model
         embeds = model.embed_input_ids(batch.input_ids)
+        missing = list({f.identifier: f for _, f, _, _ in batch.mm_rows if f.identifier not in self.encoder_cache}.values())
+        if len(missing) > 1 and hasattr(model, "embed_images"):  # the step's new images in as few tower calls as it can
+            datas = [{k: v.to(self.device) for k, v in f.data.items()} for f in missing]
+            for f, emb in zip(missing, model.embed_images(datas, self.attn_backend.encoder_attention), strict=True):
+                self.encoder_cache.add(f, emb)
         for row, feature, a, b in batch.mm_rows:
             emb = self.encoder_cache.get(feature, self._encode_image)
             embeds[row : row + b - a] = emb[a:b].to(embeds.dtype)
