@@ -170,7 +170,7 @@ class ModelArgs:
 
 def _qwen2_attention(arch: str, hf: Any) -> bool:
     """Qwen2's q/k/v projections always carry a bias, its o projection none (whatever attention_bias says)."""
-    return arch in _QKV_BIAS_ARCHS or getattr(hf, "model_type", "") in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+    return arch in _QKV_BIAS_ARCHS or getattr(hf, "model_type", "") == "qwen2"  # e.g. a LLaVA's Qwen2 text model
 
 
 def _mrope_section(hf: Any) -> tuple[int, ...]:

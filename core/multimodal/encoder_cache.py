@@ -37,7 +37,6 @@ class EncoderCache:
             self._entries.move_to_end(feature.identifier)
             self.hits += 1
             return emb
-        self.misses += 1
         emb = encode(feature)
         self.add(feature, emb)
         return emb
@@ -49,6 +48,7 @@ class EncoderCache:
                              f"{feature.placeholder.length} placeholder tokens")
         if feature.identifier in self._entries:
             return
+        self.misses += 1  # an image encoded
         while self._entries and self._rows + emb.shape[0] > self.capacity:
             _, old = self._entries.popitem(last=False)
             self._rows -= old.shape[0]

@@ -40,10 +40,6 @@ class ProcessedPrompt:
     prompt: str | None  # the text shown in outputs (None for a token-id prompt)
     mm_features: list[MultiModalFeature]
 
-    def as_prompt(self) -> dict[str, Any]:
-        """The prompt dict `LLMEngine.add_request` takes without processing it again."""
-        return {"prompt_token_ids": self.prompt_token_ids, "prompt": self.prompt, "mm_features": self.mm_features}
-
 
 def image_list(value: Any) -> list[Any]:
     """`multi_modal_data["image"]`: one PIL image or a list of them."""

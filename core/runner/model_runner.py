@@ -328,19 +328,21 @@ class ModelRunner:
         model: Any = self.model
         embeds = model.embed_input_ids(batch.input_ids)
         missing = list({f.identifier: f for _, f, _, _ in batch.mm_rows if f.identifier not in self.encoder_cache}.values())
-        if len(missing) > 1 and hasattr(model, "embed_images"):  # the step's new images in as few tower calls as it can
-            datas = [{k: v.to(self.device) for k, v in f.data.items()} for f in missing]
-            for f, emb in zip(missing, model.embed_images(datas, self.attn_backend.encoder_attention), strict=True):
-                self.encoder_cache.add(f, emb)
-        for row, feature, a, b in batch.mm_rows:
-            emb = self.encoder_cache.get(feature, self._encode_image)
+        for f, emb in zip(missing, self._encode_images(missing), strict=True):
+            self.encoder_cache.add(f, emb)
+        for row, feature, a, b in batch.mm_rows:  # (an image evicted meanwhile by a later one is encoded again)
+            emb = self.encoder_cache.get(feature, lambda f: self._encode_images([f])[0])
             embeds[row : row + b - a] = emb[a:b].to(embeds.dtype)
         return embeds
 
-    def _encode_image(self, feature: MultiModalFeature) -> torch.Tensor:
+    def _encode_images(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Each image's embeddings, in as few vision-tower calls as the model can (`embed_images`)."""
         model: Any = self.model
-        data = {k: v.to(self.device) for k, v in feature.data.items()}
-        return model.embed_image(data, self.attn_backend.encoder_attention)
+        datas = [{k: v.to(self.device) for k, v in f.data.items()} for f in features]
+        attention = self.attn_backend.encoder_attention
+        if len(datas) > 1 and hasattr(model, "embed_images"):
+            return list(model.embed_images(datas, attention))
+        return [model.embed_image(d, attention) for d in datas]
 
     def _mrope_positions(self, state: CachedRequestState, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of a request's tokens [start, end) under 3-D rotary."""

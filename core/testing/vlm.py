@@ -53,9 +53,7 @@ class _QwenImageProcessor:
         if images:
             out = dict(self.image_processor(images=images, return_tensors="pt"))
             counts = iter((out["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist())
-            text = [t.replace(pad, "\0") for t in text]
-            text = ["".join(part + (pad * next(counts) if i < t.count("\0") else "")
-                            for i, part in enumerate(t.split("\0"))) for t in text]
+            text = [t.split(pad)[0] + "".join(pad * next(counts) + rest for rest in t.split(pad)[1:]) for t in text]
         enc = dict(self.tokenizer(text, return_tensors="pt", **kw))
         enc["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).int()  # 1: image (the model's 3-D positions)
         return {**enc, **out}
