@@ -826,6 +826,11 @@ class Platform(ABC):
 
     # KV-cache size when the user gives none: a fraction (<= 1) of free memory, or bytes (> 1)
     default_kv_cache_memory: ClassVar[float] = 0.9
+    # pipeline parallelism: the most tokens a micro-batch takes by default (a stage waits one
+    # micro-batch's time while the pipeline fills and drains, so the smallest count at which
+    # the device is still efficient; --pipeline-micro-batch-tokens overrides it); None: no cap,
+    # a micro-batch takes max_num_batched_tokens / pipeline_micro_batches
+    pipeline_micro_batch_tokens: ClassVar[int | None] = None
     # platform options that --enforce-eager (EngineArgs.enforce_eager) sets: no graph capture or
     # compilation; None: the platform has no eager mode (the flag only warns)
     eager_options: ClassVar[dict[str, str] | None] = None

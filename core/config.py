@@ -84,6 +84,8 @@ class ParallelConfig:
     pipeline_layers: tuple[int, ...] | None = None  # decoder layers per stage (None: balanced by count)
     # scheduled steps the engine keeps in flight so the stages overlap (1: one at a time)
     pipeline_micro_batches: int = 1
+    # most tokens one micro-batch computes (None: max_num_batched_tokens / pipeline_micro_batches)
+    pipeline_micro_batch_tokens: int | None = None
 
     @property
     def world_size(self) -> int:

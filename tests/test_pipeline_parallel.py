@@ -70,17 +70,19 @@ def test_stage_models_hold_only_their_layers(model):
 
 
 @pytest.mark.slow  # spawns the stage workers: CI's legs run it
-@pytest.mark.parametrize(("tp", "pp", "layers", "micro"), [(1, 2, None, None), (1, 2, None, 1), (1, 3, None, None),
-                                                          (2, 2, "1,2", None)],
-                         ids=["pp2", "pp2-one-batch-in-flight", "pp3", "tp2xpp2-layers-1-2"])
-def test_greedy_and_seeded_tokens_equal_pp1_and_transformers(model, tp, pp, layers, micro):
+@pytest.mark.parametrize(("tp", "pp", "layers", "micro", "micro_tokens"),
+                         [(1, 2, None, None, None), (1, 2, None, 1, None), (1, 3, None, None, 3), (2, 2, "1,2", None, None)],
+                         ids=["pp2", "pp2-one-batch-in-flight", "pp3-micro-batches-of-3-tokens", "tp2xpp2-layers-1-2"])
+def test_greedy_and_seeded_tokens_equal_pp1_and_transformers(model, tp, pp, layers, micro, micro_tokens):
     """Chunked prefill (a 16-token budget), a pool small enough to preempt, then the same prompts
     again (prefix-cache hits), greedy and seeded sampling, against PP = 1 and transformers; with
-    micro-batches in flight (one per stage, the default) and without."""
+    micro-batches in flight (one per stage, the default) and without, and micro-batches capped
+    below budget / P (--pipeline-micro-batch-tokens)."""
     kwargs = ENGINE | {"max_num_batched_tokens": 16, "num_kv_blocks": 40, "max_num_seqs": 6}
     llm = LLM(model=str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_layers=layers,
-              pipeline_micro_batches=micro, **kwargs)
+              pipeline_micro_batches=micro, pipeline_micro_batch_tokens=micro_tokens, **kwargs)
     assert llm.engine.max_in_flight == (micro or pp)
+    assert llm.engine.scheduler.micro_batch_tokens == (micro_tokens or 256)  # the flag, else the cpu platform's cap
     pids = llm.engine.executor.pids
     try:
         assert len(pids) == tp * pp
@@ -144,6 +146,11 @@ def test_refusals(model, capsys):
     assert "pipeline_parallel_size must be an integer of at least 1" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", str(model), "--device", "cpu", "-pp", "2", "--pipeline-layers", "1,x"]) == 2
     assert "pipeline_layers must be comma-separated" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(model), "--device", "cpu", "-pp", "2",
+                 "--pipeline-micro-batch-tokens", "0"]) == 2
+    assert "pipeline_micro_batch_tokens must be an integer of at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="pipeline_micro_batch_tokens applies to pipeline parallelism"):
+        LLM(model=str(model), pipeline_micro_batch_tokens=64, **ENGINE)
 
 
 @pytest.mark.slow

@@ -73,3 +73,37 @@ def test_one_micro_batch_is_the_plain_scheduler():
         sched.add_request(make_request(f"r{i}", [1, 2, 3], max_tokens=4))
     first = sched.schedule()
     assert len(first.num_scheduled_tokens) == 3
+
+
+def test_micro_batch_tokens_cap_a_burst_of_prompts_but_never_a_turn_of_decodes():
+    """`micro_batch_tokens` (the platform's or --pipeline-micro-batch-tokens) splits a burst of
+    prompts into micro-batches of at most that many tokens, below budget / P; a turn of decodes
+    (ceil(max_num_seqs / P) requests) always fits, so no running request waits a round."""
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)
+    sched = Scheduler(config, BS, 64, True, 64, num_micro_batches=2, micro_batch_tokens=5, send_token_ids=True)
+    runner = FakeRunner()
+    for i in range(8):
+        sched.add_request(make_request(f"r{i}", [3 + i, 5, 7, 11, 13, 17], max_tokens=6))
+    in_flight: deque = deque()
+    sizes: list[int] = []
+    prefill_sizes: list[int] = []
+    while sched.has_unfinished_requests() or in_flight:
+        if len(in_flight) < 2:
+            out = sched.schedule()
+            if not out.is_empty:
+                sizes.append(out.total_num_scheduled_tokens)
+                if any(n > 1 for n in out.num_scheduled_tokens.values()):
+                    prefill_sizes.append(out.total_num_scheduled_tokens)
+                in_flight.append((out, runner.execute(out)))
+                if len(in_flight) < 2:
+                    continue
+        out, result = in_flight.popleft()
+        sched.update_from_output(out, result)
+    assert max(prefill_sizes) == 5 and len(prefill_sizes) >= 48 // 5  # 48 prompt tokens in chunks of 5
+    # decodes: 8 running requests in two turns of 4 each, over the cap of 5 tokens with 1 + 0 spec
+    sched = Scheduler(config, BS, 64, True, 64, num_micro_batches=2, micro_batch_tokens=1, send_token_ids=True)
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", [3 + i], max_tokens=3))
+    turns = [sched.schedule(), sched.schedule()]
+    assert [t.total_num_scheduled_tokens for t in turns] == [4, 4]
+    assert not set(turns[0].num_scheduled_tokens) & set(turns[1].num_scheduled_tokens)

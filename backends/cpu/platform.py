@@ -109,6 +109,11 @@ class CpuPlatform(Platform):
     block_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
     default_block_size = 16
     default_kv_cache_memory = 4 * 2**30  # bytes, like vLLM's CPU default; capped by free memory
+    # oneDNN's prepacked linears cost within ~3% per row from 256 rows up (one thread, Zen 3:
+    # 177 us per row of a 768-wide layer at 256 and 512 rows, 182 at 128, 236 at 24); with the
+    # default 2048-token budget PP 2 filled its pipeline with 1024-token micro-batches, and a
+    # stage sat idle ~1.7 s of a 6.5 s run (ci/bench/parallel.py --what pp)
+    pipeline_micro_batch_tokens = 256
     eager_options: ClassVar[dict[str, str] | None] = {"cpu_graph": "eager"}  # --enforce-eager
     kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # 8-bit: the torch and native paths, not IPEX
     attention_name = "native-paged|torch-sdpa|ipex-paged"

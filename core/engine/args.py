@@ -64,6 +64,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # mp or ray (None: ray when a Ray cluster is given, else mp)
     pipeline_layers: str | list[int] | None = None  # decoder layers per stage, e.g. "10,14" (None: balanced)
     pipeline_micro_batches: int | None = None  # steps in flight with PP > 1 (None: one per stage; 1: off)
+    pipeline_micro_batch_tokens: int | None = None  # token budget of one micro-batch (None: the platform's default)
     quantization: str | None = None  # None: what config.json's quantization_config says
     quantized_activations: str | None = None  # "int8" / "fp8": W8A8 with --quantization int8 / fp8
     kv_cache_dtype: str = "auto"
@@ -192,9 +193,15 @@ class EngineArgs:
             raise ValueError(f"pipeline_micro_batches must be an integer of at least 1, got {micro!r}")
         if micro is not None and self.pipeline_parallel_size == 1 and micro != 1:
             raise ValueError("pipeline_micro_batches applies to pipeline parallelism; pass --pipeline-parallel-size > 1")
+        micro_tokens = self.pipeline_micro_batch_tokens
+        if micro_tokens is not None and not (isinstance(micro_tokens, int) and micro_tokens >= 1):
+            raise ValueError(f"pipeline_micro_batch_tokens must be an integer of at least 1, got {micro_tokens!r}")
+        if micro_tokens is not None and self.pipeline_parallel_size == 1:
+            raise ValueError("pipeline_micro_batch_tokens applies to pipeline parallelism; pass --pipeline-parallel-size > 1")
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               pipeline_micro_batches=micro or self.pipeline_parallel_size,
+                              pipeline_micro_batch_tokens=micro_tokens,
                               data_parallel_size=self.data_parallel_size, distributed_executor_backend=backend,
                               pipeline_layers=tuple(layers) if layers is not None else None)
 
@@ -384,6 +391,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="N",
                    help="with -pp > 1: scheduled steps kept in flight so the stages overlap (default: one per stage; "
                         "1 runs one step at a time)")
+    g.add_argument("--pipeline-micro-batch-tokens", type=int, default=None, metavar="N",
+                   help="with -pp > 1 and chunked prefill: most tokens one micro-batch computes; smaller batches "
+                        "shorten the pipeline's fill and drain (default: max-num-batched-tokens / micro-batches, capped "
+                        "by the platform: 256 on cpu)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="serve this many engine replicas (each TP x PP ranks) behind one API server")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None,

@@ -113,6 +113,7 @@ class LLMEngine:
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative is not None else 0,
             num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative is not None else 0,
             num_micro_batches=self.max_in_flight,
+            micro_batch_tokens=config.parallel.pipeline_micro_batch_tokens or self.platform.pipeline_micro_batch_tokens,
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
             max_encoder_tokens=config.multimodal.max_encoder_tokens_per_step,
         )

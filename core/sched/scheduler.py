@@ -21,8 +21,10 @@ tokens also gets k lookahead slots (never past max_model_len).
 Pipeline parallelism: with `num_micro_batches` = P > 1 the engine keeps up to P scheduled steps
 in flight (one per stage at best). A request in flight is in no other batch and is never a
 preemption victim; each batch takes at most ceil(running / P) running requests and (with
-chunked prefill) 1/P of the token budget, so the running set splits into P groups that take
-turns and a burst of prompts is prefilled in overlapping steps. The workers of earlier stages never see the sampled
+chunked prefill) 1/P of the token budget, at most `micro_batch_tokens` (the platform's default
+or --pipeline-micro-batch-tokens), so the running set splits into P groups that take turns and a
+burst of prompts is prefilled in overlapping steps small enough that the pipeline's fill and
+drain (a stage waiting one micro-batch's time) stay short. The workers of earlier stages never see the sampled
 tokens: each cached request carries the tokens appended since it was last scheduled
 (`send_token_ids`).
 
@@ -65,6 +67,7 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         num_micro_batches: int = 1,
+        micro_batch_tokens: int | None = None,
         send_token_ids: bool = False,
         max_encoder_tokens: int | None = None,
     ) -> None:
@@ -87,6 +90,7 @@ class Scheduler:
         self._num_sent_blocks: dict[str, int] = {}  # req_id -> block ids the runner knows
         self._in_flight: dict[str, int] = {}  # scheduled, not yet updated (several batches with num_micro_batches > 1)
         self.num_micro_batches = num_micro_batches  # scheduled steps the engine keeps in flight
+        self.micro_batch_tokens = micro_batch_tokens  # cap on a micro-batch's tokens (see schedule)
         self.send_token_ids = send_token_ids  # cached requests carry their new tokens (pipeline parallelism)
         self._num_sent_tokens: dict[str, int] = {}  # req_id -> tokens the runner was sent (send_token_ids)
         self.spec_stats = SpecDecodeStats()  # every request's proposals and acceptances since start
@@ -117,8 +121,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.num_micro_batches > 1 and self.config.enable_chunked_prefill:
             # pipeline stages take turns on the batches in flight: a prefill spread over them
-            # overlaps too (without chunking a prompt longer than a share would never fit)
+            # overlaps too (without chunking a prompt longer than a share would never fit); a
+            # stage idles for one micro-batch while the pipeline fills and again while it
+            # drains, so a burst of prompts goes in micro-batches of at most `micro_batch_tokens`
+            # (never fewer than a micro-batch's share of decodes: each running request still
+            # gets its token every round)
             budget = max(1, budget // self.num_micro_batches)
+            if self.micro_batch_tokens is not None:
+                decodes = -(-self.config.max_num_seqs // self.num_micro_batches) * (1 + self.num_spec_tokens)
+                budget = min(budget, max(self.micro_batch_tokens, decodes))
         scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
         preempted: list[Request] = []
         spec: dict[str, list[int]] = {}
