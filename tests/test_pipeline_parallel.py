@@ -151,6 +151,9 @@ def test_refusals(model, capsys):
     assert "pipeline_micro_batch_tokens must be an integer of at least 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pipeline_micro_batch_tokens applies to pipeline parallelism"):
         LLM(model=str(model), pipeline_micro_batch_tokens=64, **ENGINE)
+    with pytest.raises(ValueError, match="it needs chunked prefill"):
+        LLM(model=str(model), pipeline_parallel_size=2, pipeline_micro_batch_tokens=64, enable_chunked_prefill=False,
+            **ENGINE)
 
 
 @pytest.mark.slow

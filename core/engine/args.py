@@ -198,6 +198,9 @@ class EngineArgs:
             raise ValueError(f"pipeline_micro_batch_tokens must be an integer of at least 1, got {micro_tokens!r}")
         if micro_tokens is not None and self.pipeline_parallel_size == 1:
             raise ValueError("pipeline_micro_batch_tokens applies to pipeline parallelism; pass --pipeline-parallel-size > 1")
+        if micro_tokens is not None and not self.enable_chunked_prefill:
+            raise ValueError("pipeline_micro_batch_tokens splits prompts into chunks; it needs chunked prefill "
+                             "(drop --no-enable-chunked-prefill)")
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               pipeline_micro_batches=micro or self.pipeline_parallel_size,
