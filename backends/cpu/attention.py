@@ -12,8 +12,9 @@ positions are masked out of the softmax, and 0 * finite = 0.
 
 The native path reads each decode's K/V rows in place from the paged cache (no gather copy, no
 padding) and writes new K/V rows with one call; it runs when the queries and new K/V are fp32 (the
-cache fp32 or 8-bit) and otherwise falls back to the torch path call by call. Prefill chunks
-always use SDPA.
+cache fp32, 8-bit or bf16) or bf16 over a bf16 cache (a bf16 model: the kernels convert the rows
+to fp32 by a 16-bit shift, attend in fp32 and round the output to bf16), and otherwise falls back
+to the torch path call by call. Prefill chunks always use SDPA.
 
 8-bit caches (`--kv-cache-dtype` fp8_e4m3, fp8_e5m2, int8): the canonical layout in that dtype,
 int8 rows followed by their fp32 scale (`portside.backend_api.quantize_kv`). Writes quantize;
@@ -212,8 +213,8 @@ def _decode_view(plan: TorchAttentionPlan, md: AttentionMetadata, window: int | 
 
 
 class NativeAttentionBackend(CpuAttentionBackend):
-    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32 or 8-bit
-    caches, fp32 queries), which take the attention features too.
+    """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32, 8-bit or
+    bf16 caches; fp32 queries, or bf16 over a bf16 cache), which take the attention features too.
 
     Build the kernels first (`kernels.native_unavailable_reason()`); the platform only picks this
     backend when they load."""
@@ -287,8 +288,13 @@ def plan_prefills(md: AttentionMetadata, first: int | None = None) -> list[_Pref
 
 
 def _native(kv_cache: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether the native kernels take these: fp32 queries / K / V, a cache they read (fp32 or 8-bit)."""
-    return kv_cache.dtype in kernels.FORMATS and all(t.dtype == torch.float32 for t in tensors)
+    """Whether the native kernels take these: a cache they read (fp32, 8-bit or bf16) and fp32
+    queries / K / V, or bf16 ones over a bf16 cache (a bf16 model's)."""
+    if kv_cache.dtype not in kernels.FORMATS:
+        return False
+    dtype = tensors[0].dtype
+    ok = dtype == torch.float32 or (dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16)
+    return ok and all(t.dtype == dtype for t in tensors)
 
 
 def _bytes(kv_cache: torch.Tensor) -> torch.Tensor:

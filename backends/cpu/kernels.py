@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-lm")
-ABI_VERSION = 3
+ABI_VERSION = 4
 _ERRORS = {
     1: "a block id outside the cache",
     2: "out of memory for the kernel's scratch buffers",
@@ -50,9 +50,13 @@ _ERRORS = {
     4: "a slot outside the cache",
     5: "an unknown cache format",
 }
-# Cache dtype -> the C kernels' format (csrc/paged_attention.c, PS_KV_*): fp32, or an 8-bit cache
-# as portside.backend_api.quantize_kv lays it out (the canonical layout, int8 rows + fp32 scale).
-FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+# Cache dtype -> the C kernels' format (csrc/paged_attention.c, PS_KV_*): fp32, an 8-bit cache as
+# portside.backend_api.quantize_kv lays it out (the canonical layout, int8 rows + fp32 scale), or a
+# bf16 model's bf16 cache (read as fp32 by a 16-bit shift; queries and K/V rows bf16 or fp32).
+FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.bfloat16: 4}
+BF16 = FORMATS[torch.bfloat16]
+# The query / K / V dtypes the kernels take: fp32 always, bf16 with a bf16 cache.
+INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -209,6 +213,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ps_paged_decode_q8.argtypes = [_ptr, _ptr, _ptr, _i32, _ptr, _ptr] + [_i64] * 12 + [_f32, _i64, _f32, _i32]
     lib.ps_write_kv_q8.restype = _i32
     lib.ps_write_kv_q8.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
+    lib.ps_write_kv_bf16.restype = _i32
+    lib.ps_write_kv_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _ptr, _i64]
 
 
 def library_build_args() -> tuple[list[str], tuple[Path, ...], tuple[str, ...], tuple[str, ...], Path]:
@@ -260,7 +266,7 @@ def _raise_on(rc: int, what: str) -> None:
 
 def _cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(format, num_blocks, block_size, KV heads, head size) of a contiguous canonical cache:
-    fp32 [2, num_blocks, block_size, KVH, D], or 8-bit (`FORMATS`; int8 rows are D + 4 bytes)."""
+    fp32 or bf16 [2, num_blocks, block_size, KVH, D], or 8-bit (`FORMATS`; int8 rows are D + 4 bytes)."""
     fmt = FORMATS.get(kv_cache.dtype)
     if kv_cache.device.type != "cpu" or fmt is None or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} on {kv_cache.device}: need a cpu "
@@ -272,9 +278,9 @@ def _cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
 
 
 def paged_decode(
-    out: torch.Tensor,  # [B, H, D] fp32, written
-    query: torch.Tensor,  # [B, H, D] fp32
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] fp32 or 8-bit (`FORMATS`), contiguous
+    out: torch.Tensor,  # [B, H, D] fp32 (or bf16: the query's dtype), written
+    query: torch.Tensor,  # [B, H, D] fp32, or bf16 over a bf16 cache
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] fp32, bf16 or 8-bit (`FORMATS`), contiguous
     block_tables: torch.Tensor,  # [B, max_blocks] int32, rows contiguous
     seq_lens: torch.Tensor,  # [B] int32, contiguous
     scale: float,
@@ -283,11 +289,22 @@ def paged_decode(
     logit_softcap: float | None = None,
 ) -> None:
     """Decode attention of B single-token queries over their paged K/V (GQA: H % KVH == 0), with
-    the attention features of `portside.backend_api.ATTENTION_FEATURES` (None: not used)."""
+    the attention features of `portside.backend_api.ATTENTION_FEATURES` (None: not used).
+    Softmax and sums in fp32; bf16 queries are converted first and the output rounded to bf16
+    after (the kernels' queries and outputs are fp32)."""
     lib = load_library().lib
+    fmt, num_blocks, block_size, kv_heads, d_cache = _cache_geometry(kv_cache)
+    if query.dtype == torch.bfloat16 and fmt == BF16:
+        _check(out, "out", torch.bfloat16, 3)
+        if out.shape != query.shape:
+            raise ValueError(f"out {tuple(out.shape)} / query {tuple(query.shape)}: need matching shapes")
+        out32 = torch.empty(query.shape, dtype=torch.float32)
+        paged_decode(out32, query.float(), kv_cache, block_tables, seq_lens, scale, num_threads, sliding_window,
+                     logit_softcap)
+        out.copy_(out32)
+        return
     for t, name in ((out, "out"), (query, "query")):
         _check(t, name, torch.float32, 3)
-    fmt, num_blocks, block_size, kv_heads, d_cache = _cache_geometry(kv_cache)
     _check(block_tables, "block_tables", torch.int32, 2)
     _check(seq_lens, "seq_lens", torch.int32, 1)
     batch, heads, d = query.shape
@@ -314,13 +331,20 @@ def paged_decode(
     _raise_on(rc, "paged_decode")
 
 
+def _check_kv(t: torch.Tensor, name: str, fmt: int) -> None:
+    """key/value [T, KVH, D]: fp32, or bf16 for a bf16 cache."""
+    _check(t, name, torch.bfloat16 if fmt == BF16 and t.dtype == torch.bfloat16 else torch.float32, 3)
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv_cache [2, num_blocks, block_size, KVH, D] (fp32, or 8-bit: quantized) at `slots` ([T]
-    int64; -1 skips) <- fp32 key/value [T, KVH, D]."""
+    """kv_cache [2, num_blocks, block_size, KVH, D] (fp32; bf16: rounded; 8-bit: quantized) at
+    `slots` ([T] int64; -1 skips) <- fp32 key/value [T, KVH, D] (bf16 too for a bf16 cache)."""
     lib = load_library().lib
     fmt, num_blocks, block_size, kv_heads, d = _cache_geometry(kv_cache)
-    _check(key, "key", torch.float32, 3)
-    _check(value, "value", torch.float32, 3)
+    _check_kv(key, "key", fmt)
+    _check_kv(value, "value", fmt)
+    if key.dtype != value.dtype:
+        raise ValueError(f"key {key.dtype} and value {value.dtype} differ")
     _check(slots, "slots", torch.int64, 1)
     for t, name in ((key, "key"), (value, "value")):
         if t.shape[1:] != (kv_heads, d) or t.stride(1) != d or t.shape[0] != slots.shape[0]:
@@ -337,6 +361,9 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 def _write(lib: ctypes.CDLL, fmt: int, cache: int, num_slots: int, kv_heads: int, d: int, key: torch.Tensor,
            value: torch.Tensor, slots: int, n: int) -> int:
     """The C write for the cache's format (arguments checked by the caller)."""
+    if fmt == BF16:
+        return lib.ps_write_kv_bf16(cache, num_slots, kv_heads * d, key.data_ptr(), key.stride(0), value.data_ptr(),
+                                    value.stride(0), int(key.dtype == torch.bfloat16), slots, n)
     if fmt:
         return lib.ps_write_kv_q8(cache, fmt, num_slots, kv_heads, d, key.data_ptr(), key.stride(0), value.data_ptr(),
                                   value.stride(0), slots, n)
@@ -370,12 +397,15 @@ class DecodeStep:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
         """fp32 query [B, H, D], key/value [B, KVH, D] with dense heads -> attention output [B, H, D]
-        (contiguous); key/value are first written at the step's slots of `kv_cache` (fp32 or
-        8-bit, `FORMATS`). The features as in `paged_decode`."""
+        (contiguous); key/value are first written at the step's slots of `kv_cache` (fp32, bf16 or
+        8-bit, `FORMATS`). Over a bf16 cache all three may be bf16 (the output is then bf16:
+        fp32 inside). The features as in `paged_decode`."""
         fmt, num_blocks, block_size, kv_heads, d = _cache_geometry(kv_cache)
         batch, heads = self._batch, query.shape[1]
+        bf16 = fmt == BF16 and query.dtype == torch.bfloat16
+        want = torch.bfloat16 if bf16 else torch.float32
         for t in (query, key, value):
-            if t.dtype != torch.float32 or t.shape[0] != batch or t.shape[2] != d or t.stride(2) != 1 or t.stride(1) != d:
+            if t.dtype != want or t.shape[0] != batch or t.shape[2] != d or t.stride(2) != 1 or t.stride(1) != d:
                 raise ValueError(f"query/key/value {tuple(t.shape)} {t.dtype} strides {t.stride()} do not fit "
                                  f"{batch} decodes over kv_cache {tuple(kv_cache.shape)} (fp32, dense heads)")
         if key.shape[1] != kv_heads or value.shape[1] != kv_heads or heads % kv_heads:
@@ -384,6 +414,8 @@ class DecodeStep:
         cache = kv_cache.data_ptr()
         _raise_on(_write(self._lib, fmt, cache, num_blocks * block_size, kv_heads, d, key, value, self._slots, batch),
                   "write_kv")
+        if bf16:
+            query = query.float()  # contiguous
         out = torch.empty(query.shape, dtype=torch.float32)
         args = (
             *self._tables, batch, heads, kv_heads, d, num_blocks, block_size, self._table_shape[0], query.stride(0), d,
@@ -394,4 +426,4 @@ class DecodeStep:
         else:
             rc = self._lib.ps_paged_decode_f32(out.data_ptr(), query.data_ptr(), cache, *args)
         _raise_on(rc, "paged_decode")
-        return out
+        return out.to(torch.bfloat16) if bf16 else out

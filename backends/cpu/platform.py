@@ -212,8 +212,8 @@ class CpuPlatform(Platform):
     def attention_backend(cls, config) -> AttentionBackend:
         """Option cpu_attention: "auto" picks IPEX's paged kernels when intel_extension_for_pytorch
         is usable (and the KV cache is the model's dtype), else the native C kernels for fp32
-        models when they build, else the torch path; "native", "torch" and "ipex" force one
-        (checked in `check_and_update_config`)."""
+        and bf16 models when they build, else the torch path; "native", "torch" and "ipex" force
+        one (checked in `check_and_update_config`)."""
         from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 
         impl = config.option("cpu_attention", "auto")
@@ -223,7 +223,7 @@ class CpuPlatform(Platform):
             if ipex_unavailable_reason() is None:
                 logger.info("cpu attention: IPEX PagedAttention kernels")
                 return IpexAttentionBackend()
-        if impl == "native" or (impl == "auto" and config.model.dtype == torch.float32):
+        if impl == "native" or (impl == "auto" and config.model.dtype in (torch.float32, torch.bfloat16)):
             from portside.backends.cpu.kernels import native_unavailable_reason
 
             reason = native_unavailable_reason()

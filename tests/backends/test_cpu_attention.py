@@ -234,10 +234,139 @@ def test_native_strided_query_and_kv_rows(q_lens):
     check(backend, Case(q, k, v, case.ref_cache, case.cache, case.metadata))
 
 
-def test_native_falls_back_for_bf16():
+def test_native_falls_back_for_fp16():
     backend = _native_backend()
-    case = make_case(backend, [1, 1, 4], [5, 30, 4], 4, 2, 64, 8, dtype=torch.bfloat16, seed=9)
+    case = make_case(backend, [1, 1, 4], [5, 30, 4], 4, 2, 64, 8, dtype=torch.float16, seed=9)
+    check(backend, case, torch.float16)
+
+
+# ---- bf16 (a bf16 model's cache, kv_cache_dtype auto) in the native kernels ---------------------
+
+
+@pytest.fixture
+def no_torch_decodes(monkeypatch):
+    """Fails a test whose decodes reach the torch path (`attention._decode`) instead of the kernels."""
+    from portside.backends.cpu import attention
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a decode fell back to the torch path")
+
+    monkeypatch.setattr(attention, "_decode", refuse)
+
+
+BF16_SHAPES = {  # (num_heads, num_kv_heads, head_size)
+    "mha-64": (4, 4, 64),
+    "gqa4-80": (8, 2, 80),  # a head size that is not a multiple of 16
+    "gqa3-128": (9, 3, 128),
+    "mqa-128": (8, 1, 128),
+}
+BF16_BATCHES = {  # (q_lens, seq_lens), decodes first
+    "decodes": ([1] * 7, [1, 15, 16, 17, 128, 129, 300]),  # block boundaries, the 128-token splits
+    "mixed": ([1, 1, 1, 5, 17], [9, 33, 260, 5, 40]),  # decodes with prefill chunks (SDPA) in one batch
+}
+
+
+@pytest.mark.parametrize("batch", list(BF16_BATCHES))
+@pytest.mark.parametrize("shape", list(BF16_SHAPES))
+def test_native_bf16_matches_the_reference(shape, batch, no_torch_decodes):
+    """bf16 queries / K / V over a bf16 cache: the kernels attend every decode (fp32 inside, the
+    output rounded to bf16) within the bf16 tolerance of the reference, and write the new rows."""
+    backend = _native_backend()
+    heads, kv_heads, d = BF16_SHAPES[shape]
+    q_lens, seq_lens = BF16_BATCHES[batch]
+    case = make_case(backend, q_lens, seq_lens, heads, kv_heads, d, 16, dtype=torch.bfloat16, seed=11)
     check(backend, case, torch.bfloat16)
+
+
+def test_native_bf16_padding_and_strided_rows(no_torch_decodes):
+    """Slots of -1 skipped; q/k/v as views of one fused bf16 qkv projection."""
+    backend = _native_backend()
+    case = make_case(backend, [1, 1, 1, 6], [9, 40, 17, 6], 8, 2, 64, 16, dtype=torch.bfloat16, seed=12, pad_tokens=2)
+    qkv = torch.cat([case.query.flatten(1), case.key.flatten(1), case.value.flatten(1)], dim=1)
+    q = qkv[:, : 8 * 64].view(-1, 8, 64)
+    k = qkv[:, 8 * 64 : 10 * 64].view(-1, 2, 64)
+    v = qkv[:, 10 * 64 :].view(-1, 2, 64)
+    check(backend, Case(q, k, v, case.ref_cache, case.cache, case.metadata), torch.bfloat16)
+
+
+def _bf16_decode_inputs(seed: int, lens: list[int], heads: int = 9, kv_heads: int = 3, d: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    n = -(-max(lens) // bs)
+    num_blocks = len(lens) * n + 5
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d, generator=g).bfloat16()
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * n].view(len(lens), n).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    slots = torch.tensor([int(tables[i, (s - 1) // bs]) * bs + (s - 1) % bs for i, s in enumerate(lens)])
+    q = torch.randn(len(lens), heads, d, generator=g)
+    k, v = torch.randn(len(lens), kv_heads, d, generator=g), torch.randn(len(lens), kv_heads, d, generator=g)
+    return cache, tables, seq_lens, slots, q, k, v
+
+
+def _reference_decodes(q, cache, tables, seq_lens, scale):
+    qsl = list(range(len(seq_lens) + 1))
+    return reference.paged_attention(q, cache, qsl, seq_lens.tolist(), tables, scale)
+
+
+def test_native_fp32_queries_over_a_bf16_cache():
+    """The fused step's case: fp32 queries and K/V rows over a bf16 cache. The rows are rounded to
+    bf16 as torch rounds (to nearest even), the output is fp32 and matches fp32 attention over
+    the bf16 values."""
+    if kernels.native_unavailable_reason():
+        pytest.skip("native cpu kernels unavailable")
+    cache, tables, seq_lens, slots, q, k, v = _bf16_decode_inputs(13, [1, 16, 17, 129, 300])
+    out = kernels.DecodeStep(tables, seq_lens, slots)(q, k, v, cache, 0.125)
+    assert out.dtype == torch.float32
+    flat = cache.view(2, -1, 3, 64)  # [2, slots, KVH, D]
+    torch.testing.assert_close(flat[0, slots], k.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(flat[1, slots], v.bfloat16(), rtol=0, atol=0)
+    expected = _reference_decodes(q, cache.float(), tables, seq_lens, 0.125)
+    assert_close(out, expected, torch.float32)
+
+
+def test_native_bf16_write_rounds_to_nearest_even():
+    """fp32 rows into a bf16 cache: torch's rounding on ties (both directions), the largest finite
+    values, subnormals, infinities and NaN."""
+    if kernels.native_unavailable_reason():
+        pytest.skip("native cpu kernels unavailable")
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF, 0x7F7FFFFF, 0x00008000, 0x80018000,
+                         0x7F800000, 0xFF800000, 0x7FC00000, 0x3F800001, 0xBF818000, 0, 0x80000000, 0x00010000,
+                         0x7F7F7FFF], dtype=torch.int64)  # fmt: skip
+    x = bits.to(torch.int32).view(torch.float32).view(1, 1, 16)
+    cache = torch.zeros(2, 1, 4, 1, 16, dtype=torch.bfloat16)
+    kernels.write_kv(cache, x, -x, torch.tensor([2]))
+    want = x.bfloat16().flatten()
+    got_k, got_v = cache[0, 0, 2].flatten(), cache[1, 0, 2].flatten()
+    nan = want.isnan()
+    assert bool((got_k.isnan() == nan).all()) and bool((got_v.isnan() == nan).all())
+    assert torch.equal(got_k[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(got_v[~nan].view(torch.int16), (-want)[~nan].view(torch.int16))
+
+
+def test_native_bf16_attention_operator_runs_the_installed_plan():
+    """`portside_cpu_native::attention` (the graphs' C++ front) over a bf16 cache: bf16 q/k/v are
+    written and attended in C++, as `kernels.DecodeStep` does, and within the bf16 tolerance of
+    the reference."""
+    from portside.backends.cpu import native_ops
+
+    if native_ops.unavailable_reason():
+        pytest.skip("native operators unavailable")
+    ops = torch.ops.portside_cpu_native
+    cache, tables, seq_lens, slots, q, k, v = _bf16_decode_inputs(14, [200, 37, 1])
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    caches = [cache.clone(), cache]
+    expected_cache = cache.clone()
+    expected = kernels.DecodeStep(tables, seq_lens, slots)(q, k, v, expected_cache, 0.125)
+    assert expected.dtype == torch.bfloat16
+    ops.set_decode_step(caches, tables, seq_lens, slots)
+    try:
+        out = ops.attention(q, k, v, 1, 0.125)
+    finally:
+        ops.clear_decode_step()
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(caches[1], expected_cache, rtol=0, atol=0)
+    assert_close(out, _reference_decodes(q, expected_cache, tables, seq_lens, 0.125), torch.bfloat16)
 
 
 def test_native_rejects_block_ids_outside_the_cache():

@@ -95,14 +95,16 @@ def test_auto_falls_back_to_torch_without_compiler(fresh, monkeypatch):
     assert type(backend) is CpuAttentionBackend and backend.name == "torch-sdpa"
 
 
-def test_auto_picks_native_for_fp32_only():
+def test_auto_picks_native_for_fp32_and_bf16_only():
     # the session's kernels (built once): building them into an empty cache is test_second_load_uses_the_cache's
     if kernels.native_unavailable_reason() is not None:
         pytest.skip("no working C compiler here")
     fp32 = EngineConfig(model=ModelConfig(path="unused"))
     bf16 = EngineConfig(model=ModelConfig(path="unused", dtype=torch.bfloat16))
+    fp16 = EngineConfig(model=ModelConfig(path="unused", dtype=torch.float16))
     assert CpuPlatform.attention_backend(fp32).name == NativeAttentionBackend.name == "native-paged"
-    assert CpuPlatform.attention_backend(bf16).name == "torch-sdpa"
+    assert CpuPlatform.attention_backend(bf16).name == "native-paged"
+    assert CpuPlatform.attention_backend(fp16).name == "torch-sdpa"
 
 
 def test_wrappers_check_their_inputs():
@@ -235,8 +237,8 @@ def test_native_attention_operator_runs_the_installed_plan():
         ops.attention(q, k, v, 1, 0.125)
     with pytest.raises(RuntimeError, match="int32"):
         ops.set_decode_step(caches, tables.long(), lens, slots)
-    with pytest.raises(RuntimeError, match="fp32"):
-        ops.set_decode_step([caches[0].bfloat16()], tables, lens, slots)
+    with pytest.raises(RuntimeError, match="fp32, all bf16"):
+        ops.set_decode_step([caches[0].half()], tables, lens, slots)
 
 
 def test_linear_row_without_cxx_compiler_falls_back(monkeypatch, tmp_path):

@@ -6,7 +6,7 @@
 // The compiled graph (cpp_wrapper) calls it through the dispatcher once per layer. In a step
 // whose plan was installed on this thread with set_decode_step (every row a decode, native caches:
 // see attention_op.forward_context) it writes the new K/V rows and attends with the kernels of
-// paged_attention.c (fp32 or 8-bit caches), compiled into this library: no Python between the layers' kernels. In any
+// paged_attention.c (fp32, 8-bit or bf16 caches), compiled into this library: no Python between the layers' kernels. In any
 // other step, or for inputs it was not written for, it calls portside_cpu::attention, the Python
 // operator that runs the step's attention backend, so it is always correct to call.
 //
@@ -48,10 +48,11 @@ namespace {
 using portside_native::DecodePlan;
 using portside_native::decode_plan;
 
-// The kernels' format of a cache (PS_KV_*: fp32 or an 8-bit one), -1 for any other dtype.
+// The kernels' format of a cache (PS_KV_*: fp32, an 8-bit one or bf16), -1 for any other dtype.
 int cache_format(const at::Tensor& c) {
   switch (c.scalar_type()) {
     case at::kFloat: return PS_KV_F32;
+    case at::kBFloat16: return PS_KV_BF16;
     case at::kChar: return PS_KV_INT8;
     case at::kFloat8_e4m3fn: return PS_KV_E4M3;
     case at::kFloat8_e5m2: return PS_KV_E5M2;
@@ -77,7 +78,7 @@ void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::
     TORCH_CHECK(c.device().is_cpu() && cache_format(c) >= 0 && c.scalar_type() == caches[0].scalar_type() &&
                     c.dim() == 5 && c.size(0) == 2 && c.is_contiguous(),
                 "set_decode_step: every cache must be a contiguous [2, num_blocks, block_size, KVH, row] cpu tensor, "
-                "all fp32 or all of one 8-bit format (float8_e4m3fn, float8_e5m2, int8)");
+                "all fp32, all bf16 or all of one 8-bit format (float8_e4m3fn, float8_e5m2, int8)");
   DecodePlan& plan = decode_plan();
   plan.caches.assign(caches.begin(), caches.end());
   plan.tables = tables;
@@ -88,14 +89,17 @@ void set_decode_step(at::TensorList caches, const at::Tensor& tables, const at::
 
 void clear_decode_step() { decode_plan() = DecodePlan(); }
 
-// q [B, H, D], k/v [B, KVH, D], fp32, each row's heads dense, against this layer's cache.
+// q [B, H, D], k/v [B, KVH, D], fp32 (or all bf16 over a bf16 cache), each row's heads dense,
+// against this layer's cache.
 bool fits(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
   if (!plan.active || layer < 0 || layer >= (int64_t)plan.caches.size()) return false;
   const at::Tensor& c = plan.caches[layer];
   const int64_t batch = plan.lens.size(0), kvh = c.size(3), d = cache_head_size(c);
   if (plan.slots.size(0) != batch) return false;  // a one-sequence multi-row plan: not a decode step
+  const at::ScalarType dt = q.scalar_type();
+  if (dt != at::kFloat && !(dt == at::kBFloat16 && c.scalar_type() == at::kBFloat16)) return false;
   for (const at::Tensor* t : {&q, &k, &v})
-    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(0) != batch ||
+    if (!t->device().is_cpu() || t->scalar_type() != dt || t->dim() != 3 || t->size(0) != batch ||
         t->size(2) != d || t->stride(2) != 1 || t->stride(1) != d)
       return false;
   return k.size(1) == kvh && v.size(1) == kvh && q.size(1) % kvh == 0;
@@ -116,22 +120,29 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t num_blocks = cache.size(1), block_size = cache.size(2), kvh = cache.size(3);
   const int fmt = cache_format(cache);
   void* cp = cache.data_ptr();
-  int rc = fmt == PS_KV_F32
-               ? paged::ps_write_kv_f32((float*)cp, num_blocks * block_size, kvh * d, k.data_ptr<float>(), k.stride(0),
-                                        v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(), batch)
-               : paged::ps_write_kv_q8((uint8_t*)cp, fmt, num_blocks * block_size, kvh, d, k.data_ptr<float>(),
-                                       k.stride(0), v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(),
-                                       batch);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;  // then k, v and the cache are bf16 too (`fits`)
+  int rc;
+  if (fmt == PS_KV_F32)
+    rc = paged::ps_write_kv_f32((float*)cp, num_blocks * block_size, kvh * d, k.data_ptr<float>(), k.stride(0),
+                                v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(), batch);
+  else if (fmt == PS_KV_BF16)
+    rc = paged::ps_write_kv_bf16((uint16_t*)cp, num_blocks * block_size, kvh * d, k.data_ptr(), k.stride(0),
+                                 v.data_ptr(), v.stride(0), bf16, plan.slots.data_ptr<int64_t>(), batch);
+  else
+    rc = paged::ps_write_kv_q8((uint8_t*)cp, fmt, num_blocks * block_size, kvh, d, k.data_ptr<float>(), k.stride(0),
+                               v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(), batch);
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: writing K/V failed (error ", rc, ": a slot outside the cache)");
-  at::Tensor out = at::empty({batch, heads, d}, q.options());
-  rc = paged::paged_decode(out.data_ptr<float>(), q.data_ptr<float>(), cp, fmt, plan.tables.data_ptr<int32_t>(),
+  // the kernels' queries and output are fp32: a bf16 query is converted first, the output rounded after
+  const at::Tensor qf = bf16 ? q.to(at::kFloat).contiguous() : q;
+  at::Tensor out = at::empty({batch, heads, d}, qf.options());
+  rc = paged::paged_decode(out.data_ptr<float>(), qf.data_ptr<float>(), cp, fmt, plan.tables.data_ptr<int32_t>(),
                            plan.lens.data_ptr<int32_t>(), batch, heads, kvh, d, num_blocks, block_size,
-                           plan.tables.size(1), q.stride(0), d, heads * d, d, plan.tables.stride(0), (float)scale,
+                           plan.tables.size(1), qf.stride(0), d, heads * d, d, plan.tables.stride(0), (float)scale,
                            std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
                            at::get_num_threads());
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: paged decode failed (error ", rc,
               ": a block id or seq_len outside the cache or the block table, or out of memory)");
-  return out;
+  return bf16 ? out.to(at::kBFloat16) : out;
 }
 
 }  // namespace

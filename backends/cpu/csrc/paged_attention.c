@@ -5,10 +5,12 @@
  * Plain C, no torch headers. Cache layout of one layer (the canonical one):
  *     kv_cache[2][num_blocks][block_size][num_kv_heads][head_size]
  * so key row (slot, kv_head) starts at ((slot * num_kv_heads) + kv_head) * head_size of plane 0,
- * where slot = block * block_size + offset; plane 1 holds the values. Queries, outputs and new
- * K/V are fp32; the cache is fp32 (`ps_*_f32`) or 8-bit (`ps_*_q8`, formats PS_KV_*, as
- * portside.backend_api.quantize_kv stores them: one byte a value, and for int8 each (token, KV
- * head) row's fp32 scale after its head_size values).
+ * where slot = block * block_size + offset; plane 1 holds the values. Queries and outputs are
+ * fp32, new K/V fp32 (bf16 too for a bf16 cache); the cache is fp32 (`ps_*_f32`), 8-bit
+ * (`ps_*_q8`, formats PS_KV_*, as portside.backend_api.quantize_kv stores them: one byte a value,
+ * and for int8 each (token, KV head) row's fp32 scale after its head_size values) or bf16
+ * (`ps_paged_decode_q8` with PS_KV_BF16, `ps_write_kv_bf16`: a bf16 model's cache, read as fp32 by
+ * a 16-bit shift, attended in fp32).
  *
  * Built with -O3 -march=native -fopenmp: the inner loops over head_size are `omp simd` so the
  * compiler vectorizes them; (sequence, 128-token split) tasks are spread over OpenMP threads.
@@ -38,6 +40,7 @@
 #define PS_KV_INT8 1 /* int8 values, then the row's fp32 scale (value = int8 * scale) */
 #define PS_KV_E4M3 2 /* OCP float8 e4m3fn, saturated to +-448 */
 #define PS_KV_E5M2 3 /* OCP float8 e5m2, saturated to +-57344 */
+#define PS_KV_BF16 4 /* bfloat16 (a bf16 model's cache, kv_cache_dtype auto): 2 bytes a value, no scale */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 /* Sequences longer than this are attended in splits of this many tokens, one task each, then
@@ -185,9 +188,46 @@ ALWAYS_INLINE v8f raw8(const uint8_t *p, const int fmt) {
 #endif
 }
 
-/* n heads' rows of an 8-bit cache (rb bytes each, from src) -> dst [n][D] fp32 values. */
+/* bf16 -> fp32: the 16 bits are the high half of the fp32 (exact). */
+ALWAYS_INLINE float bf16_to_f32(const uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16, round to nearest even (torch's conversion, c10::round_to_nearest_even; NaN -> a quiet NaN). */
+ALWAYS_INLINE uint16_t f32_to_bf16(const float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Eight bf16 values from p as fp32: zero-extend each to 32 bits, shift it into the high half. */
+ALWAYS_INLINE v8f bf16x8(const uint16_t *p) {
+#ifdef PS_X86_LOADS
+    return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    v8f r;
+    for (int i = 0; i < 8; ++i) r[i] = bf16_to_f32(p[i]);
+    return r;
+#endif
+}
+
+/* n heads' rows of an 8-bit or bf16 cache (rb bytes each, from src) -> dst [n][D] fp32 values. */
 ALWAYS_INLINE void dequant_heads(float *restrict dst, const uint8_t *src, const int64_t n, const int64_t D,
                                  const int64_t rb, const int fmt) {
+    if (fmt == PS_KV_BF16) { /* rb == 2 D: the n rows are one run of n D values */
+        const uint16_t *s = (const uint16_t *)src;
+        int64_t c = 0;
+        for (; c + 8 <= n * D; c += 8) {
+            const v8f r = bf16x8(s + c);
+            memcpy(dst + c, &r, sizeof r);
+        }
+        for (; c < n * D; ++c) dst[c] = bf16_to_f32(s[c]);
+        return;
+    }
     for (int64_t h = 0; h < n; ++h) {
         const uint8_t *row = src + h * rb;
         float f = fmt == PS_KV_E4M3 ? 256.0f : 1.0f;
@@ -254,8 +294,10 @@ ALWAYS_INLINE void quantize_row(uint8_t *restrict dst, const float *restrict x, 
     }
 }
 
-/* Bytes of one (token, KV head) row of an 8-bit cache (kv_row_bytes). */
-ALWAYS_INLINE int64_t q8_row_bytes(const int64_t D, const int fmt) { return fmt == PS_KV_INT8 ? D + 4 : D; }
+/* Bytes of one (token, KV head) row of an 8-bit or bf16 cache (kv_row_bytes). */
+ALWAYS_INLINE int64_t q8_row_bytes(const int64_t D, const int fmt) {
+    return fmt == PS_KV_INT8 ? D + 4 : (fmt == PS_KV_BF16 ? 2 * D : D);
+}
 
 ALWAYS_INLINE void prefetch_bytes(const uint8_t *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
@@ -372,8 +414,8 @@ static void decode_range_any(const decode_shape *sh, float *out, float *part, co
     }
 }
 
-/* `decode_range` over an 8-bit cache (format `fmt`): each token's key rows are dequantized to fp32
- * (scales applied) before its dot products, and values Q8_CHUNK tokens at a time before the
+/* `decode_range` over an 8-bit or bf16 cache (format `fmt`): each token's key rows are converted to
+ * fp32 (8-bit: scales applied; bf16: a 16-bit shift) before its dot products, and values Q8_CHUNK tokens at a time before the
  * weighted sum, so every query head of a KV head uses one conversion; the rest is decode_range's
  * arithmetic. Scratch: decode_range's, then (1 + Q8_CHUNK) * num_kv_heads * D floats. */
 ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
@@ -479,6 +521,8 @@ static void decode_range_q8_any(const decode_shape *sh, float *out, float *part,
     /* constant D and format: unrolled, vectorized conversions and dot products */
     if (fmt == PS_KV_INT8) {
         Q8_CASE(PS_KV_INT8)
+    } else if (fmt == PS_KV_BF16) {
+        Q8_CASE(PS_KV_BF16)
     } else if (fmt == PS_KV_E4M3) {
         Q8_CASE(PS_KV_E4M3)
     } else {
@@ -554,7 +598,7 @@ static int paged_decode(float *out, const float *query, const void *kv_cache, co
                         int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
                         int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
                         float softcap, int num_threads) {
-    if (fmt < PS_KV_F32 || fmt > PS_KV_E5M2) return PS_ERR_FORMAT;
+    if (fmt < PS_KV_F32 || fmt > PS_KV_BF16) return PS_ERR_FORMAT;
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
                              q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale,
                              softcap, window};
@@ -638,7 +682,8 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                         out_stride_head, table_stride, scale, window, softcap, num_threads);
 }
 
-/* `ps_paged_decode_f32` over an 8-bit cache of format `fmt` (PS_KV_INT8, _E4M3, _E5M2):
+/* `ps_paged_decode_f32` over an 8-bit cache of format `fmt` (PS_KV_INT8, _E4M3, _E5M2) or a bf16 one
+ * (PS_KV_BF16); queries and outputs stay fp32:
  *   kv_cache [2, num_blocks, block_size, num_kv_heads, row] bytes, row = q8_row_bytes(head_size, fmt). */
 int ps_paged_decode_q8(float *out, const float *query, const uint8_t *kv_cache, int fmt, const int32_t *block_tables,
                        const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -693,5 +738,29 @@ int ps_write_kv_q8(uint8_t *kv_cache, int fmt, int64_t num_slots, int64_t num_kv
     return PS_OK;
 }
 
+/* `ps_write_kv_f32` into a bf16 cache: key/value rows fp32 (rounded to nearest even, torch's
+ * conversion) or, with `src_bf16`, bf16 (copied):
+ *   kv_cache  [2, num_blocks * block_size, row] bf16 (row = num_kv_heads * head_size), contiguous
+ *   key/value [num_tokens, row], token strides key_stride / value_stride (elements) */
+int ps_write_kv_bf16(uint16_t *kv_cache, int64_t num_slots, int64_t row, const void *key, int64_t key_stride,
+                     const void *value, int64_t value_stride, int src_bf16, const int64_t *slots, int64_t num_tokens) {
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (slots[i] >= num_slots) return PS_ERR_SLOT;
+    uint16_t *v_plane = kv_cache + num_slots * row;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        if (src_bf16) {
+            memcpy(kv_cache + s * row, (const uint16_t *)key + i * key_stride, row * sizeof(uint16_t));
+            memcpy(v_plane + s * row, (const uint16_t *)value + i * value_stride, row * sizeof(uint16_t));
+        } else {
+            const float *k = (const float *)key + i * key_stride, *v = (const float *)value + i * value_stride;
+            for (int64_t d = 0; d < row; ++d) kv_cache[s * row + d] = f32_to_bf16(k[d]);
+            for (int64_t d = 0; d < row; ++d) v_plane[s * row + d] = f32_to_bf16(v[d]);
+        }
+    }
+    return PS_OK;
+}
+
 /* ABI version of this file's entry points; kernels.py checks it after loading. */
-int ps_abi_version(void) { return 3; }
+int ps_abi_version(void) { return 4; }
