@@ -1,4 +1,4 @@
-"""Batch-1 decode of a Llama-family fp32 model as one native call: the torch class
+"""Batch-1 decode of a Llama-family fp32 or bf16 model as one native call: the torch class
 `portside_cpu_native.LlamaDecoder` (`csrc/fused_decode.cpp`), used by the eager and inductor cpu
 graph runners for every one-sequence decode step (option ``cpu_fused_decode``, on by default).
 
@@ -13,6 +13,11 @@ proposals; a short prefill chunk) run in the native multi-row step (`step_rows`)
 each weight once for all rows: op by op (oneDNN's small-M GEMMs, prefill-style attention) a
 5-row verification cost ~2.7x a batch-1 step. Steps neither covers (several sequences, longer
 prefill chunks, other models, tensor parallelism, other dtypes) run as before.
+
+bf16 models run the batch-1 step too: the bf16 matrices are streamed as they are (half the bytes
+of fp32) and each dot product widens them to fp32 as it loads them, with fp32 activations and
+accumulation, over the model's bf16 KV cache. On CPUs without native bf16 matmuls (AVX2, AVX-512F)
+op by op is far slower (oneDNN's bf16 GEMV emulated). Their multi-row steps run op by op.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from portside.backends.cpu.attention import MAX_FUSED_ROWS
 logger = logging.getLogger(__name__)
 
 FUSED_DECODE_MODES = ("on", "off")
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes of the batch-1 step (`step_rows`: fp32 only)
 # What the native step computes exactly: core's Llama-family class (exactly it, not a subclass
 # that may change a layer) for the architectures it serves, with no attention feature in any layer.
 # LLaVA's language model is one of these (its vision tower runs outside the step: image rows come
@@ -65,19 +71,21 @@ class FusedDecoder:
         dims = [len(m.layers), args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
                 args.intermediate_size, args.vocab_size]
         self._decoder = torch.classes.portside_cpu_native.LlamaDecoder(tensors, dims, args.rms_norm_eps, attn.scale)
+        self.dtype = m.embed_tokens.weight.dtype  # fp32 or bf16: the hidden states handed back
 
     @staticmethod
     def covers(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether this step is a one-sequence decode the native step runs: one row, a decode-only
-        native attention plan, and fp32 caches (not an 8-bit `--kv-cache-dtype`)."""
+        native attention plan, and fp32 or bf16 caches (not an 8-bit `--kv-cache-dtype`)."""
         return (input_ids.shape[0] == 1 and getattr(ctx.metadata.backend_data, "native_step", None) is not None
-                and ctx.kv_caches[0].dtype == torch.float32)
+                and ctx.kv_caches[0].dtype in (torch.float32, torch.bfloat16))
 
     @staticmethod
     def covers_rows(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether this step is one sequence's 2..`MAX_FUSED_ROWS` rows (a speculative verification,
         a short prefill chunk) that the native multi-row step runs: the attention backend made
-        its one-sequence plan (`NativeAttentionBackend.prepare`), and fp32 caches."""
+        its one-sequence plan (`NativeAttentionBackend.prepare`), and fp32 caches (so an fp32
+        model: a bf16 model's cache is bf16 or 8-bit, and its multi-row steps run op by op)."""
         return (2 <= input_ids.shape[0] <= MAX_FUSED_ROWS
                 and getattr(ctx.metadata.backend_data, "native_rows", None) is not None
                 and ctx.kv_caches[0].dtype == torch.float32)
@@ -96,14 +104,15 @@ class FusedDecoder:
         return self._decoder.logits(hidden)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [1, hidden] after the final norm, fp32 logits [1, vocab]) of a covered step;
-        the new K/V rows are written into `ctx.kv_caches`."""
+        """(hidden [1, hidden] after the final norm, in the model's dtype; fp32 logits [1, vocab])
+        of a covered step; the new K/V rows are written into `ctx.kv_caches`."""
         step = ctx.metadata.backend_data.native_step
         torch.ops.portside_cpu_native.set_decode_step(ctx.kv_caches, *step.tensors)
         try:
-            return self._decoder.step(input_ids, positions)
+            hidden, logits = self._decoder.step(input_ids, positions)
         finally:
             torch.ops.portside_cpu_native.clear_decode_step()
+        return (hidden if self.dtype == torch.float32 else hidden.to(self.dtype)), logits
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -129,8 +138,8 @@ def unsupported_reason(model: Any) -> str | None:
             return f"layer {i} uses attention features {used}"
     if getattr(model.config, "quantized", False) or any(getattr(m, "quant", None) is not None for m in model.modules()):
         return "quantized weights"
-    if model.dtype != torch.float32:
-        return f"dtype {model.dtype} (the native step is fp32)"
+    if model.dtype not in FUSED_DTYPES:
+        return f"dtype {model.dtype} (the native step is fp32 or bf16)"
     if model.model.embed_tokens.tp_size != 1:
         return "tensor parallelism"
     params = [*model.parameters(), model.model.rotary.cos_sin]
@@ -150,5 +159,7 @@ def make_fused_decoder(model: Any, config: Any) -> FusedDecoder | None:
     if reason:
         logger.info("cpu: batch-1 decode runs op by op, not in the fused native step: %s", reason)
         return None
-    logger.info("cpu: batch-1 decode steps run in the fused native step (csrc/fused_decode.cpp)")
+    logger.info("cpu: batch-1 decode steps run in the fused native step (csrc/fused_decode.cpp), %s%s",
+                str(model.dtype).removeprefix("torch."),
+                "" if model.dtype == torch.float32 else " weights and KV cache, fp32 activations and sums")
     return FusedDecoder(model)

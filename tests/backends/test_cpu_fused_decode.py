@@ -2,7 +2,8 @@
 one step against the model's own forward pass (hidden states, logits and the K/V rows it writes),
 across the 128-token attention splits, for Llama, Qwen2 (qkv bias) and tied embeddings, on 1 and 2
 threads; greedy parity with transformers through the engine, which must run every batch-1 decode
-in it; and when it stays out of the way."""
+in it; the same for bf16 models (bf16 weights and KV cache) against the model and transformers in
+bf16; and when it stays out of the way."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from portside.config import ModelConfig
 from portside.model.registry import load_model
 from portside.testing.paged import single_sequence_metadata
 from portside.testing.tiny import hf_greedy, make_tiny_model
+from portside.testing.tolerances import assert_close
 
 native_ops = pytest.importorskip("portside.backends.cpu.native_ops")
 if native_ops.unavailable_reason() is not None:
@@ -141,27 +143,91 @@ def assert_bf16_greedy_parity(hf, prompt: list[int], tokens: list[int]) -> int:
     return exact
 
 
-@pytest.mark.parametrize("fused", ["off"])
+@pytest.mark.parametrize("fused", ["on", "off"])
 def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
-    """A bf16 model (bf16 KV cache) through the engine: decodes attend in the native kernels (none
-    falls back to the torch path) and greedy tokens are transformers' bf16 ones up to near-ties."""
+    """A bf16 model (bf16 KV cache) through the engine: every batch-1 decode runs in the fused step
+    (`on`) or op by op with the native kernels attending (`off`; none falls back to the torch
+    path), and greedy tokens are transformers' bf16 ones up to near-ties."""
     from portside.backends.cpu import attention
 
     def refuse(*args, **kwargs):
         raise AssertionError("a decode fell back to the torch path")
 
+    calls: list[int] = []
+    fused_call = FusedDecoder.__call__
+
+    def counting(self, input_ids, positions, ctx):
+        calls.append(int(positions[0]))
+        return fused_call(self, input_ids, positions, ctx)
+
     monkeypatch.setattr(attention, "_decode", refuse)
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
     llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
               platform_options={"cpu_fused_decode": fused})
     runner = llm.engine.executor.runner
     assert runner.attn_backend.name == "native-paged"
+    assert (runner.graph_runner._fused is not None) == (fused == "on")
     hf, exact, total = _hf_bf16(variant), 0, 0
     for prompt in BF16_PROMPTS:
+        calls.clear()
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)[0]  # fmt: skip
+        assert calls == (list(range(len(prompt), len(prompt) + 15)) if fused == "on" else [])
         exact += assert_bf16_greedy_parity(hf, prompt, list(out.outputs[0].token_ids))
         total += 16
     assert exact >= total * 3 // 4  # near-ties are rare
+
+
+@pytest.mark.parametrize("context", [1, 9, 128, 129, 300])
+def test_bf16_fused_step_matches_the_model(variant, context):
+    """A bf16 model's fused step computes the model with its bf16 weights in fp32 (activations and
+    sums) over a bf16 cache: against the fp32 model holding the same (bf16-rounded) weights over
+    an fp32 cache holding the same (bf16-rounded) prefix, the hidden states and logits differ only
+    by the new K/V rows' bf16 rounding and the order of the sums, and the K/V rows written are
+    that model's rounded to bf16 (the first layer's to
+    within one bf16 step: the sums run in another order); nothing else in the cache is written.
+    2 threads."""
+    model = load_model(ModelConfig(path=str(variant), max_model_len=512, dtype=torch.bfloat16), torch.device("cpu"))
+    assert unsupported_reason(model) is None
+    ref = load_model(ModelConfig(path=str(variant), max_model_len=512), torch.device("cpu"))
+    with torch.no_grad():
+        for p32, p16 in zip(ref.parameters(), model.parameters(), strict=True):
+            p32.copy_(p16.float())
+    backend, block_size, num_blocks = NativeAttentionBackend(), 8, 48
+    spec = model.kv_cache_spec()
+    shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size)
+    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
+    table = [(7 * i + 3) % num_blocks for i in range(num_blocks)]
+    ids = torch.randint(0, model.config.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(context))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            ref(ids[:context], torch.arange(context), _context(backend, caches, 0, context, table, block_size))
+            for c in caches:  # the prefix as the bf16 cache holds it
+                c.copy_(c.bfloat16().float())
+            bf16_caches = [c.bfloat16() for c in caches]
+            step_ids, step_pos = ids[context:], torch.tensor([context])
+            expected_hidden = ref(step_ids, step_pos, _context(backend, caches, context, 1, table, block_size))
+            expected_logits = ref.compute_logits(expected_hidden)
+            hidden, logits = FusedDecoder(model)(step_ids, step_pos,
+                                                 _context(backend, bf16_caches, context, 1, table, block_size))
+    finally:
+        torch.set_num_threads(previous)
+    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert_close(hidden, expected_hidden.bfloat16(), torch.bfloat16)
+    # with a one-token prefix the new (rounded) K/V row is half of what is attended: the model-level
+    # bf16 tolerance (test_model_archs') there
+    torch.testing.assert_close(logits, expected_logits, **({"atol": 3e-2, "rtol": 1e-2} if context > 8 else
+                                                           {"atol": 0.15, "rtol": 0.05}))
+    slot = table[context // block_size] * block_size + context % block_size
+    for layer, (got, want) in enumerate(zip(bf16_caches, caches, strict=True)):
+        got, want = got.clone().view(2, -1, *shape[3:]), want.bfloat16().view(2, -1, *shape[3:])
+        # layer 0's row depends on the weights alone; later rows carry the attention over the bf16 prefix
+        tol = {"atol": 1e-3, "rtol": 2**-7} if layer == 0 else {"atol": 5e-2, "rtol": 2e-2}
+        torch.testing.assert_close(got[:, slot].float(), want[:, slot].float(), **tol)
+        got[:, slot] = want[:, slot]
+        assert torch.equal(got, want)  # nothing else written
 
 
 def test_fused_decode_can_be_turned_off_and_checks_its_option(tiny_llama):
@@ -172,8 +238,12 @@ def test_fused_decode_can_be_turned_off_and_checks_its_option(tiny_llama):
 
 
 def test_models_the_step_does_not_cover(tiny_llama):
-    model = load_model(ModelConfig(path=str(tiny_llama), dtype=torch.bfloat16), torch.device("cpu"))
+    model = load_model(ModelConfig(path=str(tiny_llama), dtype=torch.float16), torch.device("cpu"))
     assert "dtype" in unsupported_reason(model)
+    bf16 = load_model(ModelConfig(path=str(tiny_llama), dtype=torch.bfloat16), torch.device("cpu"))
+    assert unsupported_reason(bf16) is None
+    with pytest.raises(RuntimeError, match="fp32 models only"):  # no bf16 multi-row step
+        FusedDecoder(bf16)._decoder.step_rows(torch.tensor([1, 2]), torch.tensor([0, 1]))
     assert "not a Llama-family model" in unsupported_reason(torch.nn.Linear(2, 2))
 
 

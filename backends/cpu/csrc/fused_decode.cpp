@@ -1,4 +1,4 @@
-// A whole batch-1 decode step of a Llama-family fp32 model in one C++ call:
+// A whole batch-1 decode step of a Llama-family fp32 or bf16 model in one C++ call:
 // torch.classes.portside_cpu_native.LlamaDecoder(tensors, dims, eps, scale).step(ids, positions)
 // -> (hidden [1, hidden] after the final norm, logits [1, vocab]).
 //
@@ -20,6 +20,17 @@
 // M = 2..16 rows (a speculative verification step, a short prefill chunk), under a one-sequence
 // multi-row plan, and `logits(hidden [N, hidden])` its LM head: see "Multi-row steps" below and
 // tests/backends/test_cpu_fused_rows.py.
+//
+// bf16 models (`step` only; `step_rows` and `logits` are fp32-only): the matrices (qkv, o,
+// gate_up, down, LM head) and the embedding stay bf16 and are streamed as they are, half the bytes
+// of fp32; each row's dot product converts its weights to fp32 as it loads them (a 16-bit shift,
+// `dot1_bf16`) and accumulates in fp32, and the activations are fp32 throughout the step (the
+// norm weights, biases and rotary table are copied to fp32 once). The KV cache is the model's
+// bf16 cache: the new K/V rows are rounded to bf16 as torch rounds, and attention reads them with
+// paged_attention.c's bf16 path (fp32 softmax and sums). The step returns fp32 hidden states and
+// logits, as for an fp32 model. This CPU family (AVX2, no AVX-512-BF16) has no bf16 arithmetic, so
+// the conversion is the shift; with AVX-512-BF16 a `vdpbf16ps` path would need the activations
+// rounded to bf16 and is not written.
 
 #include <math.h>
 #include <stdint.h>
@@ -76,9 +87,21 @@ int64_t prof[64][kStages];
 // The tensors of one decoder layer, in the order `LlamaDecoder`'s constructor takes them.
 constexpr int kPerLayer = 10;
 
-struct Layer {
-  const float *in_norm, *qkv, *qkv_b, *o, *o_b, *post_norm, *gate_up, *gate_up_b, *down, *down_b;
+// W: the matrices' element type, float or uint16_t (bf16 bits); norms and biases are fp32.
+template <class W>
+struct LayerT {
+  const float* in_norm;
+  const W* qkv;
+  const float* qkv_b;
+  const W* o;
+  const float *o_b, *post_norm;
+  const W* gate_up;
+  const float* gate_up_b;
+  const W* down;
+  const float* down_b;
 };
+using Layer = LayerT<float>;
+using Layer16 = LayerT<uint16_t>;
 
 // [begin, end) of `n` items for thread `t` of `threads`: even contiguous shares.
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
@@ -91,6 +114,91 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
 // plain sum over the weights in the high-bandwidth state, 1.068 vs 1.09x in the low one.
 inline void rows1(const float* x, const float* w, float* y, int64_t K, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) y[r] = portside_rows::dot1(x, w + r * K, K);
+}
+
+// bf16 rows: x (fp32) . w_r (bf16 bits), accumulated in fp32. Each 8 weights are widened to 32
+// bits and shifted into the high half (exactly their fp32 values), then one FMA; four
+// accumulators. Without AVX2 and FMA, a scalar loop.
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8_ps(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float hsum_ps(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8_ps(r + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), bf16x8_ps(r + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), bf16x8_ps(r + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), bf16x8_ps(r + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8_ps(r + k), a0);
+  float s = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += x[k] * bf16_value(r[k]);
+  return s;
+}
+
+inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    a0 = _mm256_fmadd_ps(x0, bf16x8_ps(r0 + k), a0);
+    a1 = _mm256_fmadd_ps(x1, bf16x8_ps(r0 + k + 8), a1);
+    b0 = _mm256_fmadd_ps(x0, bf16x8_ps(r1 + k), b0);
+    b1 = _mm256_fmadd_ps(x1, bf16x8_ps(r1 + k + 8), b1);
+  }
+  float s0 = hsum_ps(_mm256_add_ps(a0, a1)), s1 = hsum_ps(_mm256_add_ps(b0, b1));
+  for (; k < K; ++k) {
+    s0 += x[k] * bf16_value(r0[k]);
+    s1 += x[k] * bf16_value(r1[k]);
+  }
+  *y0 = s0;
+  *y1 = s1;
+}
+#else
+inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += x[k] * bf16_value(r[k]);
+  return s;
+}
+
+inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
+  *y0 = dot1_bf16(x, r0, K);
+  *y1 = dot1_bf16(x, r1, K);
+}
+#endif
+
+inline void rows1(const float* x, const uint16_t* w, float* y, int64_t K, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) y[r] = dot1_bf16(x, w + r * K, K);
+}
+
+// Dot products of x with two rows (gate and up of one channel), fp32 or bf16 weights.
+inline void dot2w(const float* x, const float* r0, const float* r1, int64_t K, float* y0, float* y1) {
+  portside_rows::dot2(x, r0, r1, K, y0, y1);
+}
+inline void dot2w(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
+  dot2_bf16(x, r0, r1, K, y0, y1);
+}
+
+// An embedding row as fp32.
+inline void embed_row(float* out, const float* row, int64_t n) { memcpy(out, row, n * sizeof(float)); }
+inline void embed_row(float* out, const uint16_t* row, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_value(row[i]);
 }
 
 // Rows [0, n_rows) of one matrix-vector product over the threads. Each thread streams its even
@@ -109,10 +217,11 @@ constexpr int64_t kGrain = 64;
 // prefetching the first K/V rows of the thread's attention split as well changed nothing.
 constexpr int64_t kPrefetchBytes = 4096;
 
-inline void prefetch_share(const float* w, int64_t n_rows, int64_t K, int t, int n) {
+template <class W>
+inline void prefetch_share(const W* w, int64_t n_rows, int64_t K, int t, int n) {
   const auto [r0, r1] = share(n_rows, t, n);
   const char* p = (const char*)(w + r0 * K);
-  const int64_t bytes = std::min<int64_t>(kPrefetchBytes, (r1 - r0) * K * (int64_t)sizeof(float));
+  const int64_t bytes = std::min<int64_t>(kPrefetchBytes, (r1 - r0) * K * (int64_t)sizeof(W));
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
@@ -271,9 +380,10 @@ inline void rows_m(const float* x, int64_t M, const float* w, int64_t K, int64_t
   if (r < r1) dots2(x, M, w + r * K, w + r * K, K, y + r, y + r, N);
 }
 
-at::Tensor checked(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "LlamaDecoder: ", what, " must be a contiguous fp32 cpu tensor");
+at::Tensor checked(const at::Tensor& t, std::vector<int64_t> shape, const char* what,
+                   at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), "LlamaDecoder: ", what,
+              " must be a contiguous ", dtype == at::kFloat ? "fp32" : "bf16", " cpu tensor");
   TORCH_CHECK(t.sizes().vec() == shape, "LlamaDecoder: ", what, " has shape ", t.sizes(), ", expected ",
               at::IntArrayRef(shape));
   return t;
@@ -281,8 +391,11 @@ at::Tensor checked(const at::Tensor& t, std::vector<int64_t> shape, const char* 
 
 struct LlamaDecoder : torch::CustomClassHolder {
   std::vector<at::Tensor> tensors;  // keeps every weight alive: the pointers below are into these
-  std::vector<Layer> layers;
-  const float *embed, *final_norm, *lm_head, *cos_sin;
+  std::vector<Layer> layers;      // an fp32 model's
+  std::vector<Layer16> layers16;  // a bf16 model's
+  const float *embed = nullptr, *final_norm, *lm_head = nullptr, *cos_sin;
+  const uint16_t *embed16 = nullptr, *lm_head16 = nullptr;  // a bf16 model's
+  bool bf16 = false;
   int64_t L, H, NH, KVH, D, I, V, P;
   float eps, scale;
   // Step buffers: shared by the threads (each writes its own share), and per thread. So one step
@@ -305,16 +418,44 @@ struct LlamaDecoder : torch::CustomClassHolder {
     TORCH_CHECK(KVH > 0 && NH % KVH == 0 && D % 2 == 0, "LlamaDecoder: bad head counts or head size");
     TORCH_CHECK(tensors[3].dim() == 2, "LlamaDecoder: the rotary table must be [positions, head_dim]");
     P = tensors[3].size(0);
-    embed = checked(tensors[0], {V, H}, "the embedding").data_ptr<float>();
-    final_norm = checked(tensors[1], {H}, "the final norm").data_ptr<float>();
-    lm_head = checked(tensors[2], {V, H}, "the LM head").data_ptr<float>();
-    cos_sin = checked(tensors[3], {P, D}, "the rotary table").data_ptr<float>();
+    // The model's dtype is its embedding's: fp32, or bf16 (matrices streamed as bf16, the small
+    // vectors copied to fp32 here: `small`).
+    const at::ScalarType wt = tensors[0].scalar_type();
+    TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "LlamaDecoder: the weights must be fp32 or bf16, got ", wt);
+    bf16 = wt == at::kBFloat16;
+    tensors.reserve(tensors.size() + 2 + 6 * L);  // the fp32 copies below are kept here too: no reallocation
+    auto small = [&](const at::Tensor& t, std::vector<int64_t> shape, const char* what) -> const float* {
+      if (t.scalar_type() == at::kFloat) return checked(t, shape, what).data_ptr<float>();
+      tensors.push_back(checked(t, shape, what, at::kBFloat16).to(at::kFloat));
+      return tensors.back().data_ptr<float>();
+    };
+    if (bf16) {
+      embed16 = (const uint16_t*)checked(tensors[0], {V, H}, "the embedding", wt).data_ptr();
+      lm_head16 = (const uint16_t*)checked(tensors[2], {V, H}, "the LM head", wt).data_ptr();
+    } else {
+      embed = checked(tensors[0], {V, H}, "the embedding").data_ptr<float>();
+      lm_head = checked(tensors[2], {V, H}, "the LM head").data_ptr<float>();
+    }
+    final_norm = small(tensors[1], {H}, "the final norm");
+    cos_sin = small(tensors[3], {P, D}, "the rotary table");
     const int64_t QKV = (NH + 2 * KVH) * D;
     auto bias = [&](const at::Tensor& t, int64_t n, const char* what) -> const float* {
-      return t.numel() ? checked(t, {n}, what).data_ptr<float>() : nullptr;
+      return t.numel() ? small(t, {n}, what) : nullptr;
     };
     for (int64_t l = 0; l < L; ++l) {
-      const at::Tensor* t = &tensors[4 + kPerLayer * l];
+      const int64_t i = 4 + kPerLayer * l;  // not a pointer into `tensors`: `small` appends to it
+      if (bf16) {
+        auto m = [&](int64_t j, std::vector<int64_t> shape, const char* what) {
+          return (const uint16_t*)checked(tensors[i + j], shape, what, wt).data_ptr();
+        };
+        layers16.push_back({small(tensors[i], {H}, "an input norm"), m(1, {QKV, H}, "a qkv projection"),
+                            bias(tensors[i + 2], QKV, "a qkv bias"), m(3, {H, NH * D}, "an o projection"),
+                            bias(tensors[i + 4], H, "an o bias"), small(tensors[i + 5], {H}, "a post-attention norm"),
+                            m(6, {2 * I, H}, "a gate_up projection"), bias(tensors[i + 7], 2 * I, "a gate_up bias"),
+                            m(8, {H, I}, "a down projection"), bias(tensors[i + 9], H, "a down bias")});
+        continue;
+      }
+      const at::Tensor* t = &tensors[i];
       layers.push_back({checked(t[0], {H}, "an input norm").data_ptr<float>(),
                         checked(t[1], {QKV, H}, "a qkv projection").data_ptr<float>(), bias(t[2], QKV, "a qkv bias"),
                         checked(t[3], {H, NH * D}, "an o projection").data_ptr<float>(), bias(t[4], H, "an o bias"),
@@ -329,6 +470,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
   }
 
   std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions) {
+    return bf16 ? step_w(layers16, embed16, lm_head16, ids, positions) : step_w(layers, embed, lm_head, ids, positions);
+  }
+
+  // `step` for matrices of element type W (the members of that type, passed in).
+  template <class W>
+  std::tuple<at::Tensor, at::Tensor> step_w(const std::vector<LayerT<W>>& layers, const W* embed, const W* lm_head,
+                                            const at::Tensor& ids, const at::Tensor& positions) {
     const portside_native::DecodePlan& plan = portside_native::decode_plan();
     TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && plan.slots.size(0) == 1 && (int64_t)plan.caches.size() == L,
                 "LlamaDecoder.step: needs the decode plan of a one-sequence decode step (set_decode_step)");
@@ -340,10 +488,11 @@ struct LlamaDecoder : torch::CustomClassHolder {
     TORCH_CHECK(pos >= 0 && pos < P, "LlamaDecoder.step: position ", pos, " outside the rotary table");
     const at::Tensor& c0 = plan.caches[0];
     const int64_t num_blocks = c0.size(1), block_size = c0.size(2);
+    const bool cache16 = c0.scalar_type() == at::kBFloat16;  // else fp32
     for (const at::Tensor& c : plan.caches)
-      TORCH_CHECK(c.dim() == 5 && c.size(1) == num_blocks && c.size(2) == block_size && c.size(3) == KVH &&
-                      c.size(4) == D,
-                  "LlamaDecoder.step: a KV cache does not fit the model's KV heads and head size");
+      TORCH_CHECK(c.scalar_type() == c0.scalar_type() && (cache16 || c.scalar_type() == at::kFloat) && c.dim() == 5 &&
+                      c.size(1) == num_blocks && c.size(2) == block_size && c.size(3) == KVH && c.size(4) == D,
+                  "LlamaDecoder.step: a KV cache is not fp32 or bf16, or does not fit the model's KV heads and head size");
     const int64_t len = plan.lens.data_ptr<int32_t>()[0], slot = plan.slots.data_ptr<int64_t>()[0];
     const int64_t max_blocks = plan.tables.size(1);
     const int32_t* table = plan.tables.data_ptr<int32_t>();
@@ -366,7 +515,8 @@ struct LlamaDecoder : torch::CustomClassHolder {
     splits = (len + split_len - 1) / split_len;  // none empty
     const int64_t part_floats = NH * (D + 2);
     if ((int64_t)parts.size() < splits * part_floats) parts.resize(splits * part_floats);
-    const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D);
+    // decode_range's scratch; a bf16 cache's (decode_range_q8) converts key and value rows into more
+    const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D) + (cache16 ? (1 + Q8_CHUNK) * KVH * D : 0);
     if ((int)mine.size() < threads) mine.resize(threads);
     for (auto& m : mine) m.resize(H + 2 * NH * D + scratch);
 
@@ -375,7 +525,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     for (int64_t i = 0; i < matrices * threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
     at::Tensor hidden = at::empty({1, H}, ids.options().dtype(at::kFloat));
     at::Tensor logits = at::empty({1, V}, ids.options().dtype(at::kFloat));
-    memcpy(h.data(), embed + token * H, H * sizeof(float));
+    embed_row(h.data(), embed + token * H, H);
     const float* rope = cos_sin + pos * D;
     const int64_t QS = NH * D, KS = KVH * D, QKV = QS + 2 * KS;
 
@@ -387,9 +537,9 @@ struct LlamaDecoder : torch::CustomClassHolder {
 #endif
       float *x = mine[t].data(), *q = x + H, *merged = q + QS, *work = merged + QS;
       const int owner = (int)((splits - 1) % n);  // attends the newest split, so writes the new K/V
-      for (const Layer& w : layers) {
+      for (const LayerT<W>& w : layers) {
         const int64_t l = &w - layers.data();
-        float* cache = plan.caches[l].data_ptr<float>();
+        void* cache = plan.caches[l].data_ptr();
         // input norm (every thread, its own copy), then this thread's rows of q, k, v
         rms_norm(h.data(), w.in_norm, x, H, eps);
         Counter* c = counters.data() + 4 * l * n;
@@ -404,15 +554,25 @@ struct LlamaDecoder : torch::CustomClassHolder {
         MARK(1);
         // rotary on q (each thread, its own copy); the new K/V row; this thread's splits
         rotate(qkv.data(), q, NH, D, rope);
-        if (t == owner) {
-          float* k_row = cache + slot * KS;
-          rotate(qkv.data() + QS, k_row, KVH, D, rope);
-          memcpy(cache + num_blocks * block_size * KS + slot * KS, qkv.data() + QS + KS, KS * sizeof(float));
+        if (t == owner && !cache16) {
+          float* c32 = (float*)cache;
+          rotate(qkv.data() + QS, c32 + slot * KS, KVH, D, rope);
+          memcpy(c32 + num_blocks * block_size * KS + slot * KS, qkv.data() + QS + KS, KS * sizeof(float));
+        } else if (t == owner) {  // bf16: rotated into this thread's scratch, then rounded into the cache
+          uint16_t* c16 = (uint16_t*)cache;
+          rotate(qkv.data() + QS, work, KVH, D, rope);
+          for (int64_t i = 0; i < KS; ++i) c16[slot * KS + i] = paged::f32_to_bf16(work[i]);
+          const float* v_new = qkv.data() + QS + KS;
+          for (int64_t i = 0; i < KS; ++i) c16[(num_blocks * block_size + slot) * KS + i] = paged::f32_to_bf16(v_new[i]);
         }
         for (int64_t s = t; s < splits; s += n) {
           const int64_t t0 = s * split_len, t1 = std::min(len, t0 + split_len);
-          paged::decode_range_any(&sh, splits > 1 ? nullptr : attn.data(), splits > 1 ? parts.data() + s * part_floats : nullptr,
-                                  q, cache, table, t0, t1, work);
+          float* o_s = splits > 1 ? nullptr : attn.data();
+          float* part = splits > 1 ? parts.data() + s * part_floats : nullptr;
+          if (cache16)
+            paged::decode_range_q8_any(&sh, o_s, part, q, (const uint8_t*)cache, table, t0, t1, work, PS_KV_BF16);
+          else
+            paged::decode_range_any(&sh, o_s, part, q, (const float*)cache, table, t0, t1, work);
         }
         MARK(2);
 #pragma omp barrier
@@ -437,7 +597,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
         rows_shared(c + 2 * n, I, t, n, [&](int64_t c0, int64_t c1) {
           for (int64_t ch = c0; ch < c1; ++ch) {
             float g, u;
-            portside_rows::dot2(x, w.gate_up + ch * H, w.gate_up + (I + ch) * H, H, &g, &u);
+            dot2w(x, w.gate_up + ch * H, w.gate_up + (I + ch) * H, H, &g, &u);
             if (w.gate_up_b) g += w.gate_up_b[ch], u += w.gate_up_b[I + ch];
             act[ch] = silu(g) * u;
           }
@@ -479,6 +639,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
                     positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
                     positions.numel() == M && M >= 2 && M <= kMaxRows,
                 "LlamaDecoder.step_rows: 2 to ", kMaxRows, " int64 token ids and as many int64 positions");
+    TORCH_CHECK(!bf16, "LlamaDecoder.step_rows: fp32 models only (a bf16 model's multi-row steps run op by op)");
     TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && plan.slots.size(0) == M && (int64_t)plan.caches.size() == L,
                 "LlamaDecoder.step_rows: needs the decode plan of a one-sequence step of ", M,
                 " rows (set_decode_step with one seq_len and ", M, " slots)");
@@ -642,6 +803,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
                     hidden.size(1) == H,
                 "LlamaDecoder.logits: hidden must be fp32 [N, ", H, "]");
+    TORCH_CHECK(!bf16, "LlamaDecoder.logits: fp32 models only");
     const at::Tensor x = hidden.contiguous();
     const int64_t N = x.size(0);
     at::Tensor out = at::empty({N, V}, x.options());
