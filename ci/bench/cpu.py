@@ -390,11 +390,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from portside.backends.cpu.platform import CpuPlatform, configure_threads
 
     configure_threads()
-    from machine import cpu_name
+    from machine import cpu_details, cpu_name
 
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "machine": {"cpu": CpuPlatform.device_info().name, "cpu_lscpu": cpu_name(), "python": _platform.python_version(),
+        "machine": {"cpu": CpuPlatform.device_info().name, "cpu_lscpu": cpu_name(), "cpu_details": cpu_details(),
+                    "python": _platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count()},
         "load_before": load_info(),
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len},

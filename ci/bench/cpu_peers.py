@@ -173,10 +173,17 @@ def engines_table(result: dict[str, Any]) -> dict[str, Any]:
     return table
 
 
+def _details(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "?"
+    return f"family {d.get('family')} model {d.get('model')}, flags: {' '.join(d.get('flags', []))}"
+
+
 def write_table(result: dict[str, Any], path: Path) -> None:
     m, w, b = result["machine"], result["workload"], result["bounds"]
     lines = [f"# cpu.py engines table ({result.get('date', '')})", "",
-             f"CPU: {m.get('cpu_lscpu', m['cpu'])}; {m['threads']} threads; torch {m['torch']}; "
+             f"CPU: {m.get('cpu_lscpu', m['cpu'])}; {_details(m.get('cpu_details'))}; {m['threads']} threads; "
+             f"torch {m['torch']}; native bf16 matmuls: {m.get('native_bf16', '?')}; "
              f"load before: {result['load_before']}", "",
              f"Model: {result['model']['path']} ({result['model']['params'] / 1e6:.1f}M params). Workload: "
              f"{w['num_prompts']} prompts x {w['prompt_len']} tokens -> {w['gen_len']} new tokens, greedy, EOS "

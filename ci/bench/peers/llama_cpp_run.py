@@ -49,12 +49,19 @@ def bench_llama_cpp(path: str, prompts, gen: int, decode_tokens: int, threads: i
                             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
                             "startup_s": time.perf_counter() - t0, "decode_bytes_per_token": gguf_decode_bytes(path)}
 
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        # The last position's logits from the context: without logits_all, `Llama.scores` is no
+        # longer filled (0.3.x samples inside llama.cpp), so argmax over it was always token 0.
+        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
+
     def generate(prompt: list[int], n: int) -> list[int]:
         llm.reset()
         llm.eval(prompt)
         out = []
         for _ in range(n):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits()))
             out.append(tok)
             llm.eval([tok])
         return out
