@@ -70,17 +70,22 @@ def peer_jobs(names: list[str], model: str, dtype: str, prompts, args, threads: 
     if "llama.cpp" in names:
         for gtype in GGUF_TYPES[dtype]:
             def llama_job(gtype: str = gtype) -> dict[str, Any]:
-                python = ensure_venv(f"llama-cpp-python-{args.llama_cpp_version}",
-                                     [f"llama-cpp-python=={args.llama_cpp_version}"],
-                                     "import llama_cpp; print(llama_cpp.__version__)", system_site_packages=True,
-                                     env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
                 gguf = write_gguf(model, work, gtype)
-                info = run_harness(python, HERE / "llama_cpp_run.py",
-                                   {"gguf": str(gguf), "threads": threads, **common},
-                                   work / f"llama.cpp-{gtype}.json", timeout_s=args.peer_timeout)
+                info = run_llama_cpp(gguf, {"threads": threads, **common}, work / f"llama.cpp-{gtype}.json",
+                                     args.llama_cpp_version, args.peer_timeout)
                 return {**info, "gguf_type": gtype, "dtype": gtype.lower()}
             jobs.append((f"llama.cpp-{gtype.lower()}", llama_job))
     return jobs
+
+
+def run_llama_cpp(gguf: Path, spec: dict[str, Any], out: Path, version: str = "0.3.36",
+                  timeout_s: float = 3600) -> dict[str, Any]:
+    """`peers/llama_cpp_run.py` on `gguf` in the llama-cpp-python venv (built on first use).
+    `spec`: prompts, gen, decode_tokens, threads, keep_tokens."""
+    python = ensure_venv(f"llama-cpp-python-{version}", [f"llama-cpp-python=={version}"],
+                         "import llama_cpp; print(llama_cpp.__version__)", system_site_packages=True,
+                         env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
+    return run_harness(python, HERE / "llama_cpp_run.py", {"gguf": str(gguf), **spec}, out, timeout_s=timeout_s)
 
 
 def write_gguf(model: str, work: Path, gtype: str) -> Path:

@@ -1,7 +1,8 @@
 """cpu benchmark of the quantized kernels (`backends/cpu/quant.py`, `csrc/quant_gemm.cpp`), side by
 side in one run: portside fp32, bf16 (only on a CPU with native bf16 matmuls), int8 weight-only
 (``--quantization int8``), int8 W8A8 (``--quantized-activations int8``), GGUF Q8_0 and Q4_K, and
-llama.cpp on the same Q8_0 file (the ``llama_cpp`` Python package).
+llama.cpp on the same Q8_0 file (the ``llama_cpp`` Python package, in-process where this
+environment has it, else in cpu.py's llama-cpp-python venv: `cpu_peers.run_llama_cpp`).
 
 The model: a random-weight Llama of a real layer shape (hidden 2048, intermediate 5632, 16/4 heads
 of 128, 8 layers, the tiny test tokenizer's vocabulary: 1.45 GB in fp32, 0.36 GB in int8), so a
@@ -337,12 +338,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gguf-q4_k": lambda: bench_portside(str(ggufs["Q4_K"]), prompts, args.gen_len, args.decode_tokens, dtype="float32"),
         "llama.cpp-q8_0": lambda: bench_llama_cpp(str(ggufs["Q8_0"]), prompts, args.gen_len, args.decode_tokens, threads),
     }
+    if _missing("llama_cpp"):  # not in this environment: cpu.py's peer venv, built on first use
+        from cpu_peers import run_llama_cpp
+
+        jobs["llama.cpp-q8_0"] = lambda: run_llama_cpp(ggufs["Q8_0"], {
+            "prompts": prompts, "gen": args.gen_len, "decode_tokens": args.decode_tokens, "threads": threads},
+            work / "llama.cpp-q8_0.json")
     for name in peers:
         info: dict[str, Any]
         if name == "bf16" and not has_native_bf16():
             info = {"not_measured": "this CPU has no native bf16 matmul (AVX512-BF16/AMX-BF16): ~100x slower than fp32"}
-        elif name == "llama.cpp-q8_0" and _missing("llama_cpp"):
-            info = {"not_measured": "the llama_cpp package (llama-cpp-python) is not installed"}
         else:
             try:
                 info = jobs[name]()
