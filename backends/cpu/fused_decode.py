@@ -16,8 +16,7 @@ prefill chunks, other models, tensor parallelism, other dtypes) run as before.
 
 bf16 models run the batch-1 step too: the bf16 matrices are streamed as they are (half the bytes
 of fp32) and each dot product widens them to fp32 as it loads them, with fp32 activations and
-accumulation, over the model's bf16 KV cache. On CPUs without native bf16 matmuls (AVX2, AVX-512F)
-op by op is far slower (oneDNN's bf16 GEMV emulated). Their multi-row steps run op by op.
+accumulation, over the model's bf16 KV cache; their multi-row steps as well.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from portside.backends.cpu.attention import MAX_FUSED_ROWS
 logger = logging.getLogger(__name__)
 
 FUSED_DECODE_MODES = ("on", "off")
-FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes of the batch-1 step (`step_rows`: fp32 only)
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes (and so KV cache dtypes) the native steps take
 # What the native step computes exactly: core's Llama-family class (exactly it, not a subclass
 # that may change a layer) for the architectures it serves, with no attention feature in any layer.
 # LLaVA's language model is one of these (its vision tower runs outside the step: image rows come
@@ -84,24 +83,26 @@ class FusedDecoder:
     def covers_rows(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether this step is one sequence's 2..`MAX_FUSED_ROWS` rows (a speculative verification,
         a short prefill chunk) that the native multi-row step runs: the attention backend made
-        its one-sequence plan (`NativeAttentionBackend.prepare`), and fp32 caches (so an fp32
-        model: a bf16 model's cache is bf16 or 8-bit, and its multi-row steps run op by op)."""
+        its one-sequence plan (`NativeAttentionBackend.prepare`), and fp32 or bf16 caches (the
+        model's dtype: not an 8-bit `--kv-cache-dtype`)."""
         return (2 <= input_ids.shape[0] <= MAX_FUSED_ROWS
                 and getattr(ctx.metadata.backend_data, "native_rows", None) is not None
-                and ctx.kv_caches[0].dtype == torch.float32)
+                and ctx.kv_caches[0].dtype in FUSED_DTYPES)
 
     def rows(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """hidden [M, hidden] after the final norm of a step `covers_rows` accepts (its LM head:
-        `logits`, for the rows sampled); the M new K/V rows are written into `ctx.kv_caches`."""
+        """hidden [M, hidden] after the final norm, in the model's dtype, of a step `covers_rows`
+        accepts (its LM head: `logits`, for the rows sampled); the M new K/V rows are written into
+        `ctx.kv_caches`."""
         torch.ops.portside_cpu_native.set_decode_step(ctx.kv_caches, *ctx.metadata.backend_data.native_rows)
         try:
-            return self._decoder.step_rows(input_ids, positions)
+            hidden = self._decoder.step_rows(input_ids, positions)
         finally:
             torch.ops.portside_cpu_native.clear_decode_step()
+        return hidden if self.dtype == torch.float32 else hidden.to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] of hidden [N, hidden]: the LM head streamed once for all rows."""
-        return self._decoder.logits(hidden)
+        """fp32 logits [N, vocab] of hidden [N, hidden] (fp32 or bf16): the LM head streamed once for all rows."""
+        return self._decoder.logits(hidden.float())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [1, hidden] after the final norm, in the model's dtype; fp32 logits [1, vocab])

@@ -3,8 +3,10 @@
 prefill chunk) against the model's own forward pass: hidden states, logits and the K/V rows
 written, within the fp32 tolerance table, for M in {2, 3, 5, 8, 16}, prompts crossing block
 boundaries and the 128-token attention splits, Llama (GQA), Qwen2 (qkv bias) and a tied LM head
-with head_dim 32, on 1 and 2 threads; which steps the runner routes to it; and greedy parity
-with transformers through an engine speculating with ngram proposals."""
+with head_dim 32, on 1 and 2 threads; the same step of bf16 models (bf16 weights and KV cache)
+against the fp32 model with their weights; which steps the runner routes to it; and greedy parity
+with transformers through an engine speculating with ngram proposals (fp32, and bf16 up to
+near-ties)."""
 
 from __future__ import annotations
 
@@ -101,6 +103,60 @@ def test_rows_step_matches_the_model(model, context, rows, threads):
         assert_close(got, want, context=f"layer {layer}'s cache")
 
 
+BF16_CASES = [(0, 2), (5, 5), (121, 16), (250, 5)]
+
+
+@pytest.mark.parametrize(("context", "rows"), BF16_CASES, ids=[f"{c}+{m}" for c, m in BF16_CASES])
+def test_bf16_rows_step_matches_the_model(variant, context, rows):
+    """A bf16 model's multi-row step (bf16 weights, fp32 activations, bf16 cache) against the fp32
+    model holding the same bf16-rounded weights over an fp32 cache holding the same bf16-rounded
+    prefix: hidden states and logits within the rounding of the new rows' K/V and hidden states,
+    the K/V rows written (the first layer's within one bf16 step), nothing else written. 2 threads."""
+    model = load_model(ModelConfig(path=str(variant), max_model_len=512, dtype=torch.bfloat16), torch.device("cpu"))
+    ref = load_model(ModelConfig(path=str(variant), max_model_len=512), torch.device("cpu"))
+    with torch.no_grad():
+        for p32, p16 in zip(ref.parameters(), model.parameters(), strict=True):
+            p32.copy_(p16.float())
+    backend = NativeAttentionBackend()
+    spec = model.kv_cache_spec()
+    shape = backend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_size)
+    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
+    table = [(7 * i + 3) % NUM_BLOCKS for i in range(NUM_BLOCKS)]
+    ids = torch.randint(0, model.config.vocab_size, (context + rows,), generator=torch.Generator().manual_seed(context))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            if context:
+                ref(ids[:context], torch.arange(context), _context(backend, caches, 0, context, table))
+            for c in caches:  # the prefix as the bf16 cache holds it
+                c.copy_(c.bfloat16().float())
+            bf16_caches = [c.bfloat16() for c in caches]
+            step_ids, step_pos = ids[context:], torch.arange(context, context + rows)
+            expected_hidden = ref(step_ids, step_pos, _context(backend, caches, context, rows, table))
+            expected_logits = ref.compute_logits(expected_hidden)
+            ctx = _context(backend, bf16_caches, context, rows, table)
+            fused = FusedDecoder(model)
+            assert fused.covers_rows(step_ids, ctx) and not fused.covers(step_ids, ctx)
+            hidden = fused.rows(step_ids, step_pos, ctx)
+            logits = fused.logits(hidden)
+    finally:
+        torch.set_num_threads(previous)
+    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    # rows attend the step's earlier new rows, whose K/V are rounded to bf16 here and not in the
+    # fp32 model: twice the bf16 table for the hidden states; the logits (of bf16-rounded hidden
+    # states, as the model's own LM head takes them) within the model-level bf16 tolerance
+    torch.testing.assert_close(hidden.float(), expected_hidden, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(logits, expected_logits, atol=0.15, rtol=0.05)
+    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context, context + rows)]
+    for layer, (got, want) in enumerate(zip(bf16_caches, caches, strict=True)):
+        got, want = got.clone().view(2, -1, *shape[3:]), want.bfloat16().view(2, -1, *shape[3:])
+        tol = {"atol": 1e-3, "rtol": 2**-7} if layer == 0 else {"atol": 5e-2, "rtol": 2e-2}
+        torch.testing.assert_close(got[:, slots].float(), want[:, slots].float(), **tol)
+        got[:, slots] = want[:, slots]
+        assert torch.equal(got, want)  # nothing else written
+
+
 def test_which_steps_the_rows_step_covers(tiny_llama):
     """One sequence's 2..16 rows with an fp32 cache; not one row (the batch-1 step's), not 17 rows,
     not two sequences, not an 8-bit cache."""
@@ -188,4 +244,32 @@ def test_engine_verifies_proposals_in_the_rows_step_with_greedy_parity(variant, 
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)[0]  # fmt: skip
     assert out.outputs[0].token_ids == hf_greedy(variant, prompt, n)
+    assert calls and all(2 <= m <= 1 + NGRAM["num_speculative_tokens"] for m in calls)
+
+
+def test_bf16_engine_verifies_proposals_in_the_rows_step(variant, monkeypatch):
+    """A bf16 model speculating with ngram proposals: verification steps run in the fused
+    multi-row step, and every greedy token is transformers' bf16 choice up to a near-tie
+    (`test_cpu_fused_decode.assert_bf16_greedy_parity`)."""
+    from test_cpu_fused_decode import _hf_bf16, assert_bf16_greedy_parity  # tests/backends is on sys.path
+
+    calls: list[int] = []
+    rows = FusedDecoder.rows
+
+    def counting(self, input_ids, positions, ctx):
+        calls.append(input_ids.shape[0])
+        return rows(self, input_ids, positions, ctx)
+
+    monkeypatch.setattr(FusedDecoder, "rows", counting)
+    llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=BLOCK_SIZE,
+              speculative_config=NGRAM)
+    # almost every token of the vocabulary once: nearly every token generated has a 1-gram match in
+    # the context, so proposals are made whatever the continuation (bf16's may leave fp32's loops)
+    prompt = list(range(3, 393))
+    n = 24
+    calls.clear()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]  # fmt: skip
+    exact = assert_bf16_greedy_parity(_hf_bf16(variant), prompt, list(out.outputs[0].token_ids))
+    assert exact >= n * 3 // 4
     assert calls and all(2 <= m <= 1 + NGRAM["num_speculative_tokens"] for m in calls)

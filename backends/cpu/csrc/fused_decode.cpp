@@ -21,14 +21,15 @@
 // multi-row plan, and `logits(hidden [N, hidden])` its LM head: see "Multi-row steps" below and
 // tests/backends/test_cpu_fused_rows.py.
 //
-// bf16 models (`step` only; `step_rows` and `logits` are fp32-only): the matrices (qkv, o,
+// bf16 models (`step`, `step_rows` and `logits`): the matrices (qkv, o,
 // gate_up, down, LM head) and the embedding stay bf16 and are streamed as they are, half the bytes
 // of fp32; each row's dot product converts its weights to fp32 as it loads them (a 16-bit shift,
 // `dot1_bf16`) and accumulates in fp32, and the activations are fp32 throughout the step (the
 // norm weights, biases and rotary table are copied to fp32 once). The KV cache is the model's
 // bf16 cache: the new K/V rows are rounded to bf16 as torch rounds, and attention reads them with
 // paged_attention.c's bf16 path (fp32 softmax and sums). The step returns fp32 hidden states and
-// logits, as for an fp32 model. This CPU family (AVX2, no AVX-512-BF16) has no bf16 arithmetic, so
+// logits, as for an fp32 model; `step_rows` likewise (its tile widens 8 weights of each of its
+// two rows per load, `loadw8`). This CPU family (AVX2, no AVX-512-BF16) has no bf16 arithmetic, so
 // the conversion is the shift; with AVX-512-BF16 a `vdpbf16ps` path would need the activations
 // rounded to bf16 and is not written.
 
@@ -322,15 +323,29 @@ inline float hsum8(v8f v) {
 // 2 * MR accumulators + the 2 weight vectors: 14 of AVX2's 16 registers at MR = 6; the inputs
 // are read from L1 (FMA memory operands). Two weight rows, not one: with one, MR <= 3 would
 // leave too few independent accumulators to cover the FMA latency.
-template <int MR>
-inline void tile2(const float* x, int64_t xs, const float* wa, const float* wb, int64_t K, float* ya, float* yb,
+// Eight weights as fp32: fp32 as they are, bf16 widened (the high half of each fp32).
+inline v8f loadw8(const float* p) { return load8(p); }
+inline v8f loadw8(const uint16_t* p) {
+#if defined(__AVX2__)
+  return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  v8f r;
+  for (int i = 0; i < 8; ++i) r[i] = bf16_value(p[i]);
+  return r;
+#endif
+}
+inline float wvalue(float w) { return w; }
+inline float wvalue(uint16_t w) { return bf16_value(w); }
+
+template <int MR, class W>
+inline void tile2(const float* x, int64_t xs, const W* wa, const W* wb, int64_t K, float* ya, float* yb,
                   int64_t ys) {
   v8f a[MR], b[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) a[m] = b[m] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    const v8f va = load8(wa + k), vb = load8(wb + k);
+    const v8f va = loadw8(wa + k), vb = loadw8(wb + k);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const v8f xm = load8(x + m * xs + k);
@@ -342,8 +357,8 @@ inline void tile2(const float* x, int64_t xs, const float* wa, const float* wb, 
   for (int m = 0; m < MR; ++m) {
     float sa = hsum8(a[m]), sb = hsum8(b[m]);
     for (int64_t j = k; j < K; ++j) {  // K not a multiple of 8 (tiny test models)
-      sa += x[m * xs + j] * wa[j];
-      sb += x[m * xs + j] * wb[j];
+      sa += x[m * xs + j] * wvalue(wa[j]);
+      sb += x[m * xs + j] * wvalue(wb[j]);
     }
     ya[m * ys] = sa;
     yb[m * ys] = sb;
@@ -352,7 +367,8 @@ inline void tile2(const float* x, int64_t xs, const float* wa, const float* wb, 
 
 // `tile2` for all M input rows (x [M, K] dense): groups of at most 6 rows, balanced (5 -> 5,
 // 8 -> 4 + 4, 16 -> 5 + 5 + 6); the groups after the first read the two weight rows from L1.
-inline void dots2(const float* x, int64_t M, const float* wa, const float* wb, int64_t K, float* ya, float* yb,
+template <class W>
+inline void dots2(const float* x, int64_t M, const W* wa, const W* wb, int64_t K, float* ya, float* yb,
                   int64_t ys) {
   const int64_t groups = (M + 5) / 6;
   for (int64_t g = 0, m0 = 0; g < groups; ++g) {
@@ -373,7 +389,8 @@ inline void dots2(const float* x, int64_t M, const float* wa, const float* wb, i
 
 // y[m * N + r] = x_m . w_r for the M rows of x [M, K] and rows r in [r0, r1) of w [N, K]: rows in
 // adjacent pairs (one stream); an odd last row is paired with itself (computed twice).
-inline void rows_m(const float* x, int64_t M, const float* w, int64_t K, int64_t N, float* y, int64_t r0,
+template <class W>
+inline void rows_m(const float* x, int64_t M, const W* w, int64_t K, int64_t N, float* y, int64_t r0,
                    int64_t r1) {
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) dots2(x, M, w + r * K, w + (r + 1) * K, K, y + r, y + r + 1, N);
@@ -633,13 +650,20 @@ struct LlamaDecoder : torch::CustomClassHolder {
   // plus one barrier a layer: every row's K/V is written before any row attends, since row m
   // attends the new rows 0..m as well as the cached prefix (causal, as core's reference does).
   at::Tensor step_rows(const at::Tensor& ids, const at::Tensor& positions) {
+    return bf16 ? step_rows_w(layers16, embed16, lm_head16, ids, positions)
+                : step_rows_w(layers, embed, lm_head, ids, positions);
+  }
+
+  // `step_rows` for matrices of element type W (the members of that type, passed in).
+  template <class W>
+  at::Tensor step_rows_w(const std::vector<LayerT<W>>& layers, const W* embed, const W* lm_head, const at::Tensor& ids,
+                         const at::Tensor& positions) {
     const portside_native::DecodePlan& plan = portside_native::decode_plan();
     const int64_t M = ids.numel();
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
                     positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
                     positions.numel() == M && M >= 2 && M <= kMaxRows,
                 "LlamaDecoder.step_rows: 2 to ", kMaxRows, " int64 token ids and as many int64 positions");
-    TORCH_CHECK(!bf16, "LlamaDecoder.step_rows: fp32 models only (a bf16 model's multi-row steps run op by op)");
     TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && plan.slots.size(0) == M && (int64_t)plan.caches.size() == L,
                 "LlamaDecoder.step_rows: needs the decode plan of a one-sequence step of ", M,
                 " rows (set_decode_step with one seq_len and ", M, " slots)");
@@ -654,10 +678,12 @@ struct LlamaDecoder : torch::CustomClassHolder {
     TORCH_CHECK(len - 1 < P, "LlamaDecoder.step_rows: position ", len - 1, " outside the rotary table");
     const at::Tensor& c0 = plan.caches[0];
     const int64_t num_blocks = c0.size(1), block_size = c0.size(2);
+    const bool cache16 = c0.scalar_type() == at::kBFloat16;  // else fp32
     for (const at::Tensor& c : plan.caches)
-      TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 5 && c.size(1) == num_blocks &&
-                      c.size(2) == block_size && c.size(3) == KVH && c.size(4) == D,
-                  "LlamaDecoder.step_rows: a KV cache is not fp32 or does not fit the model's KV heads and head size");
+      TORCH_CHECK(c.scalar_type() == c0.scalar_type() && (cache16 || c.scalar_type() == at::kFloat) && c.dim() == 5 &&
+                      c.size(1) == num_blocks && c.size(2) == block_size && c.size(3) == KVH && c.size(4) == D,
+                  "LlamaDecoder.step_rows: a KV cache is not fp32 or bf16, or does not fit the model's KV heads and "
+                  "head size");
     const int64_t max_blocks = plan.tables.size(1);
     const int32_t* table = plan.tables.data_ptr<int32_t>();
     TORCH_CHECK(len <= max_blocks * block_size, "LlamaDecoder.step_rows: seq_len ", len, " does not fit its block table");
@@ -684,7 +710,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     const int64_t part_floats = NH * (D + 2);
     if ((int64_t)parts.size() < tasks * part_floats) parts.resize(tasks * part_floats);
     const int64_t QS = NH * D, KS = KVH * D, QKV = QS + 2 * KS;
-    const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D);
+    const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D) + (cache16 ? (1 + Q8_CHUNK) * KVH * D : 0);
     if ((int)mine.size() < threads) mine.resize(threads);
     for (auto& w : mine)
       if ((int64_t)w.size() < M * (H + 2 * QS) + scratch + 2 * kMaxRows) w.resize(M * (H + 2 * QS) + scratch + 2 * kMaxRows);
@@ -693,7 +719,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     for (int64_t i = 0; i < matrices * threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
 
     at::Tensor hidden = at::empty({M, H}, ids.options().dtype(at::kFloat));
-    for (int64_t m = 0; m < M; ++m) memcpy(hm.data() + m * H, embed + tok[m] * H, H * sizeof(float));
+    for (int64_t m = 0; m < M; ++m) embed_row(hm.data() + m * H, embed + tok[m] * H, H);
     const float* rope = cos_sin + (len - M) * D;  // row m's cos | sin: rope + m * D
     float *h_all = hm.data(), *y_all = ym.data(), *qkv_all = qkvm.data(), *attn_all = attnm.data(),
           *act_all = actm.data();
@@ -708,9 +734,9 @@ struct LlamaDecoder : torch::CustomClassHolder {
       // attention scratch | gate and up of one channel [2, kMaxRows]
       float *x = mine[t].data(), *q = x + M * H, *merged = q + M * QS, *work = merged + M * QS,
             *gu = work + scratch;
-      for (const Layer& w : layers) {
+      for (const LayerT<W>& w : layers) {
         const int64_t l = &w - layers.data();
-        float* cache = plan.caches[l].data_ptr<float>();
+        void* cache = plan.caches[l].data_ptr();
         // input norms (every thread, its own copy), then this thread's rows of q, k, v for all rows
         for (int64_t m = 0; m < M; ++m) rms_norm(h_all + m * H, w.in_norm, x + m * H, H, eps);
         Counter* c = counters.data() + 4 * l * n;
@@ -728,8 +754,17 @@ struct LlamaDecoder : torch::CustomClassHolder {
         for (int64_t m = 0; m < M; ++m) rotate(qkv_all + m * QKV, q + m * QS, NH, D, rope + m * D);
         for (int64_t m = t; m < M; m += n) {
           const float* row = qkv_all + m * QKV;
-          rotate(row + QS, cache + slots[m] * KS, KVH, D, rope + m * D);
-          memcpy(cache + num_blocks * block_size * KS + slots[m] * KS, row + QS + KS, KS * sizeof(float));
+          if (!cache16) {
+            float* c32 = (float*)cache;
+            rotate(row + QS, c32 + slots[m] * KS, KVH, D, rope + m * D);
+            memcpy(c32 + num_blocks * block_size * KS + slots[m] * KS, row + QS + KS, KS * sizeof(float));
+          } else {  // bf16: rotated into this thread's scratch, then rounded into the cache
+            uint16_t* c16 = (uint16_t*)cache;
+            rotate(row + QS, work, KVH, D, rope + m * D);
+            for (int64_t i = 0; i < KS; ++i) c16[slots[m] * KS + i] = paged::f32_to_bf16(work[i]);
+            for (int64_t i = 0; i < KS; ++i)
+              c16[(num_blocks * block_size + slots[m]) * KS + i] = paged::f32_to_bf16(row[QS + KS + i]);
+          }
         }
 #pragma omp barrier
         // this thread's attention tasks: row m over keys [s * split_len, ...) up to its own position
@@ -738,9 +773,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
           for (int64_t s = 0; s < count; ++s, ++i) {
             if (i % n != t) continue;
             const int64_t t0 = s * split_len, t1 = std::min(len_m, t0 + split_len);
-            paged::decode_range_any(&sh, count > 1 ? nullptr : attn_all + m * QS,
-                                    count > 1 ? parts.data() + i * part_floats : nullptr, q + m * QS, cache, table,
-                                    t0, t1, work);
+            float* o_s = count > 1 ? nullptr : attn_all + m * QS;
+            float* part = count > 1 ? parts.data() + i * part_floats : nullptr;
+            if (cache16)
+              paged::decode_range_q8_any(&sh, o_s, part, q + m * QS, (const uint8_t*)cache, table, t0, t1, work,
+                                         PS_KV_BF16);
+            else
+              paged::decode_range_any(&sh, o_s, part, q + m * QS, (const float*)cache, table, t0, t1, work);
           }
         }
         MARK(13);
@@ -803,7 +842,6 @@ struct LlamaDecoder : torch::CustomClassHolder {
     TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
                     hidden.size(1) == H,
                 "LlamaDecoder.logits: hidden must be fp32 [N, ", H, "]");
-    TORCH_CHECK(!bf16, "LlamaDecoder.logits: fp32 models only");
     const at::Tensor x = hidden.contiguous();
     const int64_t N = x.size(0);
     at::Tensor out = at::empty({N, V}, x.options());
@@ -816,7 +854,12 @@ struct LlamaDecoder : torch::CustomClassHolder {
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), n = omp_get_num_threads();
-      rows_shared(counters.data(), V, t, n, [&](int64_t r0, int64_t r1) { rows_m(xp, N, lm_head, H, V, op, r0, r1); });
+      rows_shared(counters.data(), V, t, n, [&](int64_t r0, int64_t r1) {
+        if (bf16)
+          rows_m(xp, N, lm_head16, H, V, op, r0, r1);
+        else
+          rows_m(xp, N, lm_head, H, V, op, r0, r1);
+      });
     }
     return out;
   }
