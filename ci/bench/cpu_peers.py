@@ -204,7 +204,8 @@ def write_table(result: dict[str, Any], path: Path) -> None:
             tv = r.get("tokens_vs_portside")
             same = f"{tv['tokens_match']}/{tv['prompts']} (first diffs {tv['first_difference']})" if tv else "-"
             dec = (f"{s['decode_ms_per_token']} ({s.get('decode_vs_bandwidth_bound_then', '-')}x / "
-                   f"{s.get('decode_vs_bandwidth_bound', '-')}x)") if "decode_ms_per_token" in s else "-"
+                   f"{s.get('decode_vs_bandwidth_bound', '-')}x)") if "decode_ms_per_token" in s else (
+                       f"invalid ({s['decode_invalid']})" if "decode_invalid" in s else "-")
             lines.append(f"| {k} | {s['output_tok_s']} ({s['fraction_of_compute_bound']}) | {dec} | {same} "
                          f"| {r.get('load_after', '')} |")
         bf16 = f", {m['bf16_matmul_gflops']:.0f} bf16" if "bf16_matmul_gflops" in m else ""
