@@ -91,10 +91,21 @@ ALWAYS_INLINE v16f load16(const float *p) {
     return v;
 }
 
-ALWAYS_INLINE float hsum16(v16f v) { /* halving tree: no chain of 16 scalar adds */
-    v8f lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+/* Without AVX-512 a v16f is two ymm registers, and GCC kept such accumulators in memory (stored
+ * and reloaded in 8-byte pieces every iteration, as in row_dot.h). There the 16-lane sums below
+ * are spelled as pairs of v8f (one register each): the same operations lane by lane, so the same
+ * results bit for bit. */
+#if !defined(__AVX512F__)
+#define PS_V8_PAIRS 1
+#endif
+
+ALWAYS_INLINE v8f load8f(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+ALWAYS_INLINE float hsum8x2(const v8f lo, const v8f hi) { /* halving tree: no chain of 16 scalar adds */
     const v8f s8 = lo + hi;
     v4f a, b;
     memcpy(&a, &s8, sizeof a);
@@ -103,13 +114,29 @@ ALWAYS_INLINE float hsum16(v16f v) { /* halving tree: no chain of 16 scalar adds
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+ALWAYS_INLINE float hsum16(v16f v) {
+    v8f lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    return hsum8x2(lo, hi);
+}
+
 /* a . b over n floats: 16-lane partial sums, then one tree reduction (n % 16 == 0), else a
  * plain simd loop. */
 ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, const int64_t n) {
     if (n % 16 == 0) {
+#ifdef PS_V8_PAIRS
+        v8f lo = {0}, hi = {0};
+        for (int64_t c = 0; c < n; c += 16) {
+            lo += load8f(a + c) * load8f(b + c);
+            hi += load8f(a + c + 8) * load8f(b + c + 8);
+        }
+        return hsum8x2(lo, hi);
+#else
         v16f acc = {0};
         for (int64_t c = 0; c < n; c += 16) acc += load16(a + c) * load16(b + c);
         return hsum16(acc);
+#endif
     }
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -378,11 +405,19 @@ ALWAYS_INLINE void decode_range(const decode_shape *sh, float *out, float *part,
             const float *p = scores + r * len + (t0 - t_begin), *vr = v + (r / G) * D;
             float *restrict a = acc + r * D;
             if (D % 16 == 0 && D <= 256) {
+#ifdef PS_V8_PAIRS
+                v8f a8[D % 16 == 0 && D <= 256 ? D / 8 : 1];
+                for (int64_t c = 0; c < D / 8; ++c) a8[c] = load8f(a + 8 * c);
+                for (int64_t j = 0; j < n; ++j)
+                    for (int64_t c = 0; c < D / 8; ++c) a8[c] += p[j] * load8f(vr + j * row + 8 * c);
+                memcpy(a, a8, D * sizeof(float));
+#else
                 v16f a16[D % 16 == 0 && D <= 256 ? D / 16 : 1];
                 for (int64_t c = 0; c < D / 16; ++c) a16[c] = load16(a + 16 * c);
                 for (int64_t j = 0; j < n; ++j)
                     for (int64_t c = 0; c < D / 16; ++c) a16[c] += p[j] * load16(vr + j * row + 16 * c);
                 memcpy(a, a16, D * sizeof(float));
+#endif
             } else {
                 for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
@@ -483,11 +518,19 @@ ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *pa
             const float *p = scores + r * len + (t0 - t_begin), *vr = vf + (r / G) * D;
             float *restrict a = acc + r * D;
             if (D % 16 == 0 && D <= 256) {
+#ifdef PS_V8_PAIRS
+                v8f a8[D % 16 == 0 && D <= 256 ? D / 8 : 1];
+                for (int64_t c = 0; c < D / 8; ++c) a8[c] = load8f(a + 8 * c);
+                for (int64_t j = 0; j < n; ++j)
+                    for (int64_t c = 0; c < D / 8; ++c) a8[c] += p[j] * load8f(vr + j * frow + 8 * c);
+                memcpy(a, a8, D * sizeof(float));
+#else
                 v16f a16[D % 16 == 0 && D <= 256 ? D / 16 : 1];
                 for (int64_t c = 0; c < D / 16; ++c) a16[c] = load16(a + 16 * c);
                 for (int64_t j = 0; j < n; ++j)
                     for (int64_t c = 0; c < D / 16; ++c) a16[c] += p[j] * load16(vr + j * frow + 16 * c);
                 memcpy(a, a16, D * sizeof(float));
+#endif
             } else {
                 for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
