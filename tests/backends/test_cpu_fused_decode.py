@@ -120,6 +120,10 @@ def test_engine_runs_batch1_decodes_fused_with_greedy_parity(variant, mode, monk
 # models: gaps of 0.03 and exact bf16 ties where the tokens first differ). Each token chosen must
 # be transformers' greedy choice given the same prefix, up to such a near-tie.
 BF16_MARGIN = {"atol": 0.06, "rtol": 0.01}
+# Inductor's compiled bf16 prefill fuses operations and rounds less often than transformers (a
+# first token 0.16 below transformers' argmax on the tiny Llama): the model-level bf16 logit
+# tolerance of test_model_archs there.
+BF16_MARGIN_INDUCTOR = {"atol": 0.15, "rtol": 0.05}
 BF16_PROMPTS = [list(range(3, 3 + 120)), [5, 17, 250, 31, 99, 8, 120, 64, 300, 2, 45]]  # the first crosses 128 tokens
 
 
@@ -129,25 +133,26 @@ def _hf_bf16(path: Path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
 
 
-def assert_bf16_greedy_parity(hf, prompt: list[int], tokens: list[int]) -> int:
+def assert_bf16_greedy_parity(hf, prompt: list[int], tokens: list[int], margin: dict[str, float] = BF16_MARGIN) -> int:
     """Every token of `tokens` (a greedy continuation of `prompt`) is transformers' bf16 argmax given
-    the same prefix, or within `BF16_MARGIN` of it; returns how many were its exact argmax."""
+    the same prefix, or within `margin` of it; returns how many were its exact argmax."""
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
     exact = 0
     for i, (row, token) in enumerate(zip(logits, tokens, strict=True)):
         best = float(row.max())
-        assert float(row[token]) >= best - BF16_MARGIN["atol"] - BF16_MARGIN["rtol"] * abs(best), (
+        assert float(row[token]) >= best - margin["atol"] - margin["rtol"] * abs(best), (
             f"token {i}: {token} scores {float(row[token]):.4f}, transformers' bf16 argmax {int(row.argmax())} {best:.4f}")
         exact += int(row.argmax()) == token
     return exact
 
 
-@pytest.mark.parametrize("fused", ["on", "off"])
+@pytest.mark.parametrize("fused", ["on", "off", pytest.param("off-inductor", marks=pytest.mark.slow)])
 def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
     """A bf16 model (bf16 KV cache) through the engine: every batch-1 decode runs in the fused step
-    (`on`) or op by op with the native kernels attending (`off`; none falls back to the torch
-    path), and greedy tokens are transformers' bf16 ones up to near-ties."""
+    (`on`) or op by op with the native kernels attending (`off`; with `off-inductor` through the
+    graphs' C++ attention operator; none falls back to the torch path), and greedy tokens are
+    transformers' bf16 ones up to near-ties."""
     from portside.backends.cpu import attention
 
     def refuse(*args, **kwargs):
@@ -162,8 +167,9 @@ def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
 
     monkeypatch.setattr(attention, "_decode", refuse)
     monkeypatch.setattr(FusedDecoder, "__call__", counting)
+    mode = "inductor" if fused.endswith("inductor") else "eager"
     llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
-              platform_options={"cpu_fused_decode": fused})
+              platform_options={"cpu_fused_decode": fused.removesuffix("-inductor"), "cpu_graph": mode})
     runner = llm.engine.executor.runner
     assert runner.attn_backend.name == "native-paged"
     assert (runner.graph_runner._fused is not None) == (fused == "on")
@@ -173,7 +179,8 @@ def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)[0]  # fmt: skip
         assert calls == (list(range(len(prompt), len(prompt) + 15)) if fused == "on" else [])
-        exact += assert_bf16_greedy_parity(hf, prompt, list(out.outputs[0].token_ids))
+        exact += assert_bf16_greedy_parity(hf, prompt, list(out.outputs[0].token_ids),
+                                           BF16_MARGIN_INDUCTOR if mode == "inductor" else BF16_MARGIN)
         total += 16
     assert exact >= total * 3 // 4  # near-ties are rare
 
