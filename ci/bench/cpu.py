@@ -359,7 +359,8 @@ def plot(result: dict[str, Any], png: Path) -> None:
     a2.legend()
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"{result['machine']['cpu']} | load {result['load_before']}", fontsize=9)
+    m = result["machine"]
+    fig.suptitle(f"{m.get('cpu_lscpu', m['cpu'])}, {m['threads']} threads | load {result['load_before']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
