@@ -22,7 +22,8 @@ written from the same folder), each in its own venv under $PORTSIDE_BENCH_VENVS
 greedy, EOS ignored, the same threads; one that cannot install or import is recorded with the
 reason. `--dtypes float32,bfloat16` (default both): bf16 rows run transformers, portside's
 `--bf16-paths` and the peers in bf16 (llama.cpp BF16 and F16 files); on a CPU without native bf16
-matmuls (no AVX512-BF16/AMX) torch-based engines emulate them. Every engine's greedy tokens of the
+matmuls (no AVX512-BF16/AMX) the torch-based engines' bf16 rows are recorded as not measured,
+with torch's bf16 matmul rate as the reason (`--bf16-emulated` runs them). Every engine's greedy tokens of the
 first prompts are compared with portside's fp32 ones; `<out>-table.md` holds the engines table
 (each engine's tok/s and decode ms, the bounds, portside's ratio to the best other engine).
 
