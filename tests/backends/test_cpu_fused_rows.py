@@ -218,14 +218,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 ENGINE_CASES = [*((v, "eager") for v in VARIANTS), ("tied-hd32", "inductor")]
 
 
-@pytest.mark.parametrize(
-    ("variant", "mode"),
-    [pytest.param(v, m, marks=pytest.mark.slow) if m != "eager" else (v, m) for v, m in ENGINE_CASES],
-    indirect=["variant"], ids=[f"{v}-{m}" for v, m in ENGINE_CASES],
-)
-def test_engine_verifies_proposals_in_the_rows_step_with_greedy_parity(variant, mode, monkeypatch):
-    """An engine speculating with ngram proposals on a repetitive prompt: its verification steps
-    run in the fused multi-row step, and the greedy tokens equal transformers'."""
+def count_rows_steps(monkeypatch) -> list[int]:
+    """The row counts of the steps that run in the fused multi-row step, from now on."""
     calls: list[int] = []
     rows = FusedDecoder.rows
 
@@ -234,6 +228,18 @@ def test_engine_verifies_proposals_in_the_rows_step_with_greedy_parity(variant, 
         return rows(self, input_ids, positions, ctx)
 
     monkeypatch.setattr(FusedDecoder, "rows", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("variant", "mode"),
+    [pytest.param(v, m, marks=pytest.mark.slow) if m != "eager" else (v, m) for v, m in ENGINE_CASES],
+    indirect=["variant"], ids=[f"{v}-{m}" for v, m in ENGINE_CASES],
+)
+def test_engine_verifies_proposals_in_the_rows_step_with_greedy_parity(variant, mode, monkeypatch):
+    """An engine speculating with ngram proposals on a repetitive prompt: its verification steps
+    run in the fused multi-row step, and the greedy tokens equal transformers'."""
+    calls = count_rows_steps(monkeypatch)
     llm = LLM(model=str(variant), device="cpu", max_model_len=512, block_size=BLOCK_SIZE, speculative_config=NGRAM,
               platform_options={"cpu_graph": mode})  # fmt: skip
     # a prompt repeating one phrase: the model's greedy continuation of a tiny random model tends to
@@ -253,14 +259,7 @@ def test_bf16_engine_verifies_proposals_in_the_rows_step(variant, monkeypatch):
     (`test_cpu_fused_decode.assert_bf16_greedy_parity`)."""
     from test_cpu_fused_decode import _hf_bf16, assert_bf16_greedy_parity  # tests/backends is on sys.path
 
-    calls: list[int] = []
-    rows = FusedDecoder.rows
-
-    def counting(self, input_ids, positions, ctx):
-        calls.append(input_ids.shape[0])
-        return rows(self, input_ids, positions, ctx)
-
-    monkeypatch.setattr(FusedDecoder, "rows", counting)
+    calls = count_rows_steps(monkeypatch)
     llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=BLOCK_SIZE,
               speculative_config=NGRAM)
     # almost every token of the vocabulary once: nearly every token generated has a 1-gram match in
