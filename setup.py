@@ -8,5 +8,5 @@ packages += [f"portside.backends.{p}" for p in find_packages("backends")]
 setup(
     packages=packages,
     package_dir={"portside": "core", "portside.backends": "backends"},
-    package_data={"portside": ["py.typed"], "portside.backends.cpu": ["csrc/*.c", "csrc/*.cpp"]},
+    package_data={"portside": ["py.typed"], "portside.backends.cpu": ["csrc/*.c", "csrc/*.cpp", "csrc/*.h"]},
 )

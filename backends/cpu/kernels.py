@@ -1,12 +1,8 @@
-"""The cpu backend's native C kernels (`csrc/paged_attention.c`): built on first use, loaded with ctypes.
+"""The cpu backend's paged-attention kernels (`csrc/paged_attention.c`), called through ctypes.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc``, else ``gcc``) into
-``$XDG_CACHE_HOME/portside/kernels/<key>/`` (default ``~/.cache``), where the key hashes the
-source, the flags, the compiler's version and this CPU's feature flags, so a changed kernel, a
-new compiler or another machine sharing the home directory never loads a stale build. The .so
-is written to a temporary name and renamed into place, so a concurrent process sees either no
-file or a whole one. Nothing is built at import time: the first `load_library()` (or
-`native_unavailable_reason()`) does it.
+Their C entry points are part of the backend's one native library (`native_ops`, built by
+`native_build` on first use or ahead of time); `load_library()` opens it with ctypes. Without a
+compiler, `native_unavailable_reason()` says why and the backend runs its torch path.
 
 The wrappers take torch tensors, check dtype / device / layout / shapes and raise `ValueError`
 with what is wrong; the C code then trusts the sizes it is given (it still checks block ids and
@@ -15,33 +11,17 @@ slots against the cache, returning an error code rather than reading out of boun
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from portside.backend_api import KV_SCALE_BYTES
+from portside.backends.cpu import native_ops
+from portside.backends.cpu.native_build import NativeBuildError
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-lm")
 ABI_VERSION = 4
 _ERRORS = {
     1: "a block id outside the cache",
@@ -61,145 +41,10 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16)
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
-class NativeBuildError(RuntimeError):
-    """The kernels could not be built or loaded; the message says why."""
-
-
 @dataclass(frozen=True)
 class NativeLibrary:
     lib: ctypes.CDLL
     path: Path
-    compiled: bool  # True when this process compiled it, False when it came from the cache
-
-
-def compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc"), language: str = "C") -> list[str]:
-    """The compiler command: ``$CC`` (may carry flags), else ``cc``, else ``gcc`` (for C++:
-    ``compiler("CXX", ("c++", "g++"), "C++")``)."""
-    cmd = os.environ.get(env)
-    if cmd:
-        return shlex.split(cmd)
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise NativeBuildError(f"no {language} compiler found (${env} unset, neither {' nor '.join(names)} on PATH)")
-
-
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise NativeBuildError(f"compiler {cmd[0]!r} could not run: {type(e).__name__}: {e}") from e
-
-
-def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _cpu_flags() -> str:
-    from portside.backends.cpu.platform import cpu_flags
-
-    return " ".join(sorted(cpu_flags()))
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "portside" / "kernels"
-
-
-def build_key(cc: list[str], sources: tuple[Path, ...] | None = None, flags: tuple[str, ...] | None = None,
-              extra: str = "") -> str:
-    """sha256 of what a .so depends on: its sources (and the files they include), flags, compiler
-    version, CPU (and `extra`, e.g. the torch version a C++ operator is built against). Defaults:
-    the paged-attention kernels."""
-    sources, flags = sources or (SOURCE,), flags or FLAGS
-    version = _run([*cc, "--version"], timeout=30)
-    if version.returncode != 0:
-        raise NativeBuildError(f"compiler {shlex.join(cc)!r} failed on --version:\n{_tail(version.stderr)}")
-    h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in sources), " ".join([*cc, *flags]).encode(), version.stdout.encode(),
-                 platform.machine().encode(), _cpu_flags().encode(), extra.encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:32]
-
-
-_BUILD_LOCKS: dict[Path, threading.Lock] = {}  # per target: a background prebuild and the first use never
-_LOCKS_LOCK = threading.Lock()  # compile one library twice, and two libraries still build side by side
-SECONDS_PER_SOURCE = {".c": 2, ".cpp": 15}  # rough one-core compile times (torch headers: 5-25 s a .cpp), for the notice
-
-
-def _notice(msg: str) -> None:
-    print(f"portside: {msg}", file=sys.stderr, flush=True)
-
-
-def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs: tuple[str, ...], target: Path) -> bool:
-    """Compile `sources` into the shared library `target` unless it is already there; True when
-    this call compiled it. `libs` go after the sources, as the linker wants. Several sources
-    compile in parallel (one compiler process per core), then link. A build says so on stderr,
-    with its expected and its actual time (a first run's only long silence otherwise)."""
-    if target.exists():
-        return False
-    with _LOCKS_LOCK:
-        lock = _BUILD_LOCKS.setdefault(target, threading.Lock())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with lock, _process_lock(target):
-        if target.exists():  # built by the thread or process that held the lock
-            return False
-        names = " ".join(src.name for src in sources)
-        jobs = max(1, min(len(sources), _cores()))
-        estimate = round(sum(SECONDS_PER_SOURCE.get(src.suffix, 10) for src in sources) / jobs) + 1
-        logger.info("building native cpu kernels: %s -> %s (%d jobs)", names, target, jobs)
-        what = sources[0].name if len(sources) == 1 else f"{len(sources)} sources, {jobs} at a time"
-        _notice(f"building native cpu kernels ({what}; first run, ~{estimate} s) ...")
-        start = time.monotonic()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as work:
-            tmp = os.path.join(work, target.name)
-            if len(sources) > 1 and jobs > 1:
-                objects = _compile_objects(cc, sources, flags, Path(work), jobs)
-                _checked(_run([*cc, *flags, "-o", tmp, *objects, *libs], timeout=300), cc, names)
-            else:
-                _checked(_run([*cc, *flags, "-o", tmp, *map(str, sources), *libs], timeout=300), cc, names)
-            os.replace(tmp, target)  # atomic: other processes see no file or a whole one
-        _notice(f"native cpu kernels built in {time.monotonic() - start:.1f} s ({target.parent})")
-    return True
-
-
-@contextlib.contextmanager
-def _process_lock(target: Path) -> Iterator[None]:
-    """An exclusive lock on `target`'s lock file: processes sharing the cache (test workers, several
-    servers started at once) wait for one build instead of each compiling the same library."""
-    with open(target.with_name(target.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _compile_objects(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], work: Path, jobs: int) -> list[str]:
-    """Each source compiled to an object file in `work`, `jobs` at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    objects = [str(work / f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda so: _run([*cc, *flags, "-c", "-o", so[1], str(so[0])], timeout=300),
-                                zip(sources, objects)))
-    for src, res in zip(sources, results):
-        _checked(res, cc, src.name)
-    return objects
-
-
-def _checked(res: subprocess.CompletedProcess[str], cc: list[str], names: str) -> None:
-    if res.returncode != 0:
-        raise NativeBuildError(f"building {names} with {shlex.join(cc)} failed "
-                               f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -217,18 +62,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ps_write_kv_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _ptr, _i64]
 
 
-def library_build_args() -> tuple[list[str], tuple[Path, ...], tuple[str, ...], tuple[str, ...], Path]:
-    """`build`'s arguments for the paged-attention kernels: compiler, sources, flags, libs, target."""
-    cc = compiler()
-    return cc, (SOURCE,), FLAGS[:-1], FLAGS[-1:], cache_dir() / build_key(cc) / "paged_attention.so"
-
-
 @functools.lru_cache(maxsize=1)
 def load_library() -> NativeLibrary:
-    """Build (once per cache key) and load the kernels. Raises `NativeBuildError` with the reason."""
-    args = library_build_args()
-    target = args[-1]
-    compiled = build(*args)
+    """Build (once per cache key) and load the native library, then open its C entry points.
+    Raises `NativeBuildError` with the reason."""
+    target = native_ops.load()
     try:
         lib = ctypes.CDLL(str(target))
         _declare(lib)
@@ -236,7 +74,7 @@ def load_library() -> NativeLibrary:
         raise NativeBuildError(f"loading {target} failed: {e}") from e
     if lib.ps_abi_version() != ABI_VERSION:
         raise NativeBuildError(f"{target} has ABI {lib.ps_abi_version()}, expected {ABI_VERSION}")
-    return NativeLibrary(lib, target, compiled)
+    return NativeLibrary(lib, target)
 
 
 def native_unavailable_reason() -> str | None:

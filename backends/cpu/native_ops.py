@@ -1,6 +1,11 @@
-"""The cpu backend's C++ torch operators, one library built on first use against the running
-torch with the system C++ compiler and cached like the paged-attention kernels (`kernels.py`):
+"""The cpu backend's one native library: every C/C++ kernel, built once per compiler, CPU and torch
+version against the running torch with the system C++ compiler (`native_build`: on first use, in
+the background from `CpuPlatform.check_and_update_config`, or ahead of time with
+``python -m portside.backends.cpu.native_ops``). Without a compiler the backend runs its torch
+paths. It holds:
 
+- the paged-attention kernels' C entry points (`ps_*`, `csrc/paged_attention_abi.cpp`: the C
+  kernels of `csrc/paged_attention.c` with C linkage), called through ctypes by `kernels.py`;
 - `portside_cpu_native::linear_row`: the one-row fp32 linear (`csrc/linear_row.cpp`);
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
@@ -18,25 +23,29 @@ torch with the system C++ compiler and cached like the paged-attention kernels (
 - `portside_cpu_native::quant_linear` / `quant_linear_w8a8`: linears over quantized weights
   (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`).
 
-Being C++ operators, a compiled graph (`cpp_wrapper`) calls them through the dispatcher without a
-trip through Python: 121 linears and 30 attention calls a step for the default model.
+The operators are C++ torch operators, so a compiled graph (`cpp_wrapper`) calls them through the
+dispatcher without a trip through Python: 121 linears and 30 attention calls a step for the
+default model.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from pathlib import Path
 
 import torch
 
-from portside.backends.cpu import kernels
+from portside.backends.cpu import native_build
+from portside.backends.cpu.native_build import NativeBuildError
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
+    CSRC / "paged_attention_abi.cpp",
     CSRC / "linear_row.cpp",
     CSRC / "decode_attention.cpp",
     CSRC / "fused_decode.cpp",
@@ -59,28 +68,27 @@ def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return compile_flags, (f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10")
 
 
-def _build() -> Path:
-    cxx = kernels.compiler("CXX", ("c++", "g++"), "C++")
+def _build() -> tuple[Path, bool]:
+    """The library's path, compiling it first unless it is cached; and whether this call compiled it."""
+    cxx = native_build.compiler()
     compile_flags, libs = _torch_flags()
-    key = kernels.build_key(cxx, SOURCES + INCLUDED, compile_flags + libs, extra=torch.__version__)
-    target = kernels.cache_dir() / key / "portside_cpu_native.so"
-    kernels.build(cxx, SOURCES, compile_flags, libs, target)
-    return target
+    key = native_build.build_key(cxx, SOURCES + INCLUDED, compile_flags + libs, extra=torch.__version__)
+    target = native_build.cache_dir() / key / "portside_cpu_native.so"
+    return target, native_build.build(cxx, SOURCES, compile_flags, libs, target)
 
 
 @functools.lru_cache(maxsize=1)
 def prebuild_in_background() -> threading.Thread:
-    """Start compiling both native libraries (this one and `kernels`' C kernels) on a thread, once
-    per process, so a first run's build overlaps tokenizer and weight loading; `load()` then
-    waits for it (`kernels.build` holds a lock) or finds the .so cached. Nothing is loaded here,
-    and a failure is left for `load()` / `unavailable_reason()` to report."""
+    """Start compiling the library on a thread, once per process, so a first run's build overlaps
+    tokenizer and weight loading; `load()` then waits for it (`native_build.build` holds a lock)
+    or finds the .so cached. Nothing is loaded here, and a failure is left for `load()` /
+    `unavailable_reason()` to report."""
 
     def work() -> None:
-        for step in (lambda: kernels.build(*kernels.library_build_args()), _build):  # the quick C library first
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - whatever it is, load() meets it again and reports it
-                logger.debug("cpu: background native build failed (reported on first use): %s", e)
+        try:
+            _build()
+        except Exception as e:  # noqa: BLE001 - whatever it is, load() meets it again and reports it
+            logger.debug("cpu: background native build failed (reported on first use): %s", e)
 
     thread = threading.Thread(target=work, name="portside-native-build", daemon=True)
     thread.start()
@@ -89,14 +97,15 @@ def prebuild_in_background() -> threading.Thread:
 
 @functools.lru_cache(maxsize=1)
 def load() -> Path:
-    """Build (once per cache key) and register the operators; raises `NativeBuildError` with why not."""
+    """Build (once per cache key) and register the operators; the library's path (`kernels` opens
+    it with ctypes for the C entry points). Raises `NativeBuildError` with why not."""
     from portside.backends.cpu import attention_op  # the Python operator attention falls back to
 
-    target = _build()
+    target, _ = _build()
     try:
         torch.ops.load_library(str(target))
     except OSError as e:
-        raise kernels.NativeBuildError(f"loading {target} failed: {e}") from e
+        raise NativeBuildError(f"loading {target} failed: {e}") from e
     if not hasattr(load, "fakes"):  # once per process, whatever clears load's cache
         load.fakes = (  # type: ignore[attr-defined]
             torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
@@ -141,6 +150,22 @@ def unavailable_reason() -> str | None:
     """None when the operators are registered (building them on first call), else why not."""
     try:
         load()
-    except kernels.NativeBuildError as e:
+    except NativeBuildError as e:
         return str(e)
     return None
+
+
+def main() -> int:
+    """Build the library ahead of first use (a container image, a shared cache): prints its path,
+    or why it cannot be built (exit 2)."""
+    try:
+        target, compiled = _build()
+    except NativeBuildError as e:
+        print(f"portside: the native cpu library cannot be built here: {e}", file=sys.stderr)
+        return 2
+    print(f"{target} ({'built' if compiled else 'already built'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

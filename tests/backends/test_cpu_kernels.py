@@ -1,4 +1,5 @@
-"""The native cpu kernels' build cache, failure reporting and OpenMP runtime (`backends/cpu/kernels.py`).
+"""The native cpu library's build cache, failure reporting and OpenMP runtime (`backends/cpu/native_ops.py`,
+`native_build.py`; the ctypes kernels of `kernels.py`).
 
 Numerics are in test_cpu_attention.py (the `native` backend against the reference)."""
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portside.backends.cpu import kernels
+from portside.backends.cpu import kernels, native_build, native_ops
 from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.platform import CpuPlatform
 from portside.config import EngineConfig, ModelConfig
@@ -24,9 +25,14 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the build cache
 def fresh(monkeypatch, tmp_path):
     """An empty kernel cache under tmp_path; the in-process library is forgotten before and after."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    kernels.load_library.cache_clear()
+    _forget()
     yield tmp_path
+    _forget()
+
+
+def _forget() -> None:
     kernels.load_library.cache_clear()
+    native_ops.load.cache_clear()
 
 
 def _script(path: Path, body: str) -> str:
@@ -39,64 +45,86 @@ def _native_config() -> EngineConfig:
     return EngineConfig(model=ModelConfig(path="unused"), platform_options=(("cpu_attention", "native"),))
 
 
-@pytest.mark.slow
-def test_second_load_uses_the_cache(fresh):
+def test_one_library_and_a_second_load_uses_the_cache():
+    """The ctypes kernels and the torch operators are one .so in the cache; loading it again (another
+    process, or this one after forgetting it) finds it built: no second compile, no temporaries left."""
     if kernels.native_unavailable_reason() is not None:
-        pytest.skip(f"no working C compiler here: {kernels.native_unavailable_reason()}")
+        pytest.skip(f"no working C++ compiler here: {kernels.native_unavailable_reason()}")
     first = kernels.load_library()
-    assert first.compiled and first.path.is_file()
-    assert first.path.is_relative_to(fresh / "cache" / "portside" / "kernels")
-    # no temp files left; the build's lock file stays (deleting it would race a waiting process)
-    assert sorted(p.name for p in first.path.parent.iterdir()) == ["paged_attention.so", "paged_attention.so.lock"]
+    assert first.path == native_ops.load() and first.path.is_relative_to(native_build.cache_dir())
+    assert hasattr(torch.ops.portside_cpu_native, "argmax_rows") and first.lib.ps_abi_version() == kernels.ABI_VERSION
+    # the build's lock file stays (deleting it would race a waiting process)
+    assert sorted(p.name for p in first.path.parent.iterdir()) == ["portside_cpu_native.so", "portside_cpu_native.so.lock"]
     mtime = first.path.stat().st_mtime_ns
-    kernels.load_library.cache_clear()
-    second = kernels.load_library()
-    assert not second.compiled and second.path == first.path and second.path.stat().st_mtime_ns == mtime
+    _forget()
+    assert kernels.load_library().path == first.path
+    assert native_ops._build() == (first.path, False) and first.path.stat().st_mtime_ns == mtime
 
 
-def test_cache_key_follows_source_and_compiler(fresh, monkeypatch):
-    cc = kernels.compiler()
-    key = kernels.build_key(cc)
-    monkeypatch.setattr(kernels, "FLAGS", (*kernels.FLAGS, "-DPORTSIDE_TEST=1"))
-    assert kernels.build_key(cc) != key
+def test_cache_key_follows_source_flags_and_torch():
+    cc = native_build.compiler()
+    sources, flags = native_ops.SOURCES + native_ops.INCLUDED, native_ops.FLAGS
+    key = native_build.build_key(cc, sources, flags, extra=torch.__version__)
+    assert native_build.build_key(cc, sources, (*flags, "-DPORTSIDE_TEST=1"), extra=torch.__version__) != key
+    assert native_build.build_key(cc, sources[:-1], flags, extra=torch.__version__) != key
+    assert native_build.build_key(cc, sources, flags, extra="2.8.0") != key
 
 
 def test_missing_compiler_is_a_reason(fresh, monkeypatch):
-    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    monkeypatch.setenv("CXX", str(fresh / "no-such-cxx"))
     reason = kernels.native_unavailable_reason()
-    assert reason is not None and "could not run" in reason and "no-such-cc" in reason
+    assert reason is not None and "could not run" in reason and "no-such-cxx" in reason
+    assert native_ops.unavailable_reason() == reason
+
+
+@pytest.mark.parametrize("cxx,expected", [(None, 0), ("no-such-cxx", 2)])
+def test_build_ahead_of_time(fresh, cxx, expected):
+    """`python -m portside.backends.cpu.native_ops` builds the library (or finds it built) and
+    prints its path; without a compiler it says so and exits 2."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}  # the session's cache: already built
+    if cxx:
+        env["CXX"] = str(fresh / cxx)
+    res = subprocess.run([sys.executable, "-m", "portside.backends.cpu.native_ops"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == expected, res.stderr
+    if expected:
+        assert "the native cpu library cannot be built here" in res.stderr and cxx in res.stderr
+    else:
+        assert res.stdout.strip().endswith("portside_cpu_native.so (already built)") or "(built)" in res.stdout
 
 
 def test_no_compiler_on_path_is_a_reason(fresh, monkeypatch):
-    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(fresh))  # an empty folder
-    assert "no C compiler found" in kernels.native_unavailable_reason()
+    assert "no C++ compiler found" in kernels.native_unavailable_reason()
 
 
 def test_failing_compiler_reports_its_stderr(fresh, monkeypatch):
-    cc = _script(fresh / "cc", 'if [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\n'
+    cxx = _script(fresh / "c++", 'if [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\n'
                                'echo "fatal error: simulated compiler failure" >&2; exit 1\n')
-    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("CXX", cxx)
     reason = kernels.native_unavailable_reason()
     assert reason is not None and "simulated compiler failure" in reason and "exit 1" in reason
     assert not list((fresh / "cache").rglob("*.so"))  # nothing half-written left behind
 
 
 def test_native_without_compiler_is_a_config_error(fresh, monkeypatch):
-    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
-    with pytest.raises(ValueError, match="cpu_attention=native: .*no-such-cc"):
+    monkeypatch.setenv("CXX", str(fresh / "no-such-cxx"))
+    with pytest.raises(ValueError, match="cpu_attention=native: .*no-such-cxx"):
         CpuPlatform.check_and_update_config(_native_config())
 
 
 def test_auto_falls_back_to_torch_without_compiler(fresh, monkeypatch):
-    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    monkeypatch.setenv("CXX", str(fresh / "no-such-cxx"))
     config = EngineConfig(model=ModelConfig(path="unused"))
     backend = CpuPlatform.attention_backend(config)
     assert type(backend) is CpuAttentionBackend and backend.name == "torch-sdpa"
 
 
 def test_auto_picks_native_for_fp32_and_bf16_only():
-    # the session's kernels (built once): building them into an empty cache is test_second_load_uses_the_cache's
+    # the session's library (built once)
     if kernels.native_unavailable_reason() is not None:
         pytest.skip("no working C compiler here")
     fp32 = EngineConfig(model=ModelConfig(path="unused"))
@@ -256,3 +284,17 @@ def test_linear_row_without_cxx_compiler_falls_back(monkeypatch, tmp_path):
         monkeypatch.undo()
         native_ops.load.cache_clear()
     assert native_ops.unavailable_reason() is None  # loads again in the same process
+
+
+def test_every_native_source_ships_in_the_package():
+    """setup.py's package_data carries every file the build reads: an installed (non-editable)
+    portside missing a header could not build its native library."""
+    import re
+
+    setup = (Path(__file__).parents[2] / "setup.py").read_text()
+    globs = re.findall(r'"([^"]+)"', re.search(r'"portside\.backends\.cpu": \[([^\]]*)\]', setup).group(1))
+    package = Path(native_ops.__file__).parent
+    for path in native_ops.SOURCES + native_ops.INCLUDED:
+        assert any(path.relative_to(package).match(g) for g in globs), f"{path.name} is not in package_data {globs}"
+    shipped = {p for g in globs for p in package.glob(g)}
+    assert set(native_ops.SOURCES + native_ops.INCLUDED) == shipped, "a csrc file the build does not name"

@@ -1,6 +1,7 @@
-/* Paged attention kernels for the cpu backend, called through ctypes (portside.backends.cpu.kernels)
- * and compiled into the C++ operator library too (csrc/decode_attention.cpp, which includes this
- * file as C++: keep it valid in both languages).
+/* Paged attention kernels for the cpu backend, part of its one native library (native_ops.py): the
+ * ps_* entry points with C linkage through csrc/paged_attention_abi.cpp, called with ctypes
+ * (portside.backends.cpu.kernels), and the kernels' pieces inside csrc/decode_attention.cpp and
+ * csrc/fused_decode.cpp. Each includes this file as C++: keep it valid in both languages.
  *
  * Plain C, no torch headers. Cache layout of one layer (the canonical one):
  *     kv_cache[2][num_blocks][block_size][num_kv_heads][head_size]
