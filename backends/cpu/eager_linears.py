@@ -1,8 +1,8 @@
 """The eager cpu runner's linears: `F.linear` calls sent to faster kernels than torch's default.
 
-- one fp32 row (batch-1 decode outside the fused step, a single sequence's LM head):
+- one fp32 or bf16 row (batch-1 decode outside the fused step, a single sequence's LM head):
   `portside_cpu_native::linear_row`, which streams the weight at 35-49 GB/s where MKL's GEMV
-  gets ~10 on the CI machine;
+  gets ~10 on the CI machine (bf16 weights are streamed as bf16 and widened in the dot products);
 - several rows (prefill, batched decode): oneDNN's linear over a copy of the weight prepacked
   for it (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's frozen linears use), made
   on first use, which the runner's `capture` makes a dummy step at start-up. On AMD CPUs
@@ -11,6 +11,13 @@
   engine's offline throughput (64 x 128 -> 128 tokens, default model) went from ~275 to ~500
   tok/s. The copies double the memory the weights take (option ``cpu_prepack=off`` keeps only
   the dense weights).
+
+bf16 linears of several rows (option ``cpu_bf16_linears``, `bf16_linears_mode`): ``native`` packs
+the bf16 weights for oneDNN's bf16 kernels (AMX, AVX-512-BF16); ``widen`` packs an fp32 copy
+instead, widens the bf16 activations and rounds the output to bf16 once (torch's bf16 linear also
+sums in fp32). ``auto`` picks native where the CPU has bf16 arithmetic and widen elsewhere: on the
+Zen 3 (AVX2) oneDNN cannot pack bf16 weights at all and torch's bf16 linear of 64 x 768 x 768 took
+18.3 ms against 3.2 ms widened (1 thread). The fp32 copies take twice the bf16 weights' memory.
 
 oneDNN builds a primitive (JIT kernels) for every input row count it sees and keeps it in two
 1024-entry caches (its primitive cache and ideep's), about 0.6 MiB per (rows, weight shape): fed
@@ -34,7 +41,9 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 PREPACK_MODES = ("on", "off")
+BF16_LINEAR_MODES = ("auto", "native", "widen")  # platform option cpu_bf16_linears
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+ROW_DTYPES = (torch.float32, torch.bfloat16)  # what linear_row streams
 CHUNK_ROWS = 512  # longer inputs run through oneDNN in chunks of this many rows
 
 
@@ -78,8 +87,9 @@ class PackedWeights:
     """oneDNN-prepacked copies of the weights `F.linear` is called with, made on first use and
     kept for the runner's lifetime (a model's weights do not move once the runner exists)."""
 
-    def __init__(self, batch_hint: int) -> None:
+    def __init__(self, batch_hint: int, widen_bf16: bool = False) -> None:
         self.batch_hint = batch_hint  # the row count oneDNN picks its packed layout for
+        self.widen_bf16 = widen_bf16  # bf16 weights packed as fp32 copies (`bf16_linears_mode` "widen")
         self._packed: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor | None] = {}
         # one (packed weight, bias) per kind of call seen while `recording` (the runner's capture
         # step): what oneDNN builds a primitive for
@@ -91,7 +101,7 @@ class PackedWeights:
         oneDNN builds (and caches) all its primitives now rather than while serving: memory
         is then flat from start-up. Returns the calls made."""
         calls = 0
-        for (shape, dtype, _), (packed, bias) in self.kinds.items():
+        for (shape, dtype, _), (packed, bias) in self.kinds.items():  # dtype: the packed weight's
             for rows in row_buckets(max_rows):
                 packed_linear(torch.zeros(rows, shape[1], dtype=dtype), packed, bias)
                 calls += 1
@@ -107,8 +117,11 @@ class PackedWeights:
         if key not in self._packed:
             packed = None
             if weight.dim() == 2 and weight.dtype in PACKED_DTYPES and weight.device.type == "cpu":
+                dense = weight.detach()
+                if dense.dtype == torch.bfloat16 and self.widen_bf16:
+                    dense = dense.float()
                 try:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+                    packed = torch.ops.mkldnn._reorder_linear_weight(dense, self.batch_hint)
                 except RuntimeError as e:  # a shape or dtype this oneDNN build does not pack
                     logger.info("cpu eager: weight %s %s stays dense: %s", tuple(weight.shape), weight.dtype, e)
             self._packed[key] = packed
@@ -116,8 +129,9 @@ class PackedWeights:
 
 
 class EagerLinears(torch.overrides.TorchFunctionMode):
-    """Sends `F.linear` of one fp32 row to the native operator (`native`), of several rows to
-    oneDNN's prepacked linear (`packed`); everything else, and what neither covers, runs on."""
+    """Sends `F.linear` of one fp32 or bf16 row to the native operator (`native`), of several rows
+    to oneDNN's prepacked linear (`packed`; bf16 over a widened fp32 copy: the activations widened,
+    the output rounded once); everything else, and what neither covers, runs on."""
 
     def __init__(self, native: bool, packed: PackedWeights | None) -> None:
         super().__init__()
@@ -130,15 +144,29 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if x.dim() == 2 and x.dtype == weight.dtype:
-                if x.shape[0] == 1 and self.native and x.dtype == torch.float32:
+                if x.shape[0] == 1 and self.native and x.dtype in ROW_DTYPES:
                     return torch.ops.portside_cpu_native.linear_row(x, weight, bias)
                 if x.shape[0] > 1 and self.packed is not None:
                     packed = self.packed.get(weight)
                     if packed is not None:
+                        widened = packed.dtype != x.dtype
+                        if widened:
+                            x, bias = x.float(), None if bias is None else bias.float()
                         if self.packed.recording:
-                            self.packed.kinds.setdefault((tuple(weight.shape), weight.dtype, bias is not None), (packed, bias))
-                        return packed_linear(x, packed, bias)
+                            self.packed.kinds.setdefault((tuple(weight.shape), packed.dtype, bias is not None), (packed, bias))
+                        out = packed_linear(x, packed, bias)
+                        return out.to(weight.dtype) if widened else out
         return func(*args, **kwargs)
+
+
+def bf16_linears_mode(config: Any) -> str:
+    """"native" or "widen" (module docstring): option ``cpu_bf16_linears``, "auto" by the CPU's flags."""
+    from portside.backends.cpu.platform import has_native_bf16
+
+    mode = config.option("cpu_bf16_linears", "auto")
+    if mode == "auto":
+        return "native" if has_native_bf16() else "widen"
+    return mode
 
 
 def make_packed_weights(config: Any) -> PackedWeights | None:
@@ -150,4 +178,8 @@ def make_packed_weights(config: Any) -> PackedWeights | None:
     if reason:
         logger.info("cpu eager: multi-row linears run in F.linear: %s", reason)
         return None
-    return PackedWeights(batch_hint=max(2, config.scheduler.max_num_seqs))
+    widen = bf16_linears_mode(config) == "widen"
+    if config.model.dtype == torch.bfloat16:
+        logger.info("cpu eager: bf16 linears of several rows: %s", "fp32 copies of the weights, activations widened "
+                    "(no bf16 arithmetic on this CPU, or cpu_bf16_linears=widen)" if widen else "oneDNN's bf16 kernels")
+    return PackedWeights(batch_hint=max(2, config.scheduler.max_num_seqs), widen_bf16=widen)

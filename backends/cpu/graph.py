@@ -250,10 +250,11 @@ def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:
 
 class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
     """Op by op, as core's eager runner, but its linears in faster kernels (`eager_linears`): one
-    fp32 row (batch-1 decode, a single sequence's LM head) in the native operator (`native_ops`)
-    rather than MKL's GEMV, several rows in oneDNN's linear over prepacked weights rather than
-    MKL's sgemm (option ``cpu_prepack``). One-sequence decode steps of a Llama-family fp32 model
-    run in the fused native step (`fused_decode`). Without a C++ compiler or oneDNN, the linears
+    fp32 or bf16 row (batch-1 decode, a single sequence's LM head) in the native operator
+    (`native_ops`) rather than torch's GEMV, several rows in oneDNN's linear over prepacked weights
+    rather than MKL's sgemm (option ``cpu_prepack``; bf16 on CPUs without bf16 arithmetic over fp32
+    copies, option ``cpu_bf16_linears``). One-sequence decode steps of a Llama-family fp32 or bf16
+    model run in the fused native step (`fused_decode`). Without a C++ compiler or oneDNN, the linears
     concerned stay with torch's kernels."""
 
     supports_pipeline_stages = True  # op by op: a stage's `embed` reads its input when called

@@ -22,7 +22,7 @@ from portside.backend_api import (
     host_memory,
 )
 from portside.backends.cpu.communicator import select_dist_backend
-from portside.backends.cpu.eager_linears import PREPACK_MODES
+from portside.backends.cpu.eager_linears import BF16_LINEAR_MODES, PREPACK_MODES
 from portside.backends.cpu.fused_decode import FUSED_DECODE_MODES
 from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
 
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 ATTENTION_IMPLS = ("auto", "native", "torch", "ipex")  # platform option "cpu_attention"
 OPTIONS = (  # docs/cpu.md
     "cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb", "cpu_fused_decode", "cpu_prepack",
+    "cpu_bf16_linears",
 )
 
 
@@ -176,6 +177,12 @@ class CpuPlatform(Platform):
         prepack = config.option("cpu_prepack", "on")
         if prepack not in PREPACK_MODES:
             raise ValueError(f"cpu_prepack={prepack!r}: use one of {list(PREPACK_MODES)}")
+        bf16_linears = config.option("cpu_bf16_linears", "auto")
+        if bf16_linears not in BF16_LINEAR_MODES:
+            raise ValueError(f"cpu_bf16_linears={bf16_linears!r}: use one of {list(BF16_LINEAR_MODES)}")
+        if mode == "inductor" and config.model.dtype == torch.bfloat16 and not has_native_bf16():
+            logger.warning("cpu: --cpu-graph inductor runs bf16 linears in torch's bf16 kernels, several times slower "
+                           "on a CPU without AVX-512-BF16/AMX than the eager runner's (fp32 copies of the weights)")
         impl = config.option("cpu_attention", "auto")
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown cpu attention {impl!r}; use one of {list(ATTENTION_IMPLS)}")

@@ -22,8 +22,10 @@ written from the same folder), each in its own venv under $PORTSIDE_BENCH_VENVS
 greedy, EOS ignored, the same threads; one that cannot install or import is recorded with the
 reason. `--dtypes float32,bfloat16` (default both): bf16 rows run transformers, portside's
 `--bf16-paths` and the peers in bf16 (llama.cpp BF16 and F16 files); on a CPU without native bf16
-matmuls (no AVX512-BF16/AMX) the torch-based engines' bf16 rows are recorded as not measured,
-with torch's bf16 matmul rate as the reason (`--bf16-emulated` runs them). Every engine's greedy tokens of the
+matmuls (no AVX512-BF16/AMX) the bf16 rows of transformers, vLLM and portside's compiled modes are
+recorded as not measured, with torch's bf16 matmul rate as the reason (`--bf16-emulated` runs
+them); portside's eager mode runs, as its linears do not use torch's bf16 matmul there (fp32
+copies for several rows, `cpu_bf16_linears`; bf16 streamed and widened in the native row kernels). Every engine's greedy tokens of the
 first prompts are compared with portside's fp32 ones; `<out>-table.md` holds the engines table
 (each engine's tok/s and decode ms, the bounds, portside's ratio to the best other engine).
 
@@ -463,10 +465,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mm = result["machine"]
         why = {"dtype": "bfloat16", "not_measured": (
             f"no native bf16 matmuls on this CPU (AVX512-BF16/AMX): torch's bf16 matmul runs at "
-            f"{mm['bf16_matmul_gflops']:.1f} GFLOP/s against fp32's {mm['fp32_matmul_gflops']:.0f}, so a torch-based "
-            "engine (portside, transformers, vLLM) would take tens of minutes over this workload in bf16; "
-            "--bf16-emulated runs it")}
-        jobs = [(n, (lambda: dict(why)) if n.endswith("-bf16") and not n.startswith("llama.cpp") else j) for n, j in jobs]
+            f"{mm['bf16_matmul_gflops']:.1f} GFLOP/s against fp32's {mm['fp32_matmul_gflops']:.0f}, so an engine on "
+            "torch's bf16 linears (transformers, vLLM, portside's compiled modes) would take tens of minutes over "
+            "this workload in bf16; --bf16-emulated runs it")}
+        own_kernels = ("llama.cpp", "portside-eager")  # bf16 in their own kernels (fp32 arithmetic)
+        jobs = [(n, (lambda: dict(why)) if n.endswith("-bf16") and not n.startswith(own_kernels) else j) for n, j in jobs]
     old = Path(args.out).with_suffix(".json")
     if args.resume and old.exists():
         before = json.loads(old.read_text())

@@ -265,10 +265,13 @@ def test_gemv_pass_rewrites_single_row_linears_only(native):
     assert sum(map(plain, many)) == 2
 
 
-def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_onednn():
-    """cpu eager: F.linear of one fp32 row runs `portside_cpu_native::linear_row`; of several
-    rows (fp32 or bf16), oneDNN's linear over a prepacked copy of the weight, packed once; bf16
-    single rows stay with torch's kernels. Results equal F.linear (to each dtype's tolerance)."""
+@pytest.mark.parametrize("widen_bf16", [False, True])
+def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_onednn(widen_bf16):
+    """cpu eager: F.linear of one fp32 or bf16 row runs `portside_cpu_native::linear_row`; of
+    several rows (fp32 or bf16), oneDNN's linear over a prepacked copy of the weight, packed once:
+    bf16 weights as they are where oneDNN packs bf16, or widened to an fp32 copy
+    (`cpu_bf16_linears=widen`: the activations widened, the output bf16). Results equal F.linear
+    (to each dtype's tolerance), in the input's dtype."""
     import torch
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -288,10 +291,10 @@ def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_oned
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    packed = PackedWeights(batch_hint=8) if prepack_unavailable_reason() is None else None
+    packed = PackedWeights(batch_hint=8, widen_bf16=widen_bf16) if prepack_unavailable_reason() is None else None
     w, b = torch.randn(48, 64), torch.randn(48)
-    cases = [(torch.randn(1, 64), "linear_row"), (torch.randn(1, 64).bfloat16(), None)]
-    packs_bf16 = packed is not None and _onednn_packs_bf16()
+    cases = [(torch.randn(1, 64), "linear_row"), (torch.randn(1, 64).bfloat16(), "linear_row")]
+    packs_bf16 = packed is not None and (widen_bf16 or _onednn_packs_bf16())
     if packed is not None:  # oneDNN packs bf16 weights only on CPUs with AVX-512 (or AVX-NE-CONVERT)
         cases += [(torch.randn(5, 64), "mkldnn"), (torch.randn(300, 64), "mkldnn"),
                   (torch.randn(7, 64).bfloat16(), "mkldnn" if packs_bf16 else None)]
@@ -303,12 +306,24 @@ def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_oned
             kernels = {"linear_row": "linear_row", "mkldnn": "mkldnn._linear_pointwise"}  # not a failed reorder
             used = {k for k, name in kernels.items() if any(name in op for op in rec.ops)}
             assert used == ({kernel} if kernel else set()), rec.ops
+            assert out.dtype == x.dtype and out.shape == (x.shape[0], 48)
             tol = {"atol": 2e-2, "rtol": 2e-2} if x.dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
             torch.testing.assert_close(out, F.linear(x, ww, bias), **tol)
+            if x.dtype == torch.bfloat16:  # fp32 sums of the same bf16 values, rounded once
+                exact = F.linear(x.float(), ww.float(), None if bias is None else bias.float()).bfloat16()
+                torch.testing.assert_close(out, exact, atol=0, rtol=2 ** -7)  # at most one bf16 rounding step
     if packed is not None:
         assert len(packed) == 1 + packs_bf16  # the fp32 and the bf16 weight, each packed once for all its calls
         # a temporary weight (a dequantized one: its address is reused for the next) is never packed
         assert packed.get(torch.randn(48, 64)) is None and len(packed) == 1 + packs_bf16
+        if packs_bf16:  # the capture step's record: the kinds `warm` runs, in the packed weights' dtype
+            packed.recording = True
+            with EagerLinears(native=True, packed=packed):
+                F.linear(torch.randn(3, 64).bfloat16(), torch.nn.Parameter(w.bfloat16(), requires_grad=False), b.bfloat16())
+            packed.recording = False
+            dtypes = {dtype for _, dtype, _ in packed.kinds}
+            assert dtypes == {torch.float32 if widen_bf16 else torch.bfloat16}
+            assert packed.warm(16) > 0
 
 
 def _onednn_packs_bf16() -> bool:
@@ -323,8 +338,8 @@ def _onednn_packs_bf16() -> bool:
 
 def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path):
     """The eager engine packs the weights its multi-row linears use at start-up, each once, and
-    its batched greedy tokens match transformers; cpu_prepack=off keeps the dense weights only; a bad value is
-    rejected with the values it takes."""
+    its batched greedy tokens match transformers; cpu_prepack=off keeps the dense weights only; a bad value
+    (of it or cpu_bf16_linears) is rejected with the values it takes."""
     from portside.backends.cpu.eager_linears import prepack_unavailable_reason
 
     if prepack_unavailable_reason() is not None:
@@ -344,3 +359,5 @@ def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path
     assert _runner(off).packed_weights is None
     with pytest.raises(ValueError, match="cpu_prepack='sometimes': use one of"):
         LLM(model=str(model_path), device="cpu", platform_options={"cpu_prepack": "sometimes"})
+    with pytest.raises(ValueError, match=r"cpu_bf16_linears='fp16': use one of \['auto', 'native', 'widen'\]"):
+        LLM(model=str(model_path), device="cpu", platform_options={"cpu_bf16_linears": "fp16"})

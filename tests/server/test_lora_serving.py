@@ -133,12 +133,13 @@ def test_two_adapters_and_the_base_answer_concurrently(srv: ServerProcess, tiny_
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompt = [5, 17, 42, 9, 33, 8]
-    want = {"tiny": [tok.decode([t]) for t in hf_greedy(tiny_llama, prompt, 8)]}
+    n = 32  # long enough for the poller below to see the batch under load (8 tokens: 3 samples, once)
+    want = {"tiny": [tok.decode([t]) for t in hf_greedy(tiny_llama, prompt, n)]}
     for name in ("sql", "chat"):
-        want[name] = [tok.decode([t]) for t in peft_greedy(tiny_llama, adapters[name], prompt, 8)]
+        want[name] = [tok.decode([t]) for t in peft_greedy(tiny_llama, adapters[name], prompt, n)]
     assert len({tuple(v) for v in want.values()}) == 3  # three different answers: a mix-up shows
     for name, expected in want.items():
-        assert tokens(complete(srv, name)) == expected, f"{name} alone"
+        assert tokens(complete(srv, name, max_tokens=n)) == expected, f"{name} alone"
 
     names = ["sql", "tiny", "chat"] * 4
     barrier = threading.Barrier(len(names))
@@ -146,7 +147,7 @@ def test_two_adapters_and_the_base_answer_concurrently(srv: ServerProcess, tiny_
 
     def fire(i: int, name: str) -> None:
         barrier.wait()
-        results[i] = complete(srv, name)
+        results[i] = complete(srv, name, max_tokens=n)
 
     running: list[float] = []
     done = threading.Event()

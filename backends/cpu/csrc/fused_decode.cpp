@@ -117,71 +117,12 @@ inline void rows1(const float* x, const float* w, float* y, int64_t K, int64_t r
   for (int64_t r = r0; r < r1; ++r) y[r] = portside_rows::dot1(x, w + r * K, K);
 }
 
-// bf16 rows: x (fp32) . w_r (bf16 bits), accumulated in fp32. Each 8 weights are widened to 32
-// bits and shifted into the high half (exactly their fp32 values), then one FMA; four
-// accumulators. Without AVX2 and FMA, a scalar loop.
-inline float bf16_value(uint16_t b) {
-  const uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
+using portside_rows::bf16_value;  // the bf16 dot products are row_dot.h's (linear_row uses them too)
+using portside_rows::dot1_bf16;
+using portside_rows::dot2_bf16;
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 bf16x8_ps(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-inline float hsum_ps(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8_ps(r + k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), bf16x8_ps(r + k + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), bf16x8_ps(r + k + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), bf16x8_ps(r + k + 24), a3);
-  }
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8_ps(r + k), a0);
-  float s = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; k < K; ++k) s += x[k] * bf16_value(r[k]);
-  return s;
-}
-
-inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-    a0 = _mm256_fmadd_ps(x0, bf16x8_ps(r0 + k), a0);
-    a1 = _mm256_fmadd_ps(x1, bf16x8_ps(r0 + k + 8), a1);
-    b0 = _mm256_fmadd_ps(x0, bf16x8_ps(r1 + k), b0);
-    b1 = _mm256_fmadd_ps(x1, bf16x8_ps(r1 + k + 8), b1);
-  }
-  float s0 = hsum_ps(_mm256_add_ps(a0, a1)), s1 = hsum_ps(_mm256_add_ps(b0, b1));
-  for (; k < K; ++k) {
-    s0 += x[k] * bf16_value(r0[k]);
-    s1 += x[k] * bf16_value(r1[k]);
-  }
-  *y0 = s0;
-  *y1 = s1;
-}
-#else
-inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
-  float s = 0.f;
-  for (int64_t k = 0; k < K; ++k) s += x[k] * bf16_value(r[k]);
-  return s;
-}
-
-inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
-  *y0 = dot1_bf16(x, r0, K);
-  *y1 = dot1_bf16(x, r1, K);
-}
+using portside_rows::bf16x8_ps;
+using portside_rows::hsum_ps;
 #endif
 
 inline void rows1(const float* x, const uint16_t* w, float* y, int64_t K, int64_t r0, int64_t r1) {

@@ -12,9 +12,11 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#if !defined(__AVX512F__)
 #define PORTSIDE_ROWS_AVX2 1
+#endif
 #endif
 
 namespace portside_rows {
@@ -130,6 +132,80 @@ inline void rows(const float* x, const float* w, float* y, int64_t K, int64_t n0
     dot2(x, w + a * K, w + b * K, K, y + a, y + b);
   }
   if ((n1 - n0) % 2) y[n1 - 1] = dot1(x, w + (n1 - 1) * K, K);
+}
+
+// bf16 rows: x (fp32) . w_r (bf16 bits), accumulated in fp32. Each 8 weights are widened to 32
+// bits and shifted into the high half (exactly their fp32 values), then one FMA; four
+// accumulators. Without AVX2 and FMA, a scalar loop. (The fused step's and linear_row's.)
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8_ps(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float hsum_ps(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8_ps(r + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), bf16x8_ps(r + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), bf16x8_ps(r + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), bf16x8_ps(r + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8_ps(r + k), a0);
+  float s = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += x[k] * bf16_value(r[k]);
+  return s;
+}
+
+inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    a0 = _mm256_fmadd_ps(x0, bf16x8_ps(r0 + k), a0);
+    a1 = _mm256_fmadd_ps(x1, bf16x8_ps(r0 + k + 8), a1);
+    b0 = _mm256_fmadd_ps(x0, bf16x8_ps(r1 + k), b0);
+    b1 = _mm256_fmadd_ps(x1, bf16x8_ps(r1 + k + 8), b1);
+  }
+  float s0 = hsum_ps(_mm256_add_ps(a0, a1)), s1 = hsum_ps(_mm256_add_ps(b0, b1));
+  for (; k < K; ++k) {
+    s0 += x[k] * bf16_value(r0[k]);
+    s1 += x[k] * bf16_value(r1[k]);
+  }
+  *y0 = s0;
+  *y1 = s1;
+}
+#else
+inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += x[k] * bf16_value(r[k]);
+  return s;
+}
+
+inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
+  *y0 = dot1_bf16(x, r0, K);
+  *y1 = dot1_bf16(x, r1, K);
+}
+#endif
+
+// y[n] = x . w[n] for bf16 rows n in [n0, n1), two rows at a time (linear_row's bf16 weights).
+inline void rows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) dot2_bf16(x, w + n * K, w + (n + 1) * K, K, y + n, y + n + 1);
+  if (n < n1) y[n] = dot1_bf16(x, w + n * K, K);
 }
 
 }  // namespace portside_rows
