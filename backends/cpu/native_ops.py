@@ -6,12 +6,12 @@ paths. It holds:
 
 - the paged-attention kernels' C entry points (`ps_*`, `csrc/paged_attention_abi.cpp`: the C
   kernels of `csrc/paged_attention.c` with C linkage), called through ctypes by `kernels.py`;
-- `portside_cpu_native::linear_row`: the one-row fp32 linear (`csrc/linear_row.cpp`);
+- `portside_cpu_native::linear_row`: the one-row fp32 or bf16 linear (`csrc/linear_row.cpp`);
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
   Python operator `portside_cpu::attention` (`attention_op`);
 - `portside_cpu_native.LlamaDecoder` (a torch class): a whole batch-1 decode step of a
-  Llama-family fp32 model in one call (`csrc/fused_decode.cpp`, `fused_decode.py`);
+  Llama-family fp32 or bf16 model in one call (`csrc/fused_decode.cpp`, `fused_decode.py`);
 - `portside_cpu_native::argmax_rows`: row-wise argmax of fp32 logits for the sampler
   (`csrc/argmax.cpp`, `CpuPlatform.sampler`);
 - `portside_cpu_native::apply_token_bitmask`: structured output's grammar mask on fp32 logits
