@@ -35,17 +35,16 @@ class NativeBuildError(RuntimeError):
     """The kernels could not be built or loaded; the message says why."""
 
 
-def compiler(env: str = "CXX", names: tuple[str, ...] = ("c++", "g++"), language: str = "C++") -> list[str]:
-    """The compiler command: ``$CXX`` (may carry flags), else ``c++``, else ``g++`` (for C:
-    ``compiler("CC", ("cc", "gcc"), "C")``)."""
-    cmd = os.environ.get(env)
+def compiler() -> list[str]:
+    """The C++ compiler command: ``$CXX`` (may carry flags), else ``c++``, else ``g++``."""
+    cmd = os.environ.get("CXX")
     if cmd:
         return shlex.split(cmd)
-    for name in names:
+    for name in ("c++", "g++"):
         found = shutil.which(name)
         if found:
             return [found]
-    raise NativeBuildError(f"no {language} compiler found (${env} unset, neither {' nor '.join(names)} on PATH)")
+    raise NativeBuildError("no C++ compiler found ($CXX unset, neither c++ nor g++ on PATH)")
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
