@@ -136,20 +136,28 @@ def case_engine(model: Path) -> dict[str, Any]:
 
 
 def case_pipeline(model: Path) -> dict[str, Any]:
-    """PP 2 on Ray (a self-started one-node Ray), with micro-batches in flight and without."""
+    """PP 2 on Ray, with micro-batches in flight and without, both engines on a Ray this process
+    started itself (as a user who called `ray.init()` first): the executor uses it, leaves it running."""
+    import ray
+
     from portside import LLM, SamplingParams
 
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     out: dict[str, Any] = {"tokens": {}}
-    for micro in (2, 1):
-        llm = LLM(model=str(model), pipeline_parallel_size=2, pipeline_micro_batches=micro,
-                  distributed_executor_backend="ray", max_num_batched_tokens=16, **ENGINE)  # fmt: skip
-        prompts = prompts_for(llm.get_tokenizer())
-        out["prompts"] = prompts
-        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-        out["tokens"][micro] = [o.outputs[0].token_ids for o in outs]
-        out[f"in_flight_{micro}"] = llm.engine.max_in_flight
-        llm.engine.shutdown()
+    try:
+        for micro in (2, 1):
+            llm = LLM(model=str(model), pipeline_parallel_size=2, pipeline_micro_batches=micro,
+                      distributed_executor_backend="ray", max_num_batched_tokens=16, **ENGINE)  # fmt: skip
+            prompts = prompts_for(llm.get_tokenizer())
+            out["prompts"] = prompts
+            greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            out["tokens"][micro] = [o.outputs[0].token_ids for o in outs]
+            out[f"in_flight_{micro}"] = llm.engine.max_in_flight
+            llm.engine.shutdown()
+            out[f"ray_up_after_{micro}"] = ray.is_initialized()
+    finally:
+        ray.shutdown()
     out["left_after_shutdown"] = wait_gone(descendants(os.getpid()))
     return out
 

@@ -138,9 +138,11 @@ def test_llm_on_ray_equals_transformers_and_a_killed_actor_fails_fast(tiny_llama
 @pytest.mark.slow
 @needs_netns
 def test_pipeline_parallel_on_ray_equals_transformers(tiny_llama: Path, tmp_path: Path) -> None:
-    """PP 2 on Ray actors, with two steps in flight and with one, gives transformers' greedy tokens."""
+    """PP 2 on Ray actors, with two steps in flight and with one, gives transformers' greedy tokens;
+    both engines run on the Ray their process started, and leave it running."""
     r = run_case("pipeline", tiny_llama, tmp_path)
     assert (r["in_flight_2"], r["in_flight_1"]) == (2, 1)
+    assert r["ray_up_after_2"] and r["ray_up_after_1"], r
     for micro in ("2", "1"):
         for prompt, tokens in zip(r["prompts"], r["tokens"][micro], strict=True):
             assert tokens == hf_greedy(tiny_llama, prompt, 12), f"micro-batches {micro}, prompt of {len(prompt)} tokens"

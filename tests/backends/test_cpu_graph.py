@@ -223,17 +223,21 @@ def test_threads_never_exceed_usable_cores():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("native", [False, True], ids=["fused-reduction", "native-op"])
-def test_gemv_pass_rewrites_single_row_linears_only(native):
-    """`GemvAsReduction` turns a one-row `F.linear` (with or without bias) into the native C++
-    operator, or (native=False) into mul + sum, materializing a row computed in the graph first
-    (not a graph input); the result is the same, and a multi-row one (a GEMM) is left alone."""
+def test_gemv_pass_rewrites_single_row_linears_only(native, dtype):
+    """`GemvAsReduction` turns a one-row `F.linear` (with or without bias; fp32 or bf16) into the
+    native C++ operator, or (native=False) into mul + sum, materializing a row computed in the
+    graph first (not a graph input); the result is the same (bf16: up to the rounding of the
+    output), and a multi-row one (a GEMM) is left alone."""
     import torch
     import torch.nn.functional as F
 
     from portside.backends.cpu.gemv_pass import GemvAsReduction
 
-    w, b = torch.randn(7, 5), torch.randn(7)
+    dt = getattr(torch, dtype)
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    w, b = torch.randn(7, 5, dtype=dt), torch.randn(7, dtype=dt)
     seen: list[list[str]] = []
     rewrite = GemvAsReduction(native=native)
     assert rewrite.native == native  # the operator builds on this machine
@@ -250,8 +254,9 @@ def test_gemv_pass_rewrites_single_row_linears_only(native):
     torch._dynamo.reset()
     fn = torch.compile(f, backend=backend, dynamic=False)
     for rows in (1, 3):
-        x = torch.randn(rows, 5)
-        assert torch.allclose(fn(x), f(x), atol=1e-5)
+        x = torch.randn(rows, 5, dtype=dt)
+        got = fn(x)
+        assert got.dtype == dt and torch.allclose(got.float(), f(x).float(), atol=tol, rtol=tol)
     one, many = seen
     def plain(t: str) -> bool:  # F.linear prints as "<built-in function linear>"
         return "function linear" in t

@@ -30,7 +30,8 @@ def test_triton_kernels_pass_the_conformance_kit(triton_interp_site: str | None)
     if triton_interp_site is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (triton_interp_site, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "portside.testing.conformance", "--device", "triton-interp", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "portside.testing.conformance", "--device", "triton-interp", "-q", "-p", "no:cacheprovider",
+         "-n", str(min(4, os.cpu_count() or 1))],  # this leg's longest case by far: spread over the cores
         capture_output=True, text=True, timeout=1800, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, f"conformance kit failed for triton-interp:\n{proc.stdout[-8000:]}\n{proc.stderr[-2000:]}"
