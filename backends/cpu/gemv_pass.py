@@ -62,7 +62,8 @@ class GemvAsReduction(CustomGraphPass):
     The native operator walks two streams of rows per thread: over the default model's weights
     in huge pages, 2 threads, 49.3 GB/s against ~33 for the fused reduction (a plain sum of the
     same matrices: 53.4). bf16 weights stream at half the bytes, widened in its dot products with
-    fp32 sums (Inductor's fused reduction of bf16 goes through its generic vectorized conversion)."""
+    fp32 sums (on a Zen 3 without bf16 instructions no faster than the fused reduction: batch-1
+    bf16 decode 23-32 ms/token either way, within the VM's noise)."""
 
     def __init__(self, native: bool = True) -> None:
         """`native`: use the C++ operator if it builds here (False: always the fused reduction)."""
