@@ -68,12 +68,13 @@ def children(pid: int) -> list[int]:
 
 
 def spawned_workers() -> set[int]:
-    """This process's live multiprocessing-spawned children (not its resource tracker)."""
+    """This process's live worker processes (named portside-tp<rank>; not the fork server, not
+    the resource tracker)."""
     found = set()
     for pid in children(os.getpid()):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().startswith("portside-"):
                     found.add(pid)
         except FileNotFoundError:
             pass
@@ -119,6 +120,55 @@ def test_tp2_greedy_equals_tp1_and_transformers(even_model, tp2, tp1):
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(even_model, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
     assert tp2.engine.stats().num_used_blocks == 0
+
+
+def test_cpu_workers_are_forks_of_one_fork_server_named_by_rank(tp2):
+    """On cpu the ranks are forked from multiprocessing's fork server (a child of this process),
+    not spawned interpreters, and name themselves by rank for ps and top."""
+    from multiprocessing import forkserver
+
+    pids = tp2.engine.executor.pids
+    comms, parents = [], set()
+    for pid in pids:
+        with open(f"/proc/{pid}/comm") as f:
+            comms.append(f.read().strip())
+        with open(f"/proc/{pid}/stat") as f:
+            parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+    assert comms == ["portside-tp0", "portside-tp1"]
+    assert len(parents) == 1 and parents != {os.getpid()}
+    with open(f"/proc/{parents.pop()}/cmdline", "rb") as f:
+        assert forkserver.__name__.encode() in f.read()  # `python -c 'from multiprocessing.forkserver import main; ...'`
+
+
+def test_worker_start_method(monkeypatch):
+    """Fork server on cpu, spawn on accelerators and when asked. The forks take the engine's
+    environment when they start, but once a variable read on import changed since the fork
+    server started (its forks would keep the old value), spawn."""
+    from portside.backends.cpu.platform import CpuPlatform
+    from portside.engine import multiproc_executor as mpe
+
+    class Accelerator(CpuPlatform):
+        device_type = "cuda"
+
+    def method(platform: type[CpuPlatform]) -> str:
+        return mpe.worker_context(platform).get_start_method()
+
+    monkeypatch.delenv("PORTSIDE_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.setattr(mpe, "_forkserver_env", None)
+    assert method(Accelerator) == "spawn"
+    assert method(CpuPlatform) == "forkserver" and mpe._forkserver_env == dict(os.environ)
+    monkeypatch.setenv("MY_APP_SETTING", "1")  # read at run time: the forks are given it
+    assert method(CpuPlatform) == "forkserver"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read when torch loads
+    assert method(CpuPlatform) == "spawn"
+    monkeypatch.setenv("PORTSIDE_WORKER_MULTIPROC_METHOD", "forkserver")
+    monkeypatch.setattr(mpe, "_forkserver_env", dict(os.environ))
+    assert method(Accelerator) == "forkserver"  # asked for
+    monkeypatch.setenv("PORTSIDE_WORKER_MULTIPROC_METHOD", "spawn")
+    assert method(CpuPlatform) == "spawn"
+    monkeypatch.setenv("PORTSIDE_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(ValueError, match="use forkserver or spawn"):
+        method(CpuPlatform)
 
 
 def test_tp2_random_sampling_matches_tp1_with_seeds(tp2, tp1):

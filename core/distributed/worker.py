@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -94,11 +95,18 @@ def run_pipe_worker(
     platform: type[Platform],
     eos_token_id: int | None,
     conn: Connection,
+    environ: dict[str, str],
 ) -> None:
     """Process entry point. Replies: `WorkerReady`, `KVCacheReady`, and per step a
     `ModelRunnerOutput` from `config.parallel.output_rank` only; any exception is sent as a `WorkerError`, then the
-    process exits with status 1. The engine stops it with `Shutdown` (or by closing the pipe)."""
+    process exits with status 1. The engine stops it with `Shutdown` (or by closing the pipe).
+    `environ` is the engine's environment when it started the worker: a fork of the fork server
+    would otherwise see the server's, from when it started."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    name_process(multiprocessing.current_process().name)
     try:
         limit_threads(platform, world_size * config.parallel.data_parallel_size)  # every replica's ranks share the cores
         init_process_group(platform, rank, world_size, init_method)
@@ -123,6 +131,16 @@ def run_pipe_worker(
         destroy_process_group_quietly()
         sys.exit(1)
     destroy_process_group_quietly()
+
+
+def name_process(name: str) -> None:
+    """Show `name` (portside-tp0, portside-pp1-tp0, ...) for this process in ps and top, Linux
+    only; elsewhere a no-op."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def destroy_process_group_quietly() -> None:

@@ -1,5 +1,11 @@
-"""MultiprocExecutor: tensor and pipeline parallelism on one machine, one spawned worker process
-per rank (TP x PP of them).
+"""MultiprocExecutor: tensor and pipeline parallelism on one machine, one worker process per rank
+(TP x PP of them).
+
+On cpu the workers are forked from multiprocessing's fork server, which imports what every rank
+needs (torch, portside's worker and model code, transformers' config classes) once per engine
+process: a worker then starts without re-importing all of it (~6 s of CPU a rank on a 2-core
+Zen 3). The engine process itself is never forked: its threads and torch's thread pool would
+be copied mid-state. See `worker_context` for the choice and its override.
 
 Every rank, rank 0 included, runs in its own worker process; the engine process holds no model
 shard and never enters a collective. That keeps the engine's failure handling simple: it only
@@ -24,6 +30,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, cast
 
@@ -47,7 +54,7 @@ class MultiprocExecutor:
         self.world_size = world = config.parallel.world_size
         self.output_rank = config.parallel.output_rank
         self._error: RuntimeError | None = None
-        ctx = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
+        ctx = worker_context(platform)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -59,7 +66,7 @@ class MultiprocExecutor:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=run_pipe_worker,
-                args=(rank, world, init_method, config, platform, eos_token_id, child),
+                args=(rank, world, init_method, config, platform, eos_token_id, child, dict(os.environ)),
                 name=f"portside-pp{rank // tp}-tp{rank % tp}" if world > tp else f"portside-tp{rank}",
                 daemon=True,
             )
@@ -188,6 +195,42 @@ class MultiprocExecutor:
         logger.error("%s", message)
         self._finalizer()
         raise self._error
+
+
+# What every rank imports before it loads a model. No platform module: one could touch its device
+# on import, and the forks would inherit that.
+_PRELOAD = ["portside.distributed.worker", "portside.model.registry", "transformers.activations",
+            "transformers.models.auto.configuration_auto"]
+# Variables that the preloaded modules (and the libraries they load) read when imported: a fork
+# server started before one of them changed would give its forks the old value.
+_READ_ON_IMPORT = ("PORTSIDE_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "PYTHON", "HF_",
+                   "TRANSFORMERS_", "TOKENIZERS_")
+_forkserver_env: dict[str, str] | None = None  # the environment the fork server started with
+
+
+def worker_context(platform: type[Platform]) -> SpawnContext | ForkServerContext:
+    """How the workers start: `PORTSIDE_WORKER_MULTIPROC_METHOD` (forkserver or spawn), by default
+    the fork server on cpu and spawn on accelerators (forking from a server is unverified with
+    their runtimes). The fork server starts on first use with `_PRELOAD` imported. A worker takes
+    the engine's environment as it is when the worker starts (`run_pipe_worker`), but what was
+    read on import stays as the fork server saw it: once a `_READ_ON_IMPORT` variable changed,
+    the workers are spawned."""
+    global _forkserver_env
+    default = "forkserver" if platform.device_type == "cpu" else "spawn"
+    method = os.environ.get("PORTSIDE_WORKER_MULTIPROC_METHOD", default)
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"PORTSIDE_WORKER_MULTIPROC_METHOD={method!r}: use forkserver or spawn")
+    if method == "spawn":
+        return multiprocessing.get_context("spawn")
+    env = dict(os.environ)
+    if _forkserver_env is None:
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        _forkserver_env = env
+    elif changed := sorted(k for k in env.keys() ^ _forkserver_env.keys() | {k for k in env if env[k] != _forkserver_env.get(k)}
+                           if k.startswith(_READ_ON_IMPORT)):  # fmt: skip
+        logger.info("%s changed since the fork server started: spawning the workers", ", ".join(changed))
+        return multiprocessing.get_context("spawn")
+    return multiprocessing.get_context("forkserver")
 
 
 def _describe_exit(code: int | None) -> str:

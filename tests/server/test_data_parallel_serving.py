@@ -51,21 +51,26 @@ def by_engine(server: ServerProcess, name: str) -> dict[str, float]:
 
 
 def worker_pids(server_pid: int) -> list[int]:
-    """The server's spawned worker processes (not multiprocessing's resource tracker)."""
-    pids = []
+    """The server's worker processes (its descendants named portside-tp<rank>: not the fork
+    server they are forked from, not multiprocessing's resource tracker)."""
+    procs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
+            with open(f"/proc/{entry}/comm") as f:
+                procs[int(entry)] = (ppid, f.read().strip())
         except OSError:
             continue
-        if ppid == server_pid and b"spawn_main" in cmdline:
-            pids.append(int(entry))
-    return sorted(pids)
+
+    def descends(pid: int) -> bool:
+        while pid in procs and pid != server_pid:
+            pid = procs[pid][0]
+        return pid == server_pid
+
+    return sorted(p for p, (_, comm) in procs.items() if comm.startswith("portside-") and descends(p))
 
 
 def alive(pid: int) -> bool:
