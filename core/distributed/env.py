@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 from portside.backend_api import Platform
 
-# How long a collective (or the rendezvous) may wait for a peer before torch.distributed raises.
-DEFAULT_TIMEOUT_S = float(os.environ.get("PORTSIDE_DIST_TIMEOUT", "600"))
+
+def dist_timeout_s() -> float:
+    """How long a collective (or the rendezvous) may wait for a peer before torch.distributed
+    raises: PORTSIDE_DIST_TIMEOUT, read when a group is made (a worker forked from the fork server
+    has the engine's environment only from its start)."""
+    return float(os.environ.get("PORTSIDE_DIST_TIMEOUT", "600"))
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,9 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None
     return LauncherEnv(rank, world, local_rank, env.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
-def init_process_group(
-    platform: type[Platform], rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> None:
-    """Join the default process group with the platform's collectives backend (gloo, nccl, ...)."""
+def init_process_group(platform: type[Platform], rank: int, world_size: int, init_method: str) -> None:
+    """Join the default process group with the platform's collectives backend (gloo, nccl, ...),
+    its collectives timing out after `dist_timeout_s()`."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -70,7 +73,7 @@ def init_process_group(
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=dist_timeout_s()),
     )
 
 

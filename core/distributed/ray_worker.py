@@ -16,7 +16,7 @@ from typing import Any
 
 from portside.backend_api import Platform
 from portside.config import EngineConfig
-from portside.distributed.env import DEFAULT_TIMEOUT_S, free_port, init_process_group
+from portside.distributed.env import free_port, init_process_group
 from portside.distributed.messages import Shutdown, WorkerError, WorkerReady
 from portside.distributed.worker import Worker, destroy_process_group_quietly
 from portside.sched.output import ModelRunnerOutput
@@ -68,8 +68,7 @@ class RayWorker:
         self.rank, self.output_rank = setup.rank, setup.config.parallel.output_rank
         try:
             share_cores(setup.platform, setup.ranks_on_node, setup.num_threads)
-            timeout = float(os.environ.get("PORTSIDE_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
-            init_process_group(setup.platform, setup.rank, setup.world_size, setup.init_method, timeout)
+            init_process_group(setup.platform, setup.rank, setup.world_size, setup.init_method)
             # Ray makes only this actor's accelerator visible to it: its device is index 0 there.
             device_index = setup.local_rank if setup.platform.device_type == "cpu" else 0
             self.worker = Worker(setup.config, setup.platform, setup.eos_token_id, setup.rank, device_index)

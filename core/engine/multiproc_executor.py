@@ -201,10 +201,11 @@ class MultiprocExecutor:
 # on import, and the forks would inherit that.
 _PRELOAD = ["portside.distributed.worker", "portside.model.registry", "transformers.activations",
             "transformers.models.auto.configuration_auto"]
-# Variables that the preloaded modules (and the libraries they load) read when imported: a fork
-# server started before one of them changed would give its forks the old value.
-_READ_ON_IMPORT = ("PORTSIDE_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "PYTHON", "HF_",
-                   "TRANSFORMERS_", "TOKENIZERS_")
+# Variables that the libraries the preloaded modules load read when imported: a fork server
+# started before one of them changed would give its forks the old value. (portside's own modules
+# read PORTSIDE_* only when they use them.)
+_READ_ON_IMPORT = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "PYTHON", "HF_", "TRANSFORMERS_",
+                   "TOKENIZERS_")
 _forkserver_env: dict[str, str] | None = None  # the environment the fork server started with
 
 

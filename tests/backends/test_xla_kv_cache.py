@@ -2,7 +2,7 @@
 without torch-xla): the engine with `--kv-cache-dtype fp8_e4m3 / fp8_e5m2` runs its bucketed
 graphs without recompiling after warm-up (strict mode) and gives exactly the greedy tokens of
 core's reference attention over an fp8 cache of the same format. The kernels themselves are the
-conformance kit's (`test_xla.py::test_tpu_platform_passes_the_conformance_kit`)."""
+conformance kit's (`test_xla_conformance.py`)."""
 
 from __future__ import annotations
 
