@@ -127,6 +127,8 @@ def test_cpu_workers_are_forks_of_one_fork_server_named_by_rank(tp2):
     not spawned interpreters, and name themselves by rank for ps and top."""
     from multiprocessing import forkserver
 
+    if os.environ.get("PORTSIDE_WORKER_MULTIPROC_METHOD", "forkserver") != "forkserver":
+        pytest.skip("PORTSIDE_WORKER_MULTIPROC_METHOD asks for another start method")
     pids = tp2.engine.executor.pids
     comms, parents = [], set()
     for pid in pids:
