@@ -1,6 +1,5 @@
 """The conformance kit against `--device tpu` on torch-xla's PJRT CPU device (the xla leg), run
-exactly as a plugin author runs it. Its own file: the leg runs its files on two pytest workers,
-and this one case is as long as the rest of the leg together."""
+exactly as a plugin author runs it; most of the xla leg's time."""
 
 from __future__ import annotations
 
