@@ -62,11 +62,12 @@ class MultiprocExecutor:
         # even if nobody calls shutdown(). It must not reference self.
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
         tp = config.parallel.tensor_parallel_size
+        environ = dict(os.environ)  # the forks' environment (see run_pipe_worker)
         for rank in range(world):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=run_pipe_worker,
-                args=(rank, world, init_method, config, platform, eos_token_id, child, dict(os.environ)),
+                args=(rank, world, init_method, config, platform, eos_token_id, child, environ),
                 name=f"portside-pp{rank // tp}-tp{rank % tp}" if world > tp else f"portside-tp{rank}",
                 daemon=True,
             )
@@ -227,8 +228,8 @@ def worker_context(platform: type[Platform]) -> SpawnContext | ForkServerContext
     if _forkserver_env is None:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         _forkserver_env = env
-    elif changed := sorted(k for k in env.keys() ^ _forkserver_env.keys() | {k for k in env if env[k] != _forkserver_env.get(k)}
-                           if k.startswith(_READ_ON_IMPORT)):  # fmt: skip
+    elif changed := sorted(k for k in env.keys() | _forkserver_env.keys()
+                           if k.startswith(_READ_ON_IMPORT) and env.get(k) != _forkserver_env.get(k)):  # fmt: skip
         logger.info("%s changed since the fork server started: spawning the workers", ", ".join(changed))
         return multiprocessing.get_context("spawn")
     return multiprocessing.get_context("forkserver")
