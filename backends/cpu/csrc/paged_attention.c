@@ -562,71 +562,80 @@ ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *pa
 
 #if defined(__AVX512F__) && defined(PS_X86_LOADS)
 #define PS_BF16_EVEN_ODD 1
-/* `decode_range` over a bf16 cache on AVX-512, head sizes a multiple of 32 up to 256: each 64-byte
+/* `decode_range` over a bf16 cache on AVX-512, head sizes a multiple of 32 up to 256. Each 64-byte
  * load of a K or V row holds 32 values, widened without a shuffle (the odd ones are the high halves
- * of their 32-bit lanes, masked; the even ones shifted up), so the queries and the value sums are
- * kept with each 32-chunk's even lanes, then its odd lanes (`qs`, `acc`: split once per range,
- * merged back at the end). No converted copies of K or V; fp32 products and sums as elsewhere. */
+ * of their 32-bit lanes, masked; the even ones shifted up), so each query is kept split the same
+ * way (per 32-chunk its even lanes, then its odd ones) and the value sums come out so too (merged
+ * back once). Query head by query head (the KV head's rows stay in L1 across its group): scores 16
+ * tokens at a time, their 16 partial-sum vectors reduced by one transposing tree (`hsum16x16`)
+ * rather than 16 horizontal sums; values with the head's sums in registers. fp32 products and
+ * sums, as elsewhere; no converted copies of K or V. */
 ALWAYS_INLINE __m512 bf16_even(const __m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 ALWAYS_INLINE __m512 bf16_odd(const __m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
+
+/* Lane j: the sum of s[j]'s 16 lanes. */
+ALWAYS_INLINE __m512 hsum16x16(const __m512 *s) {
+    __m512 a[8], b[4], c[2];
+    for (int k = 0; k < 8; ++k)
+        a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; ++k)
+        b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; ++k)
+        c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44), _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), t);
+}
 
 ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
                                      const int32_t *table, int64_t t_begin, int64_t t_end, float *restrict scratch,
                                      const int64_t D) {
-    const int64_t G = sh->num_heads / sh->num_kv_heads, R = sh->num_heads, KVH = sh->num_kv_heads;
-    const int64_t BS = sh->block_size, row = KVH * D, C = D / 32; /* bf16 values per cache row; chunks per head */
+    const int64_t G = sh->num_heads / sh->num_kv_heads, R = sh->num_heads;
+    const int64_t BS = sh->block_size, row = sh->num_kv_heads * D, C = D / 32; /* bf16 values a cache row; chunks a head */
     const uint16_t *k_plane = (const uint16_t *)kv, *v_plane = k_plane + sh->num_blocks * BS * row;
     const int64_t len = t_end - t_begin;
-    float *restrict scores = scratch;      /* [R][len] */
-    float *restrict qs = scores + R * len; /* [R][D]: scale * q, per 32-chunk its even lanes then its odd ones */
-    float *restrict acc = qs + R * D;      /* [R][D]: the value sums, in qs's order */
+    float *restrict scores = scratch; /* [R][len] */
+    int64_t off[len];                 /* each token's cache row (values from the plane's start) */
+    for (int64_t t = 0; t < len; ++t) off[t] = (table[(t_begin + t) / BS] * BS + (t_begin + t) % BS) * row;
+    for (int64_t t = 0; t < PREFETCH_TOKENS && t < len; ++t) prefetch_bytes((const uint8_t *)(k_plane + off[t]), 2 * row);
     const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512 scale = _mm512_set1_ps(sh->scale), zero = _mm512_setzero_ps();
+    /* pass 1: scores */
     for (int64_t r = 0; r < R; ++r) {
         const float *qr = q + r * sh->q_stride_head;
+        const uint16_t *kh = k_plane + (r / G) * D;
+        __m512 qe[8], qo[8];
         for (int64_t c = 0; c < C; ++c) {
             const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c), scale);
             const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c + 16), scale);
-            _mm512_storeu_ps(qs + r * D + 32 * c, _mm512_permutex2var_ps(x0, ie, x1));
-            _mm512_storeu_ps(qs + r * D + 32 * c + 16, _mm512_permutex2var_ps(x0, io, x1));
-            _mm512_storeu_ps(acc + r * D + 32 * c, zero);
-            _mm512_storeu_ps(acc + r * D + 32 * c + 16, zero);
+            qe[c] = _mm512_permutex2var_ps(x0, ie, x1);
+            qo[c] = _mm512_permutex2var_ps(x0, io, x1);
         }
-    }
-    for (int64_t t = t_begin; t < t_begin + PREFETCH_TOKENS && t < t_end; ++t) {
-        const int64_t off = (table[t / BS] * BS + t % BS) * row;
-        prefetch_bytes((const uint8_t *)(k_plane + off), 2 * row);
-        prefetch_bytes((const uint8_t *)(v_plane + off), 2 * row);
-    }
-    /* pass 1: scores */
-    for (int64_t t = t_begin; t < t_end; ++t) {
-        const int64_t ahead = t + PREFETCH_TOKENS;
-        if (ahead < t_end) {
-            const int64_t off = (table[ahead / BS] * BS + ahead % BS) * row;
-            prefetch_bytes((const uint8_t *)(k_plane + off), 2 * row);
-            prefetch_bytes((const uint8_t *)(v_plane + off), 2 * row);
-        }
-        const uint16_t *kr = k_plane + (table[t / BS] * BS + t % BS) * row;
-        for (int64_t h = 0; h < KVH; ++h) {
-            __m512 ke[8], ko[8];
-            for (int64_t c = 0; c < C; ++c) {
-                const __m512i w = _mm512_loadu_si512(kr + h * D + 32 * c);
-                ke[c] = bf16_even(w);
-                ko[c] = bf16_odd(w);
-            }
-            for (int64_t r = h * G; r < (h + 1) * G; ++r) {
-                const float *qr = qs + r * D;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), ke[0]);
-                __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), ko[0]);
-                for (int64_t c = 1; c < C; ++c) {
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 32 * c), ke[c], a);
-                    b = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 32 * c + 16), ko[c], b);
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            const int64_t n = len - t0 < 16 ? len - t0 : 16;
+            __m512 s16[16];
+            for (int64_t j = 0; j < 16; ++j) {
+                if (j >= n) {
+                    s16[j] = zero;
+                    continue;
                 }
-                scores[r * len + t - t_begin] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+                if (r == 0 && t0 + j + PREFETCH_TOKENS < len)
+                    prefetch_bytes((const uint8_t *)(k_plane + off[t0 + j + PREFETCH_TOKENS]), 2 * row);
+                const uint16_t *kr = kh + off[t0 + j];
+                __m512 a = zero, b = zero;
+                for (int64_t c = 0; c < C; ++c) {
+                    const __m512i w = _mm512_loadu_si512(kr + 32 * c);
+                    a = _mm512_fmadd_ps(qe[c], bf16_even(w), a);
+                    b = _mm512_fmadd_ps(qo[c], bf16_odd(w), b);
+                }
+                s16[j] = _mm512_add_ps(a, b);
             }
+            _mm512_mask_storeu_ps(scores + r * len + t0, (__mmask16)((1u << n) - 1), hsum16x16(s16));
         }
     }
+    for (int64_t t = 0; t < PREFETCH_TOKENS && t < len; ++t) prefetch_bytes((const uint8_t *)(v_plane + off[t]), 2 * row);
     if (sh->softcap > 0.0f) {
         const float cap = sh->softcap, inv_cap = 1.0f / cap;
 #pragma omp simd
@@ -646,36 +655,31 @@ ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *
         m_r[r] = m;
         l_r[r] = total;
     }
-    /* pass 2: values */
-    for (int64_t t = t_begin; t < t_end; ++t) {
-        const uint16_t *vr = v_plane + (table[t / BS] * BS + t % BS) * row;
-        for (int64_t h = 0; h < KVH; ++h) {
-            __m512 ve[8], vo[8];
-            for (int64_t c = 0; c < C; ++c) {
-                const __m512i w = _mm512_loadu_si512(vr + h * D + 32 * c);
-                ve[c] = bf16_even(w);
-                vo[c] = bf16_odd(w);
-            }
-            for (int64_t r = h * G; r < (h + 1) * G; ++r) {
-                const __m512 p = _mm512_set1_ps(scores[r * len + t - t_begin]);
-                float *a = acc + r * D;
-                for (int64_t c = 0; c < C; ++c) {
-                    _mm512_storeu_ps(a + 32 * c, _mm512_fmadd_ps(p, ve[c], _mm512_loadu_ps(a + 32 * c)));
-                    _mm512_storeu_ps(a + 32 * c + 16, _mm512_fmadd_ps(p, vo[c], _mm512_loadu_ps(a + 32 * c + 16)));
-                }
-            }
-        }
-    }
-    /* the sums back in head order: into `part` (with m and l after them), or normalized into out */
+    /* pass 2: values, then the sums back in head order: into `part` (m and l after them) or
+     * normalized into out */
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int64_t r = 0; r < R; ++r) {
+        const uint16_t *vh = v_plane + (r / G) * D;
+        const float *p = scores + r * len;
+        __m512 ae[8], ao[8];
+        for (int64_t c = 0; c < C; ++c) ae[c] = ao[c] = zero;
+        for (int64_t t = 0; t < len; ++t) {
+            if (r == 0 && t + PREFETCH_TOKENS < len)
+                prefetch_bytes((const uint8_t *)(v_plane + off[t + PREFETCH_TOKENS]), 2 * row);
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const uint16_t *vr = vh + off[t];
+            for (int64_t c = 0; c < C; ++c) {
+                const __m512i w = _mm512_loadu_si512(vr + 32 * c);
+                ae[c] = _mm512_fmadd_ps(pt, bf16_even(w), ae[c]);
+                ao[c] = _mm512_fmadd_ps(pt, bf16_odd(w), ao[c]);
+            }
+        }
         float *o = part ? part + r * D : out + r * sh->out_stride_head;
         const __m512 inv = _mm512_set1_ps(part ? 1.0f : 1.0f / l_r[r]);
         for (int64_t c = 0; c < C; ++c) {
-            const __m512 e = _mm512_loadu_ps(acc + r * D + 32 * c), od = _mm512_loadu_ps(acc + r * D + 32 * c + 16);
-            _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, od), inv));
-            _mm512_storeu_ps(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, od), inv));
+            _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(ae[c], lo, ao[c]), inv));
+            _mm512_storeu_ps(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ae[c], hi, ao[c]), inv));
         }
     }
     if (part) {
