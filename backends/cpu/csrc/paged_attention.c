@@ -334,6 +334,30 @@ ALWAYS_INLINE void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 /* Tokens of values dequantized at a time in decode_range_q8's pass 2 (its scratch holds them). */
 #define Q8_CHUNK 16
 
+/* scores [R][len] -> soft-capped (sh->softcap > 0), then each row's softmax numerators
+ * e^(s - m_r), with m_r its max and l_r the numerators' sum. */
+ALWAYS_INLINE void softmax_rows(const decode_shape *sh, float *restrict scores, const int64_t R, const int64_t len,
+                                float *m_r, float *l_r) {
+    if (sh->softcap > 0.0f) {
+        const float cap = sh->softcap, inv_cap = 1.0f / cap;
+#pragma omp simd
+        for (int64_t i = 0; i < R * len; ++i) scores[i] = cap * tanh_f32(scores[i] * inv_cap);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        float *s = scores + r * len;
+        float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = exp_nonpos(s[t] - m);
+            total += s[t];
+        }
+        m_r[r] = m;
+        l_r[r] = total;
+    }
+}
+
 /* One sequence's tokens [t_begin, t_end), all its KV heads: its R = H query rows attend over
  * those keys. Two passes over the paged rows; each K and V row is read once for all R query rows
  * (the heads of a cache row are adjacent in memory):
@@ -376,28 +400,12 @@ ALWAYS_INLINE void decode_range(const decode_shape *sh, float *out, float *part,
         const float *k = k_plane + (table[t / BS] * BS + t % BS) * row;
         for (int64_t r = 0; r < R; ++r) scores[r * len + t - t_begin] = dot(qs + r * D, k + (r / G) * D, D);
     }
-    if (sh->softcap > 0.0f) {
-        const float cap = sh->softcap, inv_cap = 1.0f / cap;
-#pragma omp simd
-        for (int64_t i = 0; i < R * len; ++i) scores[i] = cap * tanh_f32(scores[i] * inv_cap);
-    }
     /* softmax numerators, max-subtracted; acc zeroed */
     float m_r[R], l_r[R];
-    for (int64_t r = 0; r < R; ++r) {
-        float *s = scores + r * len;
-        float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = exp_nonpos(s[t] - m);
-            total += s[t];
-        }
-        m_r[r] = m;
-        l_r[r] = total;
+    softmax_rows(sh, scores, R, len, m_r, l_r);
+    for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
-    }
     /* pass 2: weighted sum of values, a block's piece of the range at a time */
     for (int64_t t0 = t_begin; t0 < t_end;) {
         const int64_t in_blk = t0 % BS, n = (t_end - t0 < BS - in_blk) ? t_end - t0 : BS - in_blk;
@@ -489,27 +497,11 @@ ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *pa
         dequant_heads(kf, k_plane + (table[t / BS] * BS + t % BS) * row, KVH, D, rb, fmt);
         for (int64_t r = 0; r < R; ++r) scores[r * len + t - t_begin] = dot(qs + r * D, kf + (r / G) * D, D);
     }
-    if (sh->softcap > 0.0f) {
-        const float cap = sh->softcap, inv_cap = 1.0f / cap;
-#pragma omp simd
-        for (int64_t i = 0; i < R * len; ++i) scores[i] = cap * tanh_f32(scores[i] * inv_cap);
-    }
     float m_r[R], l_r[R];
-    for (int64_t r = 0; r < R; ++r) {
-        float *s = scores + r * len;
-        float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = exp_nonpos(s[t] - m);
-            total += s[t];
-        }
-        m_r[r] = m;
-        l_r[r] = total;
+    softmax_rows(sh, scores, R, len, m_r, l_r);
+    for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
-    }
     /* pass 2: values, up to Q8_CHUNK tokens of one block at a time */
     for (int64_t t0 = t_begin; t0 < t_end;) {
         const int64_t in_blk = t0 % BS, left = BS - in_blk < t_end - t0 ? BS - in_blk : t_end - t0;
@@ -636,25 +628,8 @@ ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *
         }
     }
     for (int64_t t = 0; t < PREFETCH_TOKENS && t < len; ++t) prefetch_bytes((const uint8_t *)(v_plane + off[t]), 2 * row);
-    if (sh->softcap > 0.0f) {
-        const float cap = sh->softcap, inv_cap = 1.0f / cap;
-#pragma omp simd
-        for (int64_t i = 0; i < R * len; ++i) scores[i] = cap * tanh_f32(scores[i] * inv_cap);
-    }
     float m_r[R], l_r[R];
-    for (int64_t r = 0; r < R; ++r) {
-        float *s = scores + r * len;
-        float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = exp_nonpos(s[t] - m);
-            total += s[t];
-        }
-        m_r[r] = m;
-        l_r[r] = total;
-    }
+    softmax_rows(sh, scores, R, len, m_r, l_r);
     /* pass 2: values, then the sums back in head order: into `part` (m and l after them) or
      * normalized into out */
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
