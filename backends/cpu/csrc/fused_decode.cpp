@@ -23,15 +23,16 @@
 //
 // bf16 models (`step`, `step_rows` and `logits`): the matrices (qkv, o,
 // gate_up, down, LM head) and the embedding stay bf16 and are streamed as they are, half the bytes
-// of fp32; each row's dot product converts its weights to fp32 as it loads them (a 16-bit shift,
-// `dot1_bf16`) and accumulates in fp32, and the activations are fp32 throughout the step (the
+// of fp32; each row's dot product converts its weights to fp32 as it loads them (row_dot.h's
+// `dot1_bf16` / `dot2_bf16`: a 16-bit shift, on AVX-512 32 weights a load split into even and odd
+// lanes) and accumulates in fp32, and the activations are fp32 throughout the step (the
 // norm weights, biases and rotary table are copied to fp32 once). The KV cache is the model's
 // bf16 cache: the new K/V rows are rounded to bf16 as torch rounds, and attention reads them with
 // paged_attention.c's bf16 path (fp32 softmax and sums). The step returns fp32 hidden states and
 // logits, as for an fp32 model; `step_rows` likewise (its tile widens 8 weights of each of its
-// two rows per load, `loadw8`). This CPU family (AVX2, no AVX-512-BF16) has no bf16 arithmetic, so
-// the conversion is the shift; with AVX-512-BF16 a `vdpbf16ps` path would need the activations
-// rounded to bf16 and is not written.
+// two rows per load, `loadw8`). No `vdpbf16ps` (AVX-512-BF16) path: it would round the
+// activations to bf16, and on the Sapphire Rapids VM the widening already streams near a plain
+// sum's rate (row_dot.h).
 
 #include <math.h>
 #include <stdint.h>
@@ -118,22 +119,15 @@ inline void rows1(const float* x, const float* w, float* y, int64_t K, int64_t r
 }
 
 using portside_rows::bf16_value;  // the bf16 dot products are row_dot.h's (linear_row uses them too)
-using portside_rows::dot1_bf16;
 using portside_rows::dot2_bf16;
 #if defined(__AVX2__) && defined(__FMA__)
 using portside_rows::bf16x8_ps;
 using portside_rows::hsum_ps;
 #endif
 
-// bf16 rows: the chunk's two halves side by side (two streams, row_dot.h's `rows` order). On the
-// Sapphire Rapids VM (AVX-512 dot products, 2 threads, default model) paired runs of the engine's
-// batch-1 decode gave 10.3-10.8 ms/token against 11.1-11.3 one row after another, and 11.1-11.7
-// with adjacent pairs of rows.
+// bf16 rows: the chunk's two halves side by side (row_dot.h's `rows`, measured there).
 inline void rows1(const float* x, const uint16_t* w, float* y, int64_t K, int64_t r0, int64_t r1) {
-  const int64_t half = (r1 - r0) / 2;
-  for (int64_t i = 0; i < half; ++i)
-    dot2_bf16(x, w + (r0 + i) * K, w + (r0 + half + i) * K, K, y + r0 + i, y + r0 + half + i);
-  if ((r1 - r0) % 2) y[r1 - 1] = dot1_bf16(x, w + (r1 - 1) * K, K);
+  portside_rows::rows(x, w, y, K, r0, r1);
 }
 
 // Dot products of x with two rows (gate and up of one channel), fp32 or bf16 weights.
