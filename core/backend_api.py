@@ -119,12 +119,13 @@ def host_memory() -> tuple[int, int]:
 HUGE_PAGE = 2 * 2**20  # x86-64 and aarch64 transparent huge page size
 
 
-def host_zeros(nbytes: int) -> torch.Tensor:
+def host_zeros(nbytes: int, prefault: bool = False) -> torch.Tensor:
     """`nbytes` zeroed bytes of host memory as a uint8 tensor, for large long-lived buffers
     (KV caches, packed weights). Anonymous memory is mapped lazily (gigabytes cost nothing until
     written) and, where the kernel offers it, advised to use transparent huge pages with a 2 MiB
     aligned start: streaming reads then avoid a TLB miss every 4 KiB (weights read by a batch-1
-    decode: 24 -> 34 GB/s on the CI machine's Zen 4)."""
+    decode: 24 -> 34 GB/s on the CI machine's Zen 4). `prefault`: every page is touched now
+    (torch's parallel fill), not by whichever step first writes it."""
     import mmap
 
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem
@@ -133,7 +134,10 @@ def host_zeros(nbytes: int) -> torch.Tensor:
             buf.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
     start = -flat.data_ptr() % HUGE_PAGE
-    return flat[start : start + nbytes]
+    out = flat[start : start + nbytes]
+    if prefault:
+        out.zero_()
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,12 +377,17 @@ class AttentionBackend(ABC):
 
         return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
 
+    # Host caches only: map every page at allocation (`host_zeros(prefault=True)`) rather than
+    # when a step first writes its blocks. A platform sets it on the backend it returns.
+    prefault_host_cache: bool = False
+
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed cache tensor for one layer. On host memory it comes from `host_zeros`: pages
-        are mapped lazily as blocks are first written, and huge where the kernel allows."""
+        are mapped lazily as blocks are first written (or all now, `prefault_host_cache`), and
+        huge where the kernel allows."""
         if device.type == "cpu":
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            return host_zeros(nbytes).view(dtype).view(shape)
+            return host_zeros(nbytes, prefault=self.prefault_host_cache).view(dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:

@@ -157,12 +157,13 @@ def test_attention_ops_carry_the_features(op, batch, features):
     assert_close(out, expected)
 
 
-def test_native_attention_op_attends_decodes_with_features_in_cpp():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_attention_op_attends_decodes_with_features_in_cpp(dtype):
     """In a decode-only step the C++ operator attends itself (no forward context: a call back
-    into Python would raise), features included."""
+    into Python would raise), features included; a bf16 model's queries go in as bf16."""
     _native_ops_or_skip()
     backend = _native()
-    case = _case(backend, "decodes", torch.float32, seed=3)
+    case = _case(backend, "decodes", dtype, seed=3)
     features = {"sliding_window": 13, "logit_softcap": 2.0}
     expected = _expected(case, features)
     step = backend.prepare(case.metadata).backend_data.native_step
@@ -171,7 +172,8 @@ def test_native_attention_op_attends_decodes_with_features_in_cpp():
         out = torch.ops.portside_cpu_native.attention(case.query, case.key, case.value, 0, SCALE, 13, 2.0)
     finally:
         torch.ops.portside_cpu_native.clear_decode_step()
-    assert_close(out, expected)
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype)
 
 
 def test_feature_args_reject_unknown_features():

@@ -344,7 +344,8 @@ def _onednn_packs_bf16() -> bool:
 def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path):
     """The eager engine packs the weights its multi-row linears use at start-up, each once, and
     its batched greedy tokens match transformers; cpu_prepack=off keeps the dense weights only; a bad value
-    (of it or cpu_bf16_linears) is rejected with the values it takes."""
+    (of it, cpu_bf16_linears or cpu_kv_prefault) is rejected with the values it takes. (The KV cache is
+    prefaulted unless cpu_kv_prefault=off.)"""
     from portside.backends.cpu.eager_linears import prepack_unavailable_reason
 
     if prepack_unavailable_reason() is not None:
@@ -360,9 +361,14 @@ def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path
         assert out.outputs[0].token_ids == hf_greedy(model_path, prompt, MAX_TOKENS)
     assert len(packed) == expected  # nothing packed again
     off = LLM(model=str(model_path), device="cpu", dtype="float32", max_model_len=256, enable_prefix_caching=False,
-              platform_options={"cpu_graph": "eager", "cpu_prepack": "off"})
+              platform_options={"cpu_graph": "eager", "cpu_prepack": "off", "cpu_kv_prefault": "off"})
     assert _runner(off).packed_weights is None
     with pytest.raises(ValueError, match="cpu_prepack='sometimes': use one of"):
         LLM(model=str(model_path), device="cpu", platform_options={"cpu_prepack": "sometimes"})
     with pytest.raises(ValueError, match=r"cpu_bf16_linears='fp16': use one of \['auto', 'native', 'widen'\]"):
         LLM(model=str(model_path), device="cpu", platform_options={"cpu_bf16_linears": "fp16"})
+    # the KV cache: touched at start-up by default, lazily with cpu_kv_prefault=off
+    assert llm.engine.executor.runner.attn_backend.prefault_host_cache
+    assert not off.engine.executor.runner.attn_backend.prefault_host_cache
+    with pytest.raises(ValueError, match=r"cpu_kv_prefault='yes': use one of \['on', 'off'\]"):
+        LLM(model=str(model_path), device="cpu", platform_options={"cpu_kv_prefault": "yes"})

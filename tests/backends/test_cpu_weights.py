@@ -18,6 +18,23 @@ def test_host_zeros_is_zeroed_aligned_and_sized():
     assert int(t[-1]) == 7
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_host_zeros_prefault_maps_every_page_now():
+    """Lazily mapped by default (nothing resident until written); `prefault` maps it all at once."""
+    n = 64 << 20
+    before = _resident_bytes()
+    lazy = host_zeros(n)
+    assert _resident_bytes() - before < n // 4
+    before = _resident_bytes()
+    eager = host_zeros(n, prefault=True)
+    assert _resident_bytes() - before >= n * 3 // 4
+    assert int(eager.count_nonzero()) == 0 and int(lazy.count_nonzero()) == 0
+
+
 def test_pack_weights_moves_every_tensor_into_one_buffer_keeping_ties_and_values():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 11, bias=False))

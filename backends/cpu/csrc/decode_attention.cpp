@@ -132,14 +132,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     rc = paged::ps_write_kv_q8((uint8_t*)cp, fmt, num_blocks * block_size, kvh, d, k.data_ptr<float>(), k.stride(0),
                                v.data_ptr<float>(), v.stride(0), plan.slots.data_ptr<int64_t>(), batch);
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: writing K/V failed (error ", rc, ": a slot outside the cache)");
-  // the kernels' queries and output are fp32: a bf16 query is converted first, the output rounded after
-  const at::Tensor qf = bf16 ? q.to(at::kFloat).contiguous() : q;
-  at::Tensor out = at::empty({batch, heads, d}, qf.options());
-  rc = paged::paged_decode(out.data_ptr<float>(), qf.data_ptr<float>(), cp, fmt, plan.tables.data_ptr<int32_t>(),
+  // the kernels' output is fp32 (rounded after for a bf16 query); a bf16 query is read as such where
+  // the bf16 kernel takes it (paged::bf16_queries), else converted first
+  const bool q16 = bf16 && paged::bf16_queries(d);
+  const at::Tensor qk = bf16 && !q16 ? q.to(at::kFloat).contiguous() : q;
+  at::Tensor out = at::empty({batch, heads, d}, q.options().dtype(at::kFloat));
+  rc = paged::paged_decode(out.data_ptr<float>(), qk.data_ptr(), cp, fmt, plan.tables.data_ptr<int32_t>(),
                            plan.lens.data_ptr<int32_t>(), batch, heads, kvh, d, num_blocks, block_size,
-                           plan.tables.size(1), qf.stride(0), d, heads * d, d, plan.tables.stride(0), (float)scale,
-                           std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
-                           at::get_num_threads());
+                           plan.tables.size(1), qk.stride(0), qk.stride(1), heads * d, d, plan.tables.stride(0),
+                           (float)scale, std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
+                           at::get_num_threads(), q16);
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: paged decode failed (error ", rc,
               ": a block id or seq_len outside the cache or the block table, or out of memory)");
   return bf16 ? out.to(at::kBFloat16) : out;

@@ -79,6 +79,7 @@ typedef struct {
     float scale;
     float softcap;  /* > 0: scores -> softcap * tanh(scores / softcap) before the softmax (0: none) */
     int64_t window; /* > 0: a query at position p sees keys p - window < k <= p (0: every key) */
+    int q_bf16;     /* the queries are bf16 (decode_range_bf16 only: bf16_queries), else fp32 */
 } decode_shape;
 
 /* GNU C vector types (gcc, clang): the compiler lowers them to whatever SIMD the target has. */
@@ -554,14 +555,20 @@ ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *pa
 
 #if defined(__AVX512F__) && defined(PS_X86_LOADS)
 #define PS_BF16_EVEN_ODD 1
-/* `decode_range` over a bf16 cache on AVX-512, head sizes a multiple of 32 up to 256. Each 64-byte
- * load of a K or V row holds 32 values, widened without a shuffle (the odd ones are the high halves
- * of their 32-bit lanes, masked; the even ones shifted up), so each query is kept split the same
- * way (per 32-chunk its even lanes, then its odd ones) and the value sums come out so too (merged
- * back once). Query head by query head (the KV head's rows stay in L1 across its group): scores 16
- * tokens at a time, their 16 partial-sum vectors reduced by one transposing tree (`hsum16x16`)
- * rather than 16 horizontal sums; values with the head's sums in registers. fp32 products and
- * sums, as elsewhere; no converted copies of K or V. */
+/* `decode_range` over a bf16 cache on AVX-512, head sizes a multiple of 32 up to 256, queries fp32
+ * or (sh->q_bf16) bf16. Both passes walk the tokens in the outer loop, so the rows fetched from
+ * memory (K and V of the token PREFETCH_TILE ahead, prefetched as pass 1 goes) arrive while the
+ * heads' arithmetic runs, not in a burst for the first head:
+ *   1. scores, 16 tokens at a time: each token's key row against every query head's chunks (heads
+ *      in register groups), one 16-lane partial sum per (head, token) kept in `sums`, reduced 16 at
+ *      a time by one transposing tree (`hsum16x16`) and scaled;
+ *   2. values, KV head by KV head: each value row widened once for the query heads of its group.
+ * Scores with AVX512-BF16 (`vdpbf16ps`: bf16 pairs, fp32 products and sums) on the query split
+ * into a bf16 part and, when it is not exactly bf16 (an fp32 model's queries), the bf16 rounding
+ * of the rest, so the products are those of the fp32 query to ~2^-16; without it each 64-byte key
+ * load is widened without a shuffle (odd values are the high halves of their 32-bit lanes, masked;
+ * even ones shifted up) against the query split into even and odd lanes. Values are widened so and
+ * summed in fp32 registers, then merged back into head order once. No converted copies of K or V. */
 ALWAYS_INLINE __m512 bf16_even(const __m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 ALWAYS_INLINE __m512 bf16_odd(const __m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
 
@@ -580,83 +587,192 @@ ALWAYS_INLINE __m512 hsum16x16(const __m512 *s) {
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), t);
 }
 
-ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
-                                     const int32_t *table, int64_t t_begin, int64_t t_end, float *restrict scratch,
-                                     const int64_t D) {
-    const int64_t G = sh->num_heads / sh->num_kv_heads, R = sh->num_heads;
-    const int64_t BS = sh->block_size, row = sh->num_kv_heads * D, C = D / 32; /* bf16 values a cache row; chunks a head */
-    const uint16_t *k_plane = (const uint16_t *)kv, *v_plane = k_plane + sh->num_blocks * BS * row;
-    const int64_t len = t_end - t_begin;
-    float *restrict scores = scratch; /* [R][len] */
-    int64_t off[len];                 /* each token's cache row (values from the plane's start) */
-    for (int64_t t = 0; t < len; ++t) off[t] = (table[(t_begin + t) / BS] * BS + (t_begin + t) % BS) * row;
-    for (int64_t t = 0; t < PREFETCH_TOKENS && t < len; ++t) prefetch_bytes((const uint8_t *)(k_plane + off[t]), 2 * row);
+/* 32 query values in the form the key products take (see above). */
+#ifdef __AVX512BF16__
+typedef struct {
+    __m512bh hi, lo;
+} qchunk;
+#define QCHUNK_REGS(LO) ((LO) ? 2 : 1)
+ALWAYS_INLINE qchunk qchunk_f32(const float *x) {
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    qchunk q;
+    q.hi = _mm512_cvtne2ps_pbh(x1, x0);
+    const __m512i h = (__m512i)q.hi;
+    const __m512 r0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+    const __m512 r1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+    q.lo = _mm512_cvtne2ps_pbh(r1, r0);
+    return q;
+}
+ALWAYS_INLINE qchunk qchunk_bf16(const uint16_t *x) {
+    qchunk q;
+    q.hi = (__m512bh)_mm512_loadu_si512(x);
+    q.lo = (__m512bh)_mm512_setzero_si512();
+    return q;
+}
+ALWAYS_INLINE int qchunk_exact(const qchunk q) { return _mm512_test_epi32_mask((__m512i)q.lo, (__m512i)q.lo) == 0; }
+ALWAYS_INLINE __m512 qk_chunk(const __m512 acc, const qchunk q, const uint16_t *k, const int LO) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(k);
+    const __m512 s = _mm512_dpbf16_ps(acc, q.hi, w);
+    return LO ? _mm512_dpbf16_ps(s, q.lo, w) : s;
+}
+#else
+typedef struct {
+    __m512 e, o;
+} qchunk;
+#define QCHUNK_REGS(LO) 2
+ALWAYS_INLINE qchunk qchunk_f32(const float *x) {
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
     const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    const __m512 scale = _mm512_set1_ps(sh->scale), zero = _mm512_setzero_ps();
-    /* pass 1: scores */
-    for (int64_t r = 0; r < R; ++r) {
-        const float *qr = q + r * sh->q_stride_head;
-        const uint16_t *kh = k_plane + (r / G) * D;
-        __m512 qe[8], qo[8];
-        for (int64_t c = 0; c < C; ++c) {
-            const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c), scale);
-            const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c + 16), scale);
-            qe[c] = _mm512_permutex2var_ps(x0, ie, x1);
-            qo[c] = _mm512_permutex2var_ps(x0, io, x1);
+    qchunk q;
+    q.e = _mm512_permutex2var_ps(x0, ie, x1);
+    q.o = _mm512_permutex2var_ps(x0, io, x1);
+    return q;
+}
+ALWAYS_INLINE qchunk qchunk_bf16(const uint16_t *x) {
+    const __m512i w = _mm512_loadu_si512(x);
+    qchunk q;
+    q.e = bf16_even(w);
+    q.o = bf16_odd(w);
+    return q;
+}
+ALWAYS_INLINE int qchunk_exact(const qchunk q) { return 1; }
+ALWAYS_INLINE __m512 qk_chunk(const __m512 acc, const qchunk q, const uint16_t *k, const int LO) {
+    const __m512i w = _mm512_loadu_si512(k);
+    return _mm512_fmadd_ps(q.o, bf16_odd(w), _mm512_fmadd_ps(q.e, bf16_even(w), acc));
+}
+#endif
+
+/* Tokens a row prefetch runs ahead in pass 1 (keys and values of token t + PREFETCH_TILE). */
+#ifndef PREFETCH_TILE
+#define PREFETCH_TILE 16
+#endif
+
+/* Query heads a pass-1 group holds in registers (their chunks and one sum each: <= 24 zmm). */
+ALWAYS_INLINE int64_t group_heads(const int64_t D, const int LO) {
+    const int64_t n = 24 / (D / 32 * QCHUNK_REGS(LO) + 1);
+    return n < 1 ? 1 : (n > 8 ? 8 : n);
+}
+
+/* Pass 1 for heads [r0, r0 + nb) of tokens [t0, t0 + n): `sums[r * 16 + j]`, token t0 + j's partial sums. */
+ALWAYS_INLINE void score_group(const qchunk *qv, const uint16_t *k_plane, const uint16_t *v_plane, const int64_t *off,
+                               int64_t t0, int64_t n, int64_t len, int64_t r0, int64_t nb, int64_t G, int64_t row,
+                               __m512 *sums, const int64_t D, const int RB, const int LO, const int prefetch) {
+    const int64_t C = D / 32;
+    qchunk q[8][8]; /* [RB][C], in registers once unrolled */
+    int64_t kh[8];  /* each head's key within a cache row */
+    for (int b = 0; b < RB; ++b)
+        if (b < nb) {
+            for (int64_t c = 0; c < C; ++c) q[b][c] = qv[(r0 + b) * C + c];
+            kh[b] = (r0 + b) / G * D;
         }
-        for (int64_t t0 = 0; t0 < len; t0 += 16) {
-            const int64_t n = len - t0 < 16 ? len - t0 : 16;
-            __m512 s16[16];
-            for (int64_t j = 0; j < 16; ++j) {
-                if (j >= n) {
-                    s16[j] = zero;
-                    continue;
-                }
-                if (r == 0 && t0 + j + PREFETCH_TOKENS < len)
-                    prefetch_bytes((const uint8_t *)(k_plane + off[t0 + j + PREFETCH_TOKENS]), 2 * row);
-                const uint16_t *kr = kh + off[t0 + j];
-                __m512 a = zero, b = zero;
-                for (int64_t c = 0; c < C; ++c) {
-                    const __m512i w = _mm512_loadu_si512(kr + 32 * c);
-                    a = _mm512_fmadd_ps(qe[c], bf16_even(w), a);
-                    b = _mm512_fmadd_ps(qo[c], bf16_odd(w), b);
-                }
-                s16[j] = _mm512_add_ps(a, b);
-            }
-            _mm512_mask_storeu_ps(scores + r * len + t0, (__mmask16)((1u << n) - 1), hsum16x16(s16));
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + j;
+        if (prefetch && t + PREFETCH_TILE < len) {
+            prefetch_bytes((const uint8_t *)(k_plane + off[t + PREFETCH_TILE]), 2 * row);
+            prefetch_bytes((const uint8_t *)(v_plane + off[t + PREFETCH_TILE]), 2 * row);
+        }
+        const uint16_t *kr = k_plane + off[t];
+        for (int b = 0; b < RB; ++b) {
+            if (b >= nb) break;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C; ++c) acc = qk_chunk(acc, q[b][c], kr + kh[b] + 32 * c, LO);
+            sums[(r0 + b) * 16 + j] = acc;
         }
     }
-    for (int64_t t = 0; t < PREFETCH_TOKENS && t < len; ++t) prefetch_bytes((const uint8_t *)(v_plane + off[t]), 2 * row);
+}
+
+ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
+                                     const int32_t *table, int64_t t_begin, int64_t t_end, const int64_t D) {
+    const int64_t G = sh->num_heads / sh->num_kv_heads, R = sh->num_heads, KVH = sh->num_kv_heads;
+    const int64_t BS = sh->block_size, row = KVH * D, C = D / 32; /* bf16 values a cache row; chunks a head */
+    const uint16_t *k_plane = (const uint16_t *)kv, *v_plane = k_plane + sh->num_blocks * BS * row;
+    const int64_t len = t_end - t_begin;
+    float scores[R * len];  /* [R][len] */
+    int64_t off[len];       /* each token's cache row (values from the plane's start) */
+    __m512 sums[R * 16];    /* pass 1's partial sums of 16 tokens */
+    qchunk qv[R * C];       /* the queries, chunk by chunk */
+    for (int64_t t = 0, blk = t_begin / BS, i = t_begin % BS; t < len; ++t) { /* no division a token */
+        off[t] = (table[blk] * BS + i) * row;
+        if (++i == BS) i = 0, ++blk;
+    }
+    for (int64_t t = 0; t < PREFETCH_TILE && t < len; ++t) {
+        prefetch_bytes((const uint8_t *)(k_plane + off[t]), 2 * row);
+        prefetch_bytes((const uint8_t *)(v_plane + off[t]), 2 * row);
+    }
+    int exact = 1;
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) {
+            qchunk *x = qv + r * C + c;
+            if (sh->q_bf16) {
+                *x = qchunk_bf16((const uint16_t *)q + r * sh->q_stride_head + 32 * c);
+            } else {
+                *x = qchunk_f32(q + r * sh->q_stride_head + 32 * c);
+                exact &= qchunk_exact(*x);
+            }
+        }
+    /* pass 1: scores, the heads in as few register groups as fit, of near-equal size */
+    const __m512 scale = _mm512_set1_ps(sh->scale);
+    const int64_t rb_max = group_heads(D, !exact), groups = (R + rb_max - 1) / rb_max, rb = (R + groups - 1) / groups;
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        for (int64_t r = 0; r < R; ++r) /* a last tile's unused sums: zeros, not stale values */
+            for (int64_t j = n; j < 16; ++j) sums[r * 16 + j] = _mm512_setzero_ps();
+        for (int64_t r0 = 0; r0 < R; r0 += rb) {
+            const int64_t nb = R - r0 < rb ? R - r0 : rb;
+            const int pf = r0 == 0;
+            if (!exact)
+                score_group(qv, k_plane, v_plane, off, t0, n, len, r0, nb, G, row, sums, D, group_heads(D, 1), 1, pf);
+            else
+                score_group(qv, k_plane, v_plane, off, t0, n, len, r0, nb, G, row, sums, D, group_heads(D, 0), 0, pf);
+        }
+        for (int64_t r = 0; r < R; ++r)
+            _mm512_mask_storeu_ps(scores + r * len + t0, (__mmask16)((1u << n) - 1),
+                                  _mm512_mul_ps(hsum16x16(sums + r * 16), scale));
+    }
     float m_r[R], l_r[R];
     softmax_rows(sh, scores, R, len, m_r, l_r);
-    /* pass 2: values, then the sums back in head order: into `part` (m and l after them) or
-     * normalized into out */
+    /* pass 2: values, KV head by KV head, its query heads GB at a time; then the sums back in head
+     * order: into `part` (m and l after them) or normalized into out */
+    enum { GB = 4 };
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    for (int64_t r = 0; r < R; ++r) {
-        const uint16_t *vh = v_plane + (r / G) * D;
-        const float *p = scores + r * len;
-        __m512 ae[8], ao[8];
-        for (int64_t c = 0; c < C; ++c) ae[c] = ao[c] = zero;
-        for (int64_t t = 0; t < len; ++t) {
-            if (r == 0 && t + PREFETCH_TOKENS < len)
-                prefetch_bytes((const uint8_t *)(v_plane + off[t + PREFETCH_TOKENS]), 2 * row);
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            const uint16_t *vr = vh + off[t];
-            for (int64_t c = 0; c < C; ++c) {
-                const __m512i w = _mm512_loadu_si512(vr + 32 * c);
-                ae[c] = _mm512_fmadd_ps(pt, bf16_even(w), ae[c]);
-                ao[c] = _mm512_fmadd_ps(pt, bf16_odd(w), ao[c]);
+    const int64_t gb = C <= 2 ? GB : (C <= 4 ? 2 : 1);
+    for (int64_t h = 0; h < KVH; ++h)
+        for (int64_t g0 = 0; g0 < G; g0 += gb) {
+            const int64_t nb = G - g0 < gb ? G - g0 : gb, r0 = h * G + g0;
+            const uint16_t *vh = v_plane + h * D;
+            __m512 ae[GB][8], ao[GB][8];
+            for (int b = 0; b < GB; ++b)
+                for (int64_t c = 0; c < C; ++c) ae[b][c] = ao[b][c] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; ++t) {
+                const uint16_t *vr = vh + off[t];
+                __m512 e[8], o[8];
+                for (int64_t c = 0; c < C; ++c) {
+                    const __m512i w = _mm512_loadu_si512(vr + 32 * c);
+                    e[c] = bf16_even(w);
+                    o[c] = bf16_odd(w);
+                }
+                for (int b = 0; b < GB; ++b) {
+                    if (b >= nb) break;
+                    const __m512 pt = _mm512_set1_ps(scores[(r0 + b) * len + t]);
+                    for (int64_t c = 0; c < C; ++c) {
+                        ae[b][c] = _mm512_fmadd_ps(pt, e[c], ae[b][c]);
+                        ao[b][c] = _mm512_fmadd_ps(pt, o[c], ao[b][c]);
+                    }
+                }
+            }
+            for (int b = 0; b < GB; ++b) {
+                if (b >= nb) break;
+                const int64_t r = r0 + b;
+                float *o = part ? part + r * D : out + r * sh->out_stride_head;
+                const __m512 inv = _mm512_set1_ps(part ? 1.0f : 1.0f / l_r[r]);
+                for (int64_t c = 0; c < C; ++c) {
+                    _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(ae[b][c], lo, ao[b][c]), inv));
+                    _mm512_storeu_ps(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ae[b][c], hi, ao[b][c]), inv));
+                }
             }
         }
-        float *o = part ? part + r * D : out + r * sh->out_stride_head;
-        const __m512 inv = _mm512_set1_ps(part ? 1.0f : 1.0f / l_r[r]);
-        for (int64_t c = 0; c < C; ++c) {
-            _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(ae[c], lo, ao[c]), inv));
-            _mm512_storeu_ps(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ae[c], hi, ao[c]), inv));
-        }
-    }
     if (part) {
         memcpy(part + R * D, m_r, R * sizeof(float));
         memcpy(part + R * D + R, l_r, R * sizeof(float));
@@ -664,15 +780,25 @@ ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *
 }
 #endif
 
+/* Whether paged_decode takes bf16 queries (q_bf16) for this head size. */
+static int bf16_queries(const int64_t head_size) {
+#ifdef PS_BF16_EVEN_ODD
+    return head_size % 32 == 0 && head_size <= 256;
+#else
+    (void)head_size;
+    return 0;
+#endif
+}
+
 static void decode_range_q8_any(const decode_shape *sh, float *out, float *part, const float *q, const uint8_t *kv,
                                 const int32_t *table, int64_t t_begin, int64_t t_end, float *scratch, int fmt) {
     /* constant D and format: unrolled, vectorized conversions and dot products */
 #ifdef PS_BF16_EVEN_ODD
     if (fmt == PS_KV_BF16 && sh->head_size % 32 == 0 && sh->head_size <= 256) {
         switch (sh->head_size) {
-        case 64: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, scratch, 64); return;
-        case 128: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, scratch, 128); return;
-        default: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, scratch, sh->head_size); return;
+        case 64: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, 64); return;
+        case 128: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, 128); return;
+        default: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, sh->head_size); return;
         }
     }
 #endif
@@ -748,17 +874,21 @@ static char *workspace(size_t bytes) {
  * into ceil(seq_len / SPLIT_TOKENS) splits (of its attended keys) attended independently and
  * merged (flash-decoding), so a batch of one keeps every thread busy; the cut depends only on
  * seq_len and the window, so the result is the same whatever the thread count and whatever else
- * is in the batch. */
-static int paged_decode(float *out, const float *query, const void *kv_cache, const int fmt, const int32_t *block_tables,
+ * is in the batch.
+ *
+ * `q_bf16`: the queries are bf16 (strides in elements as above), over a bf16 cache with a head
+ * size `bf16_queries` accepts; else fp32. */
+static int paged_decode(float *out, const void *query, const void *kv_cache, const int fmt, const int32_t *block_tables,
                         const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                         int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
                         int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
-                        float softcap, int num_threads) {
+                        float softcap, int num_threads, int q_bf16) {
     if (fmt < PS_KV_F32 || fmt > PS_KV_BF16) return PS_ERR_FORMAT;
+    if (q_bf16 && !(fmt == PS_KV_BF16 && bf16_queries(head_size))) return PS_ERR_FORMAT;
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
                              q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale,
-                             softcap, window};
+                             softcap, window, q_bf16};
     int64_t max_len = 0, tasks = 0, split_tasks = 0;
     for (int64_t i = 0; i < num_seqs; ++i) { /* validate everything before touching the cache */
         const int64_t len = seq_lens[i], lo = window_start(&sh, len), n = num_splits(len - lo);
@@ -809,11 +939,13 @@ static int paged_decode(float *out, const float *query, const void *kv_cache, co
             const int64_t len = seq_lens[i], t_begin = window_start(&sh, len) + s * SPLIT_TOKENS;
             const int64_t t_end = t_begin + SPLIT_TOKENS < len ? t_begin + SPLIT_TOKENS : len;
             float *part = n > 1 ? parts + task * part_floats : NULL;
+            /* (a bf16 query row is read as such by decode_range_bf16: q_bf16 in sh) */
+            const float *q = (const float *)((const char *)query + i * q_stride_tok * (q_bf16 ? 2 : 4));
             if (fmt == PS_KV_F32)
-                decode_range_any(&sh, part ? NULL : o, part, query + i * q_stride_tok, (const float *)kv_cache,
+                decode_range_any(&sh, part ? NULL : o, part, q, (const float *)kv_cache,
                                  block_tables + i * table_stride, t_begin, t_end, scratch);
             else
-                decode_range_q8_any(&sh, part ? NULL : o, part, query + i * q_stride_tok, (const uint8_t *)kv_cache,
+                decode_range_q8_any(&sh, part ? NULL : o, part, q, (const uint8_t *)kv_cache,
                                     block_tables + i * table_stride, t_begin, t_end, scratch, fmt);
         }
         if (split_tasks && status == PS_OK) {
@@ -836,7 +968,7 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                         float softcap, int num_threads) {
     return paged_decode(out, query, kv_cache, PS_KV_F32, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
                         head_size, num_blocks, block_size, max_blocks, q_stride_tok, q_stride_head, out_stride_tok,
-                        out_stride_head, table_stride, scale, window, softcap, num_threads);
+                        out_stride_head, table_stride, scale, window, softcap, num_threads, 0);
 }
 
 /* `ps_paged_decode_f32` over an 8-bit cache of format `fmt` (PS_KV_INT8, _E4M3, _E5M2) or a bf16 one
@@ -850,7 +982,7 @@ int ps_paged_decode_q8(float *out, const float *query, const uint8_t *kv_cache, 
     if (fmt == PS_KV_F32) return PS_ERR_FORMAT;
     return paged_decode(out, query, kv_cache, fmt, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
                         head_size, num_blocks, block_size, max_blocks, q_stride_tok, q_stride_head, out_stride_tok,
-                        out_stride_head, table_stride, scale, window, softcap, num_threads);
+                        out_stride_head, table_stride, scale, window, softcap, num_threads, 0);
 }
 
 /* Write the K/V rows of new tokens into the cache (vLLM's reshape_and_cache):
