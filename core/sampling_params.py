@@ -65,6 +65,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token after the first: its logprob and the top-k alternatives
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, the output text stays "" (no stop strings then)
     # constrained decoding: JSON schema, regex, choice or grammar (`portside.structured`)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for the same
@@ -102,6 +103,7 @@ class SamplingParams:
             ),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),  # the engine's max_logprobs caps it
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
+            (self.detokenize or not self.stop_strings, "stop", "strings need the output text: not with detokenize=False"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be non-negative"),
             (self.best_of is None or self.best_of >= self.n, "best_of", f"must be at least n ({self.n})"),
             (

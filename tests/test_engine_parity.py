@@ -152,6 +152,12 @@ def test_stop_strings_and_eos(tiny_llama):
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+    # detokenize=False (vLLM's): the same tokens, no text; stop strings then need the text
+    ids_only = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], ids_only, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids and out.text == ""
+    with pytest.raises(ValueError, match="stop strings need the output text: not with detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)
     assert_all_blocks_free(llm)
 
 

@@ -178,8 +178,8 @@ def bench_portside(path: str, prompts, gen: int, mode: str, attention: str, deco
     runner = llm.engine.executor.runner
     info: dict[str, Any] = {"graph": runner.graph_runner.name, "attention": runner.attn_backend.name, "dtype": dtype}
 
-    def run(ps, n):
-        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    def run(ps, n):  # token ids only, as the peers' harnesses run (vLLM's with detokenize=False)
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
         return llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
 
     run(prompts[:2], 4)  # warm-up: compiles (inductor) and first-touch allocations

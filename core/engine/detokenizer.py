@@ -13,9 +13,11 @@ class IncrementalDetokenizer:
     """Appends text token by token; a token that ends mid-character (byte-level BPE) waits for
     the next one. Decoding only a short window keeps each step O(1) in the sequence length."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 enabled: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.enabled = enabled  # False (SamplingParams.detokenize): no text, `add` decodes nothing
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -26,6 +28,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Add one token; return the new text it completes (possibly empty)."""
+        if not self.enabled:
+            return ""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])

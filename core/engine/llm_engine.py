@@ -211,7 +211,7 @@ class LLMEngine:
             )
             samples[rid] = SampleState(
                 index=k,
-                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.detokenize),
                 logprobs=[] if params.logprobs is not None else None,
             )
         self.outputs.add(
