@@ -7,7 +7,8 @@
  *     kv_cache[2][num_blocks][block_size][num_kv_heads][head_size]
  * so key row (slot, kv_head) starts at ((slot * num_kv_heads) + kv_head) * head_size of plane 0,
  * where slot = block * block_size + offset; plane 1 holds the values. Queries and outputs are
- * fp32, new K/V fp32 (bf16 too for a bf16 cache); the cache is fp32 (`ps_*_f32`), 8-bit
+ * fp32 (queries bf16 too for the AVX-512 bf16 kernel: `paged_decode`'s q_bf16), new K/V fp32 (bf16
+ * too for a bf16 cache); the cache is fp32 (`ps_*_f32`), 8-bit
  * (`ps_*_q8`, formats PS_KV_*, as portside.backend_api.quantize_kv stores them: one byte a value,
  * and for int8 each (token, KV head) row's fp32 scale after its head_size values) or bf16
  * (`ps_paged_decode_q8` with PS_KV_BF16, `ps_write_kv_bf16`: a bf16 model's cache, read as fp32 by
