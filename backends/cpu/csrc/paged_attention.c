@@ -649,6 +649,12 @@ ALWAYS_INLINE __m512 qk_chunk(const __m512 acc, const qchunk q, const uint16_t *
 #define PREFETCH_TILE 16
 #endif
 
+/* Prefetch the key and the value row (`row` bf16 values each) of the token at `off`. */
+ALWAYS_INLINE void prefetch_kv(const uint16_t *k_plane, const uint16_t *v_plane, const int64_t off, const int64_t row) {
+    prefetch_bytes((const uint8_t *)(k_plane + off), 2 * row);
+    prefetch_bytes((const uint8_t *)(v_plane + off), 2 * row);
+}
+
 /* Query heads a pass-1 group holds in registers (their chunks and one sum each: <= 24 zmm). */
 ALWAYS_INLINE int64_t group_heads(const int64_t D, const int LO) {
     const int64_t n = 24 / (D / 32 * QCHUNK_REGS(LO) + 1);
@@ -669,10 +675,7 @@ ALWAYS_INLINE void score_group(const qchunk *qv, const uint16_t *k_plane, const 
         }
     for (int64_t j = 0; j < n; ++j) {
         const int64_t t = t0 + j;
-        if (prefetch && t + PREFETCH_TILE < len) {
-            prefetch_bytes((const uint8_t *)(k_plane + off[t + PREFETCH_TILE]), 2 * row);
-            prefetch_bytes((const uint8_t *)(v_plane + off[t + PREFETCH_TILE]), 2 * row);
-        }
+        if (prefetch && t + PREFETCH_TILE < len) prefetch_kv(k_plane, v_plane, off[t + PREFETCH_TILE], row);
         const uint16_t *kr = k_plane + off[t];
         for (int b = 0; b < RB; ++b) {
             if (b >= nb) break;
@@ -697,10 +700,7 @@ ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *
         off[t] = (table[blk] * BS + i) * row;
         if (++i == BS) i = 0, ++blk;
     }
-    for (int64_t t = 0; t < PREFETCH_TILE && t < len; ++t) {
-        prefetch_bytes((const uint8_t *)(k_plane + off[t]), 2 * row);
-        prefetch_bytes((const uint8_t *)(v_plane + off[t]), 2 * row);
-    }
+    for (int64_t t = 0; t < PREFETCH_TILE && t < len; ++t) prefetch_kv(k_plane, v_plane, off[t], row);
     int exact = 1;
     for (int64_t r = 0; r < R; ++r)
         for (int64_t c = 0; c < C; ++c) {
@@ -781,7 +781,7 @@ ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *
 }
 #endif
 
-/* Whether paged_decode takes bf16 queries (q_bf16) for this head size. */
+/* Whether decode_range_bf16 runs for this head size (and so paged_decode takes bf16 queries, q_bf16). */
 static int bf16_queries(const int64_t head_size) {
 #ifdef PS_BF16_EVEN_ODD
     return head_size % 32 == 0 && head_size <= 256;
@@ -795,7 +795,7 @@ static void decode_range_q8_any(const decode_shape *sh, float *out, float *part,
                                 const int32_t *table, int64_t t_begin, int64_t t_end, float *scratch, int fmt) {
     /* constant D and format: unrolled, vectorized conversions and dot products */
 #ifdef PS_BF16_EVEN_ODD
-    if (fmt == PS_KV_BF16 && sh->head_size % 32 == 0 && sh->head_size <= 256) {
+    if (fmt == PS_KV_BF16 && bf16_queries(sh->head_size)) {
         switch (sh->head_size) {
         case 64: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, 64); return;
         case 128: decode_range_bf16(sh, out, part, q, kv, table, t_begin, t_end, 128); return;
