@@ -14,7 +14,9 @@ The native path reads each decode's K/V rows in place from the paged cache (no g
 padding) and writes new K/V rows with one call; it runs when the queries and new K/V are fp32 (the
 cache fp32, 8-bit or bf16) or bf16 over a bf16 cache (a bf16 model: the kernels convert the rows
 to fp32 by a 16-bit shift, attend in fp32 and round the output to bf16), and otherwise falls back
-to the torch path call by call. Prefill chunks always use SDPA.
+to the torch path call by call. Prefill chunks always use SDPA: a request's first chunk over the
+step's own K/V (causal, no mask, no gather; runs of equal-length chunks in one call), a later
+chunk over its gathered prefix.
 
 8-bit caches (`--kv-cache-dtype` fp8_e4m3, fp8_e5m2, int8): the canonical layout in that dtype,
 int8 rows followed by their fp32 scale (`portside.backend_api.quantize_kv`). Writes quantize;
@@ -98,6 +100,23 @@ class TorchAttentionPlan:
     # 2..MAX_FUSED_ROWS rows (a speculative verification, a short prefill chunk): the plan
     # `set_decode_step` installs for the fused multi-row step (`fused_decode`, `step_rows`)
     native_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the prefills that are a request's first chunk (no earlier keys), as runs of consecutive
+    # chunks of one length: (first row, chunks, length, their indices in `prefills`); `causal_runs`
+    fresh_runs: list[tuple[int, int, int, range]] | None = None
+
+    def causal_runs(self) -> list[tuple[int, int, int, range]]:
+        if self.fresh_runs is None:
+            self.fresh_runs = runs = []
+            for i, p in enumerate(self.prefills):
+                length = p.end - p.start
+                if p.seq_len != length:
+                    continue
+                last = runs[-1] if runs else None
+                if last and last[2] == length and last[0] + last[1] * length == p.start and last[3].stop == i:
+                    runs[-1] = (last[0], last[1] + 1, length, range(last[3].start, i + 1))
+                else:
+                    runs.append((p.start, 1, length, range(i, i + 1)))
+        return self.fresh_runs
 
 
 def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -164,7 +183,7 @@ class CpuAttentionBackend(AttentionBackend):
         if not isinstance(plan, TorchAttentionPlan):
             plan = self.prepare(metadata).backend_data
         self._write(kv_cache, key, value, plan.keep, plan.slots)
-        return _attend_batch(query, kv_cache, metadata, plan, scale, sliding_window, logit_softcap)
+        return _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap)
 
     def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
         """Non-causal attention within each sequence (vision encoders): one SDPA per sequence
@@ -173,19 +192,43 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 def _attend_batch(
-    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, plan: TorchAttentionPlan, scale: float,
-    window: int | None, softcap: float | None, decodes: bool = True,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+    plan: TorchAttentionPlan, scale: float, window: int | None, softcap: float | None, decodes: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """The torch path over a cache already written: the decodes in one call (unless not
-    `decodes`: the caller attends them), each prefill chunk in one. query [T, H, D] -> [T, H, D]."""
+    `decodes`: the caller attends them), each prefill chunk in one. query [T, H, D] -> [T, H, D].
+
+    A request's first chunk (no earlier keys) attends over the step's own `key` / `value` when the
+    cache holds them unchanged (same dtype, not 8-bit) and no feature needs a mask (no soft-cap, a
+    window no shorter than the chunk): causal SDPA without a mask or a gather, one call for each
+    run of consecutive chunks of one length (`TorchAttentionPlan.causal_runs`)."""
     out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
     nd = plan.num_decodes
     if nd and decodes:
         tables, mask = _decode_view(plan, md, window)
         out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale, softcap)
-    for p in plan.prefills:
-        out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale, window, softcap)
+    done: set[int] = set()
+    if plan.prefills and softcap is None and query.dtype == key.dtype == value.dtype == kv_cache.dtype:
+        for start, n, length, members in plan.causal_runs():
+            if window is None or window >= length:
+                end = start + n * length
+                out[start:end] = _attend_causal(query[start:end], key[start:end], value[start:end], n, scale)
+                done.update(members)
+    for i, p in enumerate(plan.prefills):
+        if i not in done:
+            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale, window, softcap)
     return out
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """`n` sequences of one length, each attending causally to itself only: q (n * L, H, D), k, v
+    (n * L, KVH, D) -> (n * L, H, D), in one SDPA call over (n, heads, L, D) views."""
+    def seqs(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n, -1, *t.shape[1:]).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(seqs(q), seqs(k), seqs(v), is_causal=True, scale=scale,
+                                       enable_gqa=q.shape[1] > k.shape[1])
+    return o.transpose(1, 2).reshape(q.shape)
 
 
 def _decode_view(plan: TorchAttentionPlan, md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +309,8 @@ class NativeAttentionBackend(CpuAttentionBackend):
             if plan.slots is None:
                 plan.keep, plan.slots = valid_slots(plan.native_slots)
             self._write(kv_cache, key, value, plan.keep, plan.slots)
-        out = _attend_batch(query, kv_cache, metadata, plan, scale, sliding_window, logit_softcap, decodes=not native)
+        out = _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap,
+                            decodes=not native)
         nd = plan.num_decodes
         if nd and native:
             kernels.paged_decode(out[:nd], _dense_rows(query[:nd]), kv_cache, plan.native_tables, plan.native_lens,

@@ -13,11 +13,18 @@
   the dense weights).
 
 bf16 linears of several rows (option ``cpu_bf16_linears``, `bf16_linears_mode`): ``native`` packs
-the bf16 weights for oneDNN's bf16 kernels (AMX, AVX-512-BF16); ``widen`` packs an fp32 copy
-instead, widens the bf16 activations and rounds the output to bf16 once (torch's bf16 linear also
-sums in fp32). ``auto`` picks native where the CPU has bf16 arithmetic and widen elsewhere: on the
-Zen 3 (AVX2) oneDNN cannot pack bf16 weights at all and torch's bf16 linear of 64 x 768 x 768 took
-18.3 ms against 3.2 ms widened (1 thread). The fp32 copies take twice the bf16 weights' memory.
+the bf16 weights for oneDNN's bf16 kernels (AMX, AVX-512-BF16); ``amx`` does too, but runs the
+linears of 2..`AMX_MAX_ROWS` rows (batched decode steps) in the native AMX tile kernel
+(`portside_cpu_native::linear_amx`, csrc/linear_amx.cpp), which streams the weights faster at
+those sizes (default model's 120 decode linears, 2 threads, Sapphire Rapids VM: 64 rows 13.6 ->
+11.4 ms, 16 rows 10.1 -> 7.0, 256 rows 25.3 -> 28.3: oneDNN wins there, hence the bound);
+``widen`` packs an fp32 copy instead, widens the bf16 activations and rounds the output to bf16
+once (torch's bf16 linear also sums in fp32). ``auto`` picks amx where the CPU has AMX-BF16 (and
+the kernel grants the tile state), native where it has other bf16 arithmetic (AVX-512-BF16) and
+widen elsewhere: on the Zen 3 (AVX2) oneDNN cannot pack bf16 weights at all and torch's bf16
+linear of 64 x 768 x 768 took 18.3 ms against 3.2 ms widened (1 thread). The fp32 copies take
+twice the bf16 weights' memory; the AMX kernel keeps its own tile-ordered copy of each weight it
+has run (made on first use, as large as the bf16 weight).
 
 oneDNN builds a primitive (JIT kernels) for every input row count it sees and keeps it in two
 1024-entry caches (its primitive cache and ideep's), about 0.6 MiB per (rows, weight shape): fed
@@ -41,7 +48,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 PREPACK_MODES = ("on", "off")
-BF16_LINEAR_MODES = ("auto", "native", "widen")  # platform option cpu_bf16_linears
+BF16_LINEAR_MODES = ("auto", "amx", "native", "widen")  # platform option cpu_bf16_linears
+AMX_MAX_ROWS = 128  # the most rows `linear_amx` runs (oneDNN is faster past ~200)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what linear_row streams
 CHUNK_ROWS = 512  # longer inputs run through oneDNN in chunks of this many rows
@@ -129,13 +137,14 @@ class PackedWeights:
 
 
 class EagerLinears(torch.overrides.TorchFunctionMode):
-    """Sends `F.linear` of one fp32 or bf16 row to the native operator (`native`), of several rows
-    to oneDNN's prepacked linear (`packed`; bf16 over a widened fp32 copy: the activations widened,
-    the output rounded once); everything else, and what neither covers, runs on."""
+    """Sends `F.linear` of one fp32 or bf16 row to the native operator (`native`), of 2..
+    `AMX_MAX_ROWS` bf16 rows to the AMX tile kernel (`amx`), of several rows to oneDNN's prepacked
+    linear (`packed`; bf16 over a widened fp32 copy: the activations widened, the output rounded
+    once); everything else, and what none covers, runs on."""
 
-    def __init__(self, native: bool, packed: PackedWeights | None) -> None:
+    def __init__(self, native: bool, packed: PackedWeights | None, amx: bool = False) -> None:
         super().__init__()
-        self.native, self.packed = native, packed
+        self.native, self.packed, self.amx = native, packed, amx
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -146,6 +155,9 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
             if x.dim() == 2 and x.dtype == weight.dtype:
                 if x.shape[0] == 1 and self.native and x.dtype in ROW_DTYPES:
                     return torch.ops.portside_cpu_native.linear_row(x, weight, bias)
+                if (self.amx and x.dtype == torch.bfloat16 and x.shape[0] <= AMX_MAX_ROWS
+                        and isinstance(weight, torch.nn.Parameter)):  # (a temporary would be repacked every call)
+                    return torch.ops.portside_cpu_native.linear_amx(x, weight, bias)
                 if x.shape[0] > 1 and self.packed is not None:
                     packed = self.packed.get(weight)
                     if packed is not None:
@@ -160,13 +172,26 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
 
 
 def bf16_linears_mode(config: Any) -> str:
-    """"native" or "widen" (module docstring): option ``cpu_bf16_linears``, "auto" by the CPU's flags."""
+    """"amx", "native" or "widen" (module docstring): option ``cpu_bf16_linears``, "auto" by the
+    CPU's flags."""
     from portside.backends.cpu.platform import has_native_bf16
 
     mode = config.option("cpu_bf16_linears", "auto")
     if mode == "auto":
-        return "native" if has_native_bf16() else "widen"
+        return "amx" if amx_unavailable_reason() is None else "native" if has_native_bf16() else "widen"
     return mode
+
+
+def amx_unavailable_reason() -> str | None:
+    """None when the native AMX tile linear runs here (`linear_amx`), else why not."""
+    from portside.backends.cpu import native_ops
+
+    reason = native_ops.unavailable_reason()
+    if reason:
+        return f"the native operators are unavailable ({reason})"
+    if not torch.ops.portside_cpu_native.linear_amx_supported():
+        return "this CPU has no AMX-BF16, or the kernel does not grant the tile state (arch_prctl)"
+    return None
 
 
 def make_packed_weights(config: Any) -> PackedWeights | None:

@@ -63,10 +63,15 @@ class GemvAsReduction(CustomGraphPass):
     in huge pages, 2 threads, 49.3 GB/s against ~33 for the fused reduction (a plain sum of the
     same matrices: 53.4). bf16 weights stream at half the bytes, widened in its dot products with
     fp32 sums (on a Zen 3 without bf16 instructions no faster than the fused reduction: batch-1
-    bf16 decode 23-32 ms/token either way, within the VM's noise)."""
+    bf16 decode 23-32 ms/token either way, within the VM's noise).
 
-    def __init__(self, native: bool = True) -> None:
-        """`native`: use the C++ operator if it builds here (False: always the fused reduction)."""
+    With `amx_rows`, a bf16 linear whose row count the graph bounds to 2..`amx_rows` (`graph._compile`
+    marks the token axis so for its few-rows graphs) becomes `portside_cpu_native::linear_amx`, the
+    AMX tile kernel (`eager_linears`, option ``cpu_bf16_linears``)."""
+
+    def __init__(self, native: bool = True, amx_rows: int = 0) -> None:
+        """`native`: use the C++ operator if it builds here (False: always the fused reduction);
+        `amx_rows`: the most rows of a linear sent to the AMX kernel (0: none)."""
         if native:
             from portside.backends.cpu import native_ops
 
@@ -76,9 +81,10 @@ class GemvAsReduction(CustomGraphPass):
                                "unavailable (%s)", reason)
             native = reason is None
         self.native = native
+        self.amx_rows = amx_rows if native else 0
 
     def uuid(self) -> str:  # lets Inductor's graph cache key on this pass
-        return f"portside-gemv-as-reduction-4-{self.native}-{torch.__version__}"
+        return f"portside-gemv-as-reduction-5-{self.native}-{self.amx_rows}-{torch.__version__}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
@@ -88,7 +94,15 @@ class GemvAsReduction(CustomGraphPass):
             weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             val = getattr(x, "meta", {}).get("example_value")
-            if val is None or val.dim() != 2 or not isinstance(val.shape[0], int) or val.shape[0] != 1:
+            if val is None or val.dim() != 2:
+                continue
+            if self.amx_rows and val.dtype == torch.bfloat16 and 1 < _most_rows(val.shape[0]) <= self.amx_rows:
+                with graph.inserting_before(node):
+                    y = graph.call_function(torch.ops.portside_cpu_native.linear_amx.default, (x, weight, bias))
+                node.replace_all_uses_with(y)
+                graph.erase_node(node)
+                continue
+            if not isinstance(val.shape[0], int) or val.shape[0] != 1:
                 continue
             with graph.inserting_before(node):
                 if self.native and val.dtype in (torch.float32, torch.bfloat16):
@@ -97,6 +111,16 @@ class GemvAsReduction(CustomGraphPass):
                     y = _mul_sum(graph, x, weight, bias)
             node.replace_all_uses_with(y)
             graph.erase_node(node)
+
+
+def _most_rows(rows: int | torch.SymInt) -> int:
+    """The largest value a row count can take in the graph (its range's upper bound when
+    symbolic; 0 when unbounded)."""
+    if isinstance(rows, int):
+        return rows
+    node = rows.node
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    return int(upper) if getattr(upper, "is_Integer", False) else 0  # else unbounded (sympy's or torch's infinity)
 
 
 def _mul_sum(graph: torch.fx.Graph, x: torch.fx.Node, weight: torch.fx.Node, bias: torch.fx.Node | None) -> torch.fx.Node:

@@ -22,7 +22,7 @@ from torch import nn
 
 from portside.backend_api import EagerGraphRunner as _CoreEagerGraphRunner
 from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
-from portside.backends.cpu.eager_linears import EagerLinears, make_packed_weights
+from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, EagerLinears, bf16_linears_mode, make_packed_weights
 from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,15 @@ def _no_guards(guard_entries: Sequence[Any]) -> list[bool]:
     return [False] * len(guard_entries)
 
 
-def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | None = None) -> Callable[..., Any]:
+def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | None = None,
+             few_rows: int = 0) -> Callable[..., Any]:
     """torch.compile `fn` twice, under code objects of its own: once for one row (static shapes:
     batch-1 decode; `fn_one` instead when given) and once for two or more rows (the token axis,
-    dim 0 of every input, marked dynamic), each called only with its kind of input.
+    dim 0 of every input, marked dynamic), each called only with its kind of input; with
+    `few_rows`, a third time for 2..`few_rows` rows (the axis marked dynamic within that range,
+    which the graph pass reads: `GemvAsReduction` puts bf16 linears there in the AMX kernel).
 
-    So each has exactly one graph, and both drop dynamo's filterable guards (`_no_guards`: what
+    So each has exactly one graph, and all drop dynamo's filterable guards (`_no_guards`: what
     recent torch calls `torch.compiler.skip_all_guards_unsafe`; torch 2.8 has the filter hook but
     not that function): those re-check, every call, the ~3000 module attributes the graph was
     built from (0.18 ms a call for the default model even through dict version tags, twice a
@@ -70,10 +73,16 @@ def _compile(fn: Callable[..., Any], name: str, fn_one: Callable[..., Any] | Non
     options = {"guard_filter_fn": _no_guards}
     compiled_one = torch.compile(own(fn_one or fn, "_1"), options=options)
     compiled_many = torch.compile(own(fn, "_n"), options=options)
+    compiled_few = torch.compile(own(fn, "_f"), options=options) if few_rows > 1 else None
 
     def run(*args: torch.Tensor) -> Any:
-        if args[0].shape[0] == 1:
+        rows = args[0].shape[0]
+        if rows == 1:
             return compiled_one(*args)
+        if compiled_few is not None and rows <= few_rows:
+            for a in args:
+                torch._dynamo.mark_dynamic(a, 0, min=2, max=few_rows)
+            return compiled_few(*args)
         for a in args:
             torch._dynamo.mark_dynamic(a, 0)
         return compiled_many(*args)
@@ -162,6 +171,7 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
         super().__init__(model_fn, config)
         self.model: PiecewiseModel | None = None
         self._logits: Callable[..., torch.Tensor] | None = None
+        self._few_rows = 0
         if not isinstance(model_fn, PiecewiseModel):
             logger.warning(
                 "cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly", type(model_fn).__name__
@@ -183,8 +193,15 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
         # (A one-row step that samples nothing, a one-token prefill chunk before the last,
         # computes logits it does not use: rare, and cheaper than a second graph call when used.)
         one_row = _Body(model_fn, attention, logits=True).forward
-        self._body = _compile(_Body(model_fn, attention).forward, "portside_body", one_row)
+        # bf16 on AMX: graphs of their own for 2..AMX_MAX_ROWS rows (batched decode), their
+        # linears in the AMX tile kernel (`eager_linears`, option cpu_bf16_linears)
+        self._few_rows = AMX_MAX_ROWS if self._native and bf16_linears_mode(config) == "amx" and \
+            config.model.dtype == torch.bfloat16 else 0
+        self._body = _compile(_Body(model_fn, attention).forward, "portside_body", one_row, self._few_rows)
+        # (not the LM head: at 64 rows x 49152 x 576 oneDNN's kernel beats the AMX one, 1.65 against 2.22 ms)
         self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
+        if self._few_rows:
+            logger.info("inductor: bf16 linears of 2..%d rows in the AMX tile kernel", self._few_rows)
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
         """Compile the graphs now, on dummy decode batches, not in the first steps (the one-row
@@ -202,9 +219,9 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
         # 64-sequence decode step 141 -> 134 ms).
         from portside.backends.cpu.gemv_pass import GemvAsReduction  # imports Inductor (~1 s)
 
-        options = {"freezing": True, "pre_grad_custom_pass": GemvAsReduction(), "cpp_wrapper": True}
+        options = {"freezing": True, "pre_grad_custom_pass": GemvAsReduction(amx_rows=self._few_rows), "cpp_wrapper": True}
         with torch._inductor.config.patch(options):
-            for n in WARMUP_TOKENS:
+            for n in WARMUP_TOKENS + ((self._few_rows + 1,) if self._few_rows else ()):
                 ctx = make_dummy_context(n)
                 hidden = self(*_step_inputs(n, ctx.metadata.slot_mapping.device), ctx)
                 self.compute_logits(hidden)
@@ -269,6 +286,7 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         self._native = reason is None
         self._fused = make_fused_decoder(model_fn, config) if self._native else None
         self.packed_weights = make_packed_weights(config)
+        self._amx = config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
         """Packs the weights of the multi-row linears now, with one dummy two-row step through
@@ -292,8 +310,8 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
     def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
         # Only around steps it can speed up: the mode's Python hook on every torch call costs
         # a few percent of a step.
-        if (rows == 1 and self._native) or (rows > 1 and self.packed_weights is not None):
-            return EagerLinears(self._native, self.packed_weights)
+        if (rows == 1 and self._native) or (rows > 1 and (self.packed_weights is not None or self._amx)):
+            return EagerLinears(self._native, self.packed_weights, self._amx)
         return contextlib.nullcontext()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -7,6 +7,8 @@ paths. It holds:
 - the paged-attention kernels' C entry points (`ps_*`, `csrc/paged_attention_abi.cpp`: the C
   kernels of `csrc/paged_attention.c` with C linkage), called through ctypes by `kernels.py`;
 - `portside_cpu_native::linear_row`: the one-row fp32 or bf16 linear (`csrc/linear_row.cpp`);
+- `portside_cpu_native::linear_amx`: the bf16 linear of a batched decode step's rows on AMX tiles
+  (`csrc/linear_amx.cpp`; `linear_amx_supported()`: built with AMX-BF16, tile state granted);
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
   Python operator `portside_cpu::attention` (`attention_op`);
@@ -47,6 +49,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     CSRC / "paged_attention_abi.cpp",
     CSRC / "linear_row.cpp",
+    CSRC / "linear_amx.cpp",
     CSRC / "decode_attention.cpp",
     CSRC / "fused_decode.cpp",
     CSRC / "cpu_allocator.cpp",
@@ -109,6 +112,7 @@ def load() -> Path:
     if not hasattr(load, "fakes"):  # once per process, whatever clears load's cache
         load.fakes = (  # type: ignore[attr-defined]
             torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
+            torch.library.register_fake("portside_cpu_native::linear_amx", _linear_row_fake),
             torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
             torch.library.register_fake("portside_cpu_native::argmax_rows", _argmax_rows_fake),
             torch.library.register_fake("portside_cpu_native::apply_token_bitmask", _apply_token_bitmask_fake),

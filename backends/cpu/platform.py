@@ -181,6 +181,12 @@ class CpuPlatform(Platform):
         bf16_linears = config.option("cpu_bf16_linears", "auto")
         if bf16_linears not in BF16_LINEAR_MODES:
             raise ValueError(f"cpu_bf16_linears={bf16_linears!r}: use one of {list(BF16_LINEAR_MODES)}")
+        if bf16_linears == "amx":
+            from portside.backends.cpu.eager_linears import amx_unavailable_reason
+
+            reason = amx_unavailable_reason()
+            if reason:
+                raise ValueError(f"cpu_bf16_linears=amx: {reason}; use native, widen or auto")
         if mode == "inductor" and config.model.dtype == torch.bfloat16 and not has_native_bf16():
             logger.warning("cpu: --cpu-graph inductor runs bf16 linears in torch's bf16 kernels, several times slower "
                            "on a CPU without AVX-512-BF16/AMX than the eager runner's (fp32 copies of the weights)")

@@ -187,6 +187,22 @@ def test_chunked_prefill_over_cached_prefix(backend):
     check(backend, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_chunks_attend_in_runs_of_one_length(backend, dtype):
+    """A request's first chunk attends over the step's own K/V (causal SDPA, no gather), each run
+    of consecutive first chunks of one length in one call (`TorchAttentionPlan.causal_runs`): here
+    three of 12 tokens, one of 5, a later chunk (over its cached prefix), two more of 12, after
+    two decodes; every row matches the reference."""
+    from portside.backends.cpu.attention import TorchAttentionPlan
+
+    q_lens, seq_lens = [1, 1, 12, 12, 12, 5, 7, 12, 12], [9, 30, 12, 12, 12, 5, 40, 12, 12]
+    case = make_case(backend, q_lens, seq_lens, 8, 2, 64, 16, dtype=dtype, seed=21)
+    check(backend, case, dtype)
+    plan = case.metadata.backend_data
+    if isinstance(plan, TorchAttentionPlan):
+        assert plan.causal_runs() == [(2, 3, 12, range(0, 3)), (38, 1, 5, range(3, 4)), (50, 2, 12, range(5, 7))]
+
+
 def test_padding_slots_are_skipped(backend):
     case = make_case(backend, [1, 1, 6], [5, 21, 6], 4, 2, 64, 8, seed=5, pad_tokens=3)
     check(backend, case)

@@ -185,6 +185,28 @@ def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
     assert exact >= total * 3 // 4  # near-ties are rare
 
 
+@pytest.mark.parametrize("mode", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_bf16_batched_engine_greedy_parity_amx_linears(variant, mode):
+    """A batch of bf16 sequences: prefills and decode steps of several rows, whose bf16 linears run
+    on AMX tiles where the CPU has AMX-BF16 (`cpu_bf16_linears` auto; in Inductor's few-rows graphs)
+    and in oneDNN elsewhere; greedy tokens are transformers' bf16 ones up to near-ties."""
+    from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, amx_unavailable_reason
+
+    amx = amx_unavailable_reason() is None
+    llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
+              platform_options={"cpu_graph": mode})
+    runner = llm.engine.executor.runner.graph_runner
+    assert (runner._few_rows == AMX_MAX_ROWS if amx else runner._few_rows == 0) if mode == "inductor" else runner._amx == amx
+    prompts = [*BF16_PROMPTS, [7, 8, 9, 10], list(range(200, 260))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    hf, exact = _hf_bf16(variant), 0
+    for prompt, out in zip(prompts, outs):
+        exact += assert_bf16_greedy_parity(hf, prompt, list(out.outputs[0].token_ids),
+                                           BF16_MARGIN_INDUCTOR if mode == "inductor" else BF16_MARGIN)
+    assert exact >= 12 * len(prompts) * 3 // 4
+
+
 @pytest.mark.parametrize("context", [1, 9, 128, 129, 300])
 def test_bf16_fused_step_matches_the_model(variant, context):
     """A bf16 model's fused step computes the model with its bf16 weights in fp32 (activations and

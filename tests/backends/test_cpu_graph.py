@@ -270,6 +270,45 @@ def test_gemv_pass_rewrites_single_row_linears_only(native, dtype):
     assert sum(map(plain, many)) == 2
 
 
+def test_gemv_pass_sends_bf16_linears_of_a_bounded_row_count_to_the_amx_kernel():
+    """With `amx_rows`, `GemvAsReduction` turns a bf16 `F.linear` whose rows the graph bounds to
+    2..amx_rows (the few-rows graphs of `graph._compile`) into `portside_cpu_native::linear_amx`;
+    unbounded rows (the many-rows graph) and fp32 keep the GEMM; results equal `F.linear`'s (one
+    bf16 rounding step)."""
+    import torch
+    import torch.nn.functional as F
+
+    from portside.backends.cpu.gemv_pass import GemvAsReduction
+
+    rewrite = GemvAsReduction(native=True, amx_rows=8)
+    if not rewrite.native:
+        pytest.skip("the native operators do not build here")
+    seen: list[list[str]] = []
+
+    def backend(gm, example_inputs):
+        rewrite(gm.graph)
+        gm.recompile()
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    for dtype, bound, amx in [(torch.bfloat16, 8, True), (torch.bfloat16, None, False), (torch.float32, 8, False)]:
+        w, b = torch.randn(24, 40, dtype=dtype), torch.randn(24, dtype=dtype)
+
+        def f(x):
+            return F.linear(x, w, b) * 2
+
+        torch._dynamo.reset()
+        seen.clear()
+        fn = torch.compile(f, backend=backend)
+        for rows in (3, 5):
+            x = torch.randn(rows, 40, dtype=dtype)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=bound) if bound else torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(fn(x), f(x), atol=1e-5, rtol=2 ** -7)
+        assert len(seen) == 1  # one graph for both row counts
+        assert any("linear_amx" in t for t in seen[0]) == amx
+        assert any("function linear" in t for t in seen[0]) != amx
+
+
 @pytest.mark.parametrize("widen_bf16", [False, True])
 def test_eager_linears_send_one_row_to_the_native_operator_and_more_rows_to_onednn(widen_bf16):
     """cpu eager: F.linear of one fp32 or bf16 row runs `portside_cpu_native::linear_row`; of
@@ -365,7 +404,7 @@ def test_eager_prepack_is_used_in_batched_steps_and_can_be_turned_off(model_path
     assert _runner(off).packed_weights is None
     with pytest.raises(ValueError, match="cpu_prepack='sometimes': use one of"):
         LLM(model=str(model_path), device="cpu", platform_options={"cpu_prepack": "sometimes"})
-    with pytest.raises(ValueError, match=r"cpu_bf16_linears='fp16': use one of \['auto', 'native', 'widen'\]"):
+    with pytest.raises(ValueError, match=r"cpu_bf16_linears='fp16': use one of \['auto', 'amx', 'native', 'widen'\]"):
         LLM(model=str(model_path), device="cpu", platform_options={"cpu_bf16_linears": "fp16"})
     # the KV cache: touched at start-up by default, lazily with cpu_kv_prefault=off
     assert llm.engine.executor.runner.attn_backend.prefault_host_cache
