@@ -157,7 +157,10 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
     attention metadata never reaches dynamo, so nothing guards on it: after `capture` compiles the two graphs
     (1 token, and a symbolic count >= 2) for the body and for the LM head, no step recompiles. A
     batch-1 step is one call into compiled code (its graph computes the LM head too), a larger
-    one two (the body, then the LM head of the sampled rows).
+    one two (the body, then the LM head of the sampled rows). A bf16 model on a CPU with AMX
+    (`cpu_bf16_linears` amx) gets a third body graph, for 2..`AMX_MAX_ROWS` rows (batched decode
+    steps), whose linears run in the AMX tile kernel (`GemvAsReduction`); the symbolic graph then
+    takes the larger counts (prefill) in oneDNN.
 
     One-sequence decode steps of a Llama-family fp32 model run in the fused native step instead
     (`fused_decode`), so the one-row body graph is compiled only where that does not apply.
