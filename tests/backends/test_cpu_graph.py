@@ -294,7 +294,7 @@ def test_gemv_pass_sends_bf16_linears_of_a_bounded_row_count_to_the_amx_kernel()
     for dtype, bound, amx in [(torch.bfloat16, 8, True), (torch.bfloat16, None, False), (torch.float32, 8, False)]:
         w, b = torch.randn(24, 40, dtype=dtype), torch.randn(24, dtype=dtype)
 
-        def f(x):
+        def f(x, w=w, b=b):
             return F.linear(x, w, b) * 2
 
         torch._dynamo.reset()
