@@ -96,7 +96,8 @@ class GemvAsReduction(CustomGraphPass):
             val = getattr(x, "meta", {}).get("example_value")
             if val is None or val.dim() != 2:
                 continue
-            if self.amx_rows and val.dtype == torch.bfloat16 and 1 < _most_rows(val.shape[0]) <= self.amx_rows:
+            if (self.amx_rows and val.dtype == torch.bfloat16 and 1 < _most_rows(val.shape[0]) <= self.amx_rows
+                    and getattr(weight, "op", None) in ("placeholder", "get_attr")):  # a weight computed in the graph would be repacked every call
                 with graph.inserting_before(node):
                     y = graph.call_function(torch.ops.portside_cpu_native.linear_amx.default, (x, weight, bias))
                 node.replace_all_uses_with(y)

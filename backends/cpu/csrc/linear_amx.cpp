@@ -33,22 +33,14 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PORTSIDE_LINEAR_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
 
 #ifdef PORTSIDE_LINEAR_AMX
 
-bool granted() {
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
+using portside_amx::granted;
 
 constexpr int64_t kPrefetchTiles = 32;  // how far ahead the weight stream is prefetched, in 1 KB tiles
 
@@ -57,21 +49,22 @@ constexpr int64_t kPrefetchTiles = 32;  // how far ahead the weight stream is pr
 struct Packed {
   c10::weak_intrusive_ptr<c10::StorageImpl> owner;
   const c10::StorageImpl* impl;
-  int64_t N, K, NB, KB;
+  int64_t N, K;
   at::Tensor tiles;
 };
 
 std::mutex cache_mutex;
 std::unordered_map<const void*, Packed> cache;
 
-const Packed& packed(const at::Tensor& w) {
+// The tiles of `w` (a reference-counted handle: usable whatever other threads do to the cache).
+at::Tensor packed(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1);
   const void* key = w.data_ptr();
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto it = cache.find(key);
   if (it != cache.end()) {
     const Packed& p = it->second;
-    if (!p.owner.expired() && p.impl == w.storage().unsafeGetStorageImpl() && p.N == N && p.K == K) return p;
+    if (!p.owner.expired() && p.impl == w.storage().unsafeGetStorageImpl() && p.N == N && p.K == K) return p.tiles;
     cache.erase(it);
   }
   for (auto i = cache.begin(); i != cache.end();) i = i->second.owner.expired() ? cache.erase(i) : std::next(i);
@@ -85,15 +78,9 @@ const Packed& packed(const at::Tensor& w) {
         for (int64_t k = 0; k < K; ++k)  // feature n, channel k -> tile (nb, k / 32), row (k % 32) / 2, column n % 16, k % 2
           t[(nb * KB + k / 32) * 512 + (k % 32) / 2 * 32 + (n % 16) * 2 + k % 2] = src[n * K + k];
   });
-  Packed p{w.storage().getWeakStorageImpl(), w.storage().unsafeGetStorageImpl(), N, K, NB, KB, tiles};
-  return cache.emplace(key, std::move(p)).first->second;
+  Packed p{w.storage().getWeakStorageImpl(), w.storage().unsafeGetStorageImpl(), N, K, tiles};
+  return cache.emplace(key, std::move(p)).first->second.tiles;
 }
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 inline void prefetch_tile(const uint16_t* t) {
   const char* p = reinterpret_cast<const char*>(t);
@@ -126,8 +113,9 @@ inline void block(const uint16_t* xa, int64_t x_stride, const uint16_t* b0, cons
 }
 
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const Packed& w = packed(weight);
-  const int64_t M = x.size(0), N = w.N, K = w.K, NB = w.NB, KB = w.KB, MT = (M + 15) / 16;
+  const at::Tensor w = packed(weight);
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1), NB = (N + 15) / 16, KB = (K + 31) / 32;
+  const int64_t MT = (M + 15) / 16;
   // Rows in tiles of 16 and channels in steps of 32: x as it is when it fits, else a padded copy.
   at::Tensor xa = x;
   if (M % 16 || K % 32 || x.stride(1) != 1) {
@@ -136,17 +124,14 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& weight, const std
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xa.data_ptr<at::BFloat16>());
   const int64_t xs = xa.stride(0);
-  const auto* tiles = reinterpret_cast<const uint16_t*>(w.tiles.data_ptr<int16_t>());
+  const auto* tiles = reinterpret_cast<const uint16_t*>(w.data_ptr<int16_t>());
   at::Tensor out = at::empty({M, N}, x.options());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   // Each thread a contiguous range of feature-block pairs (the weight streamed once, in order).
   at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    asm volatile("" ::: "memory");
-    _tile_loadconfig(&cfg);
+    portside_amx::configure_16x64();
     alignas(64) float c[4][16][16];
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t nb = pair * 2;

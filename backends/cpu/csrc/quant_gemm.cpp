@@ -62,8 +62,7 @@
 #endif
 #if defined(PORTSIDE_QUANT_AVX2) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define PORTSIDE_QUANT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -747,19 +746,7 @@ inline void w8a8_rows_vnni(const W8A8& p, int64_t n, int64_t t) {
 #ifdef PORTSIDE_QUANT_AMX
 // AMX-INT8: C [16 n x 16 t] += A [16 n x 64 k] (u8 codes, rows of the canonical matrix) .
 // B [16 k/4 x (16 t x 4)] (s8 activations packed VNNI-style per call).
-bool amx_granted() {
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using portside_amx::granted;
 
 // xq [T, K] -> per 16-token tile and 64-column step, 16 rows of (16 tokens x 4 codes) (zero-padded).
 std::vector<int8_t> pack_vnni(const int8_t* xq, int64_t T, int64_t K) {
@@ -777,9 +764,7 @@ void w8a8_amx(const W8A8& p, int64_t T) {
   const int64_t KK = p.K / 64, TT = (T + 15) / 16, kpg = p.gs / 64;
   const std::vector<int8_t> xb = pack_vnni(p.xq, T, p.K);
   at::parallel_for(0, p.N / 16, 1, [&](int64_t b0, int64_t b1) {
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
+    portside_amx::configure_16x64();
     alignas(64) int32_t c[16][16];
     std::vector<float> acc(16 * 16);
     for (int64_t nb = b0; nb < b1; ++nb) {
@@ -853,7 +838,7 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, con
                out.data_ptr<float>(), N};
   bool done = false;
 #ifdef PORTSIDE_QUANT_AMX
-  if (T >= 16 && N % 16 == 0 && gs % 64 == 0 && amx_granted()) {
+  if (T >= 16 && N % 16 == 0 && gs % 64 == 0 && granted()) {
     w8a8_amx(p, T);
     done = true;
   }
@@ -891,7 +876,7 @@ std::string quant_isa() {
   s += ",avx512vnni";
 #endif
 #ifdef PORTSIDE_QUANT_AMX
-  if (amx_granted()) s += ",amx";
+  if (granted()) s += ",amx";
 #endif
   return s;
 }
