@@ -9,6 +9,8 @@ paths. It holds:
 - `portside_cpu_native::linear_row`: the one-row fp32 or bf16 linear (`csrc/linear_row.cpp`);
 - `portside_cpu_native::linear_amx`: the bf16 linear of a batched decode step's rows on AMX tiles
   (`csrc/linear_amx.cpp`; `linear_amx_supported()`: built with AMX-BF16, tile state granted);
+- `portside_cpu_native::causal_attention`: bf16 prompts attending to themselves (a request's
+  first prefill chunk) on AMX tiles (`csrc/causal_attention.cpp`, `attention._attend_causal`);
 - `portside_cpu_native::attention`: decode-only paged attention (`csrc/decode_attention.cpp`,
   the kernels of `csrc/paged_attention.c`) for the plan `set_decode_step` installs, else the
   Python operator `portside_cpu::attention` (`attention_op`);
@@ -51,6 +53,7 @@ SOURCES = (
     CSRC / "linear_row.cpp",
     CSRC / "linear_amx.cpp",
     CSRC / "decode_attention.cpp",
+    CSRC / "causal_attention.cpp",
     CSRC / "fused_decode.cpp",
     CSRC / "cpu_allocator.cpp",
     CSRC / "argmax.cpp",
@@ -113,6 +116,7 @@ def load() -> Path:
         load.fakes = (  # type: ignore[attr-defined]
             torch.library.register_fake("portside_cpu_native::linear_row", _linear_row_fake),
             torch.library.register_fake("portside_cpu_native::linear_amx", _linear_row_fake),
+            torch.library.register_fake("portside_cpu_native::causal_attention", _causal_attention_fake),
             torch.library.register_fake("portside_cpu_native::attention", attention_op.attention_fake),
             torch.library.register_fake("portside_cpu_native::argmax_rows", _argmax_rows_fake),
             torch.library.register_fake("portside_cpu_native::apply_token_bitmask", _apply_token_bitmask_fake),
@@ -125,6 +129,10 @@ def load() -> Path:
 
 def _linear_row_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _causal_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: int, scale: float) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def _apply_token_bitmask_fake(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,40 @@ def test_first_chunks_attend_in_runs_of_one_length(backend, dtype):
         assert plan.causal_runs() == [(2, 3, 12, range(0, 3)), (38, 1, 5, range(3, 4)), (50, 2, 12, range(5, 7))]
 
 
+@pytest.mark.parametrize(("seqs", "length", "heads", "kv_heads", "d"),
+                         [(4, 128, 9, 3, 64), (3, 37, 8, 2, 128), (2, 5, 4, 4, 32), (1, 300, 6, 1, 256), (5, 17, 12, 4, 96)])
+def test_native_causal_attention_matches_sdpa(seqs, length, heads, kv_heads, d):
+    """`portside_cpu_native::causal_attention` (bf16 prompts attending to themselves on AMX tiles):
+    lengths not a multiple of the 16-token tiles, GQA / MHA / MQA, head sizes 32..256 (96: a last
+    channel group of 32), q/k/v as strided views of one fused projection; within bf16's tolerance
+    of causal attention in fp32, and as close as torch's bf16 SDPA is."""
+    _native_backend()  # skips without the native library
+    from portside.backends.cpu.attention import native_causal
+
+    if not native_causal(d):
+        pytest.skip("no AMX-BF16 here (or the kernel does not grant the tile state)")
+    gen = torch.Generator().manual_seed(seqs * 100 + d)
+    qkv = torch.randn(seqs * length, (heads + 2 * kv_heads) * d, generator=gen).bfloat16()
+    q = qkv[:, : heads * d].view(-1, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
+
+    def sdpa(q, k, v):
+        def views(t):
+            return t.view(seqs, length, *t.shape[1:]).transpose(1, 2)
+
+        o = torch.nn.functional.scaled_dot_product_attention(views(q), views(k), views(v), is_causal=True, scale=d**-0.5,
+                                                             enable_gqa=heads > kv_heads)
+        return o.transpose(1, 2).reshape(q.shape)
+
+    exact = sdpa(q.float(), k.float(), v.float())
+    got = torch.ops.portside_cpu_native.causal_attention(q, k, v, seqs, d**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert_close(got.float(), exact, torch.bfloat16)
+    torch_err = (sdpa(q, k, v).float() - exact).abs().max()
+    assert (got.float() - exact).abs().max() <= 2 * torch_err + 1e-3
+
+
 def test_padding_slots_are_skipped(backend):
     case = make_case(backend, [1, 1, 6], [5, 21, 6], 4, 2, 64, 8, seed=5, pad_tokens=3)
     check(backend, case)
