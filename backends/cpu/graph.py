@@ -198,8 +198,8 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
         one_row = _Body(model_fn, attention, logits=True).forward
         # bf16 on AMX: graphs of their own for 2..AMX_MAX_ROWS rows (batched decode), their
         # linears in the AMX tile kernel (`eager_linears`, option cpu_bf16_linears)
-        self._few_rows = AMX_MAX_ROWS if self._native and bf16_linears_mode(config) == "amx" and \
-            config.model.dtype == torch.bfloat16 else 0
+        amx = self._native and config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
+        self._few_rows = AMX_MAX_ROWS if amx else 0
         self._body = _compile(_Body(model_fn, attention).forward, "portside_body", one_row, self._few_rows)
         # (not the LM head: at 64 rows x 49152 x 576 oneDNN's kernel beats the AMX one, 1.65 against 2.22 ms)
         self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
