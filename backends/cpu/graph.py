@@ -310,11 +310,12 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         logger.info("cpu eager: %d weights prepacked for oneDNN, %d row-count shapes built, in %.2f s",
                     len(self.packed_weights), calls, time.perf_counter() - t0)
 
-    def _mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
+    def _mode(self, rows: int, amx: bool = True) -> contextlib.AbstractContextManager[Any]:
         # Only around steps it can speed up: the mode's Python hook on every torch call costs
-        # a few percent of a step.
-        if (rows == 1 and self._native) or (rows > 1 and (self.packed_weights is not None or self._amx)):
-            return EagerLinears(self._native, self.packed_weights, self._amx)
+        # a few percent of a step. (`amx`: False for the LM head, where oneDNN is faster.)
+        amx = amx and self._amx
+        if (rows == 1 and self._native) or (rows > 1 and (self.packed_weights is not None or amx)):
+            return EagerLinears(self._native, self.packed_weights, amx)
         return contextlib.nullcontext()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -325,5 +326,5 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
             return self.model_fn(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self._mode(hidden.shape[0]):
+        with self._mode(hidden.shape[0], amx=False):
             return super().compute_logits(hidden)
