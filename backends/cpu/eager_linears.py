@@ -203,8 +203,12 @@ def make_packed_weights(config: Any) -> PackedWeights | None:
     if reason:
         logger.info("cpu eager: multi-row linears run in F.linear: %s", reason)
         return None
-    widen = bf16_linears_mode(config) == "widen"
+    mode = bf16_linears_mode(config)
+    widen = mode == "widen"
     if config.model.dtype == torch.bfloat16:
-        logger.info("cpu eager: bf16 linears of several rows: %s", "fp32 copies of the weights, activations widened "
-                    "(no bf16 arithmetic on this CPU, or cpu_bf16_linears=widen)" if widen else "oneDNN's bf16 kernels")
+        logger.info("cpu eager: bf16 linears of several rows: %s", {
+            "widen": "fp32 copies of the weights, activations widened (no bf16 arithmetic on this CPU, or "
+                     "cpu_bf16_linears=widen)",
+            "amx": f"the AMX tile kernel up to {AMX_MAX_ROWS} rows (cpu_bf16_linears=amx), oneDNN's bf16 kernels above",
+        }.get(mode, "oneDNN's bf16 kernels"))
     return PackedWeights(batch_hint=max(2, config.scheduler.max_num_seqs), widen_bf16=widen)
