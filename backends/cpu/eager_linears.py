@@ -182,6 +182,11 @@ def bf16_linears_mode(config: Any) -> str:
     return mode
 
 
+def amx_linears(config: Any) -> bool:
+    """Whether a runner sends a bf16 model's linears of 2..`AMX_MAX_ROWS` rows to `linear_amx`."""
+    return config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
+
+
 def amx_unavailable_reason() -> str | None:
     """None when the native AMX tile linear runs here (`linear_amx`), else why not."""
     from portside.backends.cpu import native_ops

@@ -96,17 +96,15 @@ class GemvAsReduction(CustomGraphPass):
             val = getattr(x, "meta", {}).get("example_value")
             if val is None or val.dim() != 2:
                 continue
-            if (self.amx_rows and val.dtype == torch.bfloat16 and 1 < _most_rows(val.shape[0]) <= self.amx_rows
-                    and getattr(weight, "op", None) in ("placeholder", "get_attr")):  # a weight computed in the graph would be repacked every call
-                with graph.inserting_before(node):
-                    y = graph.call_function(torch.ops.portside_cpu_native.linear_amx.default, (x, weight, bias))
-                node.replace_all_uses_with(y)
-                graph.erase_node(node)
-                continue
-            if not isinstance(val.shape[0], int) or val.shape[0] != 1:
+            one_row = isinstance(val.shape[0], int) and val.shape[0] == 1
+            amx = (self.amx_rows and val.dtype == torch.bfloat16 and 1 < _most_rows(val.shape[0]) <= self.amx_rows
+                   and getattr(weight, "op", None) in ("placeholder", "get_attr"))  # a computed weight: repacked every call
+            if not (one_row or amx):
                 continue
             with graph.inserting_before(node):
-                if self.native and val.dtype in (torch.float32, torch.bfloat16):
+                if amx:
+                    y = graph.call_function(torch.ops.portside_cpu_native.linear_amx.default, (x, weight, bias))
+                elif self.native and val.dtype in (torch.float32, torch.bfloat16):
                     y = graph.call_function(torch.ops.portside_cpu_native.linear_row.default, (x, weight, bias))
                 else:
                     y = _mul_sum(graph, x, weight, bias)

@@ -22,7 +22,7 @@ from torch import nn
 
 from portside.backend_api import EagerGraphRunner as _CoreEagerGraphRunner
 from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
-from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, EagerLinears, bf16_linears_mode, make_packed_weights
+from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, EagerLinears, amx_linears, make_packed_weights
 from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
 
 logger = logging.getLogger(__name__)
@@ -198,8 +198,7 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
         one_row = _Body(model_fn, attention, logits=True).forward
         # bf16 on AMX: graphs of their own for 2..AMX_MAX_ROWS rows (batched decode), their
         # linears in the AMX tile kernel (`eager_linears`, option cpu_bf16_linears)
-        amx = self._native and config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
-        self._few_rows = AMX_MAX_ROWS if amx else 0
+        self._few_rows = AMX_MAX_ROWS if self._native and amx_linears(config) else 0
         self._body = _compile(_Body(model_fn, attention).forward, "portside_body", one_row, self._few_rows)
         # (not the LM head: at 64 rows x 49152 x 576 oneDNN's kernel beats the AMX one, 1.65 against 2.22 ms)
         self._logits = _compile(model_fn.compute_logits, "portside_logits")  # type: ignore[attr-defined]
@@ -289,7 +288,7 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         self._native = reason is None
         self._fused = make_fused_decoder(model_fn, config) if self._native else None
         self.packed_weights = make_packed_weights(config)
-        self._amx = config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
+        self._amx = amx_linears(config)
 
     def capture(self, make_dummy_context: Callable[[int], ForwardContext]) -> None:
         """Packs the weights of the multi-row linears now, with one dummy two-row step through
