@@ -732,10 +732,17 @@ class ModelOps:
         activation: str = "silu",
     ) -> torch.Tensor:
         """`moe_experts` with stacked quantized experts (w13 [E, 2I, hidden], w2 [E, hidden, I]
-        as `QuantWeight`s). Default: each expert routed to through `quantized_linear`."""
+        as `QuantWeight`s; w13 a `QuantParts` [gate, up] where their act orders differ). Default:
+        each expert routed to through `quantized_linear`."""
         from portside.ops.moe import moe_experts
 
-        return moe_experts(x, w13, w2, topk_weights, topk_ids, activation, linear=self._expert_linear)
+        return moe_experts(x, w13, w2, topk_weights, topk_ids, activation, linear=self._expert_parts_linear)
+
+    def _expert_parts_linear(self, x: torch.Tensor, w: Any, e: int) -> torch.Tensor:
+        if isinstance(w, torch.nn.ModuleList):  # `QuantParts`: each part's expert e, concatenated
+            parts: list[Any] = list(w)
+            return torch.cat([self._expert_linear(x, part, e) for part in parts], dim=-1)
+        return self._expert_linear(x, w, e)
 
     def _expert_linear(self, x: torch.Tensor, w: QuantWeight, e: int) -> torch.Tensor:
         return self.quantized_linear(x, w.expert(e))

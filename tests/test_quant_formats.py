@@ -14,6 +14,7 @@ import torch
 
 from portside import LLM, SamplingParams
 from portside.quant.config import QuantConfig
+from portside.quant.weight import QuantParts, QuantWeight
 from portside.testing.quant_checkpoints import FP8_MAX, write_quantized
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
@@ -63,6 +64,86 @@ def test_weight_only_formats_match_transformers_on_dequantized_weights(llama: Pa
 def test_gptq_with_biases_and_tied_embeddings(qwen2_tied: Path, tmp_path: Path) -> None:
     q, oracle = write_quantized(qwen2_tied, tmp_path / "gptq", "gptq", bits=4, group_size=32, desc_act=True)
     assert _greedy(q) == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]
+
+
+# ---- act order: every projection its own g_idx ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_wide(tmp_path_factory: pytest.TempPathFactory) -> Path:  # hidden 128: 4 groups of 32 over q/k/v's input
+    return make_tiny_model(tmp_path_factory.mktemp("llama_wide") / "m", "llama", hidden_size=128, intermediate_size=256)
+
+
+_FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+
+def _check_fused_act_order(llm: LLM, q: Path, apart: bool) -> list[QuantWeight]:
+    """Each fused layer is one QuantWeight (`apart` False) or its parts (True), every part with
+    its projection's g_idx and rows from the checkpoint and its codes still packed; returns the
+    weights seen."""
+    from safetensors.torch import load_file
+
+    ckpt = load_file(str(q / "model.safetensors"))
+    seen = []
+    for i, layer in enumerate(llm.engine.executor.runner.model.model.layers):
+        for fused, names in _FUSED:
+            quant = layer.get_submodule(fused).quant
+            parts = [f"model.layers.{i}.{n}" for n in names]
+            if not apart:
+                assert isinstance(quant, QuantWeight) and torch.equal(quant.g_idx, ckpt[f"{parts[0]}.g_idx"])
+                seen.append(quant)
+                continue
+            assert isinstance(quant, QuantParts) and len(quant) == len(parts), f"layer {i} {fused}: {type(quant).__name__}"
+            for w, name in zip(quant, parts, strict=True):
+                assert torch.equal(w.g_idx, ckpt[f"{name}.g_idx"]), name
+                assert w.out_features == ckpt[f"{name}.scales"].shape[1] and w.qweight.dtype == torch.uint8
+                seen.append(w)
+    return seen
+
+
+@pytest.mark.parametrize("kernels", ["platform", "reference"])
+def test_gptq_act_order_projections_with_their_own_g_idx(llama_wide: Path, tmp_path: Path, monkeypatch, kernels: str) -> None:
+    """A 4-bit, group 32, desc_act checkpoint whose q/k/v and gate/up projections have different
+    column orders (each projection's own random permutation, as nothing in the format ties them)
+    loads with every fused part kept apart with its own g_idx, and gives transformers' greedy
+    tokens on the dequantized weights: through the cpu platform's kernels (native, act order
+    sorted per part), and with every layer on core's reference."""
+    from portside.backends.cpu import native_ops
+    from portside.backends.cpu import quant as cpu_quant
+
+    if kernels == "reference":
+        monkeypatch.setattr(cpu_quant, "isa", lambda: "")  # prepare_quantized leaves every layer on the reference
+    q, oracle = write_quantized(llama_wide, tmp_path / "gptq", "gptq", bits=4, group_size=32, desc_act=True)
+    llm = LLM(model=str(q), **ENGINE)
+    parts = _check_fused_act_order(llm, q, apart=True)
+    layouts = {getattr(w.layout, "kernel", None) for w in parts}
+    if kernels == "platform" and native_ops.unavailable_reason() is None and cpu_quant.isa():
+        assert layouts == {"int4"} and all(w.layout.permuted for w in parts)
+    elif kernels == "reference":
+        assert layouts == {None}
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]
+
+
+ACT_ORDER = [
+    ("gptq", dict(bits=4, group_size=64)),
+    ("gptq", dict(bits=8, group_size=32, sym=False)),
+    ("gptq", dict(bits=4, group_size=16)),
+    ("gptq", dict(bits=4, group_size=32, shared_act_order=True)),  # the parts agree: one fused weight
+    ("ct-w4a16", dict(group_size=32)),
+]
+
+
+@pytest.mark.parametrize(("fmt", "kw"), ACT_ORDER, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for f, kw in ACT_ORDER])
+@pytest.mark.slow
+def test_act_order_checkpoints_match_transformers(llama_wide: Path, tmp_path: Path, fmt: str, kw: dict) -> None:
+    q, oracle = write_quantized(llama_wide, tmp_path / fmt, fmt, desc_act=True, **kw)
+    llm = LLM(model=str(q), **ENGINE)
+    if fmt == "gptq":
+        _check_fused_act_order(llm, q, apart=not kw.get("shared_act_order", False))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, MAX_TOKENS) for p in PROMPTS]
 
 
 # ---- activations quantized per token ------------------------------------------------------------

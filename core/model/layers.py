@@ -15,7 +15,7 @@ Sharding (rank r of n):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +149,12 @@ class LinearBase(nn.Module):
         _copy(param.data.narrow(0, dst, n), loaded.narrow(0, src, n), "weight" if shard_id is None else f"part {shard_id!r}")
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(self.quant, nn.ModuleList):  # `QuantParts`: fused parts kept apart (act orders that differ)
+            ys, row, parts = [], 0, cast(list[Any], list(self.quant))
+            for w in parts:
+                ys.append(self.ops.quantized_linear(x, w, None if bias is None else bias[row : row + w.out_features]))  # type: ignore[attr-defined]
+                row += w.out_features
+            return torch.cat(ys, dim=-1)
         if self.quant is not None:
             return self.ops.quantized_linear(x, self.quant, bias)  # type: ignore[attr-defined]
         assert self.weight is not None

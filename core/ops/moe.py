@@ -76,4 +76,6 @@ def moe_experts(
 
 
 def _num_experts(w: Any) -> int:
+    if isinstance(w, torch.nn.ModuleList):  # a stacked QuantParts: its parts' experts
+        w = w[0]
     return int(w.shape[0]) if isinstance(w, torch.Tensor) else int(w.qweight.shape[0])  # a stacked QuantWeight

@@ -12,8 +12,8 @@ from torch import nn
 from portside.backend_api import ModelOps
 from portside.model.layers import LinearBase
 from portside.quant.config import QuantConfig
-from portside.quant.formats import add_checkpoint_params, add_expert_params, stacked_expert_weights, to_quant_weight
-from portside.quant.weight import quantize_per_channel
+from portside.quant.formats import add_checkpoint_params, add_expert_params, stacked_expert_weights, to_quant_weights
+from portside.quant.weight import QuantParts, QuantWeight, quantize_per_channel
 
 __all__ = ["prepare_model_for_format", "finalize_quantized", "weight_bytes"]
 
@@ -56,8 +56,9 @@ def prepare_model_for_format(model: nn.Module, qc: QuantConfig, ops: ModelOps) -
 
 
 def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None:
-    """Convert every loaded quantized layer to a `QuantWeight` the platform has prepared, and
-    (online methods) quantize the experts of MoE layers. Raises ValueError naming the layer."""
+    """Convert every loaded quantized layer to a `QuantWeight` the platform has prepared (a fused
+    one whose parts' act orders differ: a `QuantParts`), and (online methods) quantize the
+    experts of MoE layers. Raises ValueError naming the layer."""
     from portside.model.moe import MoEExperts
 
     if qc.method == "gguf":
@@ -65,31 +66,42 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
 
         finalize_gguf_model(model, qc, ops)
         return
+    split = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, LinearBase) and getattr(module, "quant_format", None) is not None:
             try:
-                qw = to_quant_weight(module, qc)
+                qws = to_quant_weights(module, qc)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             for pname in list(module._parameters):
                 if pname != "bias":
                     delattr(module, pname)
             module.weight = None
-            module.quant = ops.prepare_quantized(qw)
+            module.quant = _prepared(qws, ops)
+            split += len(qws) > 1
             module.quant_format = None  # type: ignore[assignment]
         elif isinstance(module, MoEExperts) and (qc.online or getattr(module, "quant_format", None) is not None):
             if qc.online:
-                w13 = quantize_per_channel(module.w13.detach(), qc.method, qc.act)
-                w2 = quantize_per_channel(module.w2.detach(), qc.method, qc.act)
+                w13s = [quantize_per_channel(module.w13.detach(), qc.method, qc.act)]
+                w2s = [quantize_per_channel(module.w2.detach(), qc.method, qc.act)]
                 del module.w13, module.w2
             else:
                 try:
-                    w13, w2 = stacked_expert_weights(module, qc)
+                    w13s, w2s = stacked_expert_weights(module, qc)
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
                 module.quant_format = None  # type: ignore[assignment]
-            module.quant13, module.quant2 = ops.prepare_quantized(w13), ops.prepare_quantized(w2)
-    logger.info("quantized %s: %s", type(model).__name__, qc.describe())
+            module.quant13, module.quant2 = _prepared(w13s, ops), _prepared(w2s, ops)
+            split += len(w13s) > 1
+    logger.info("quantized %s: %s%s", type(model).__name__, qc.describe(),
+                f"; {split} fused layers computed part by part (their parts' act orders differ)" if split else "")
+
+
+def _prepared(weights: list[QuantWeight], ops: ModelOps) -> QuantWeight | QuantParts:
+    """One prepared weight, or a fused layer's parts (`QuantParts`), each prepared on its own."""
+    if len(weights) == 1:
+        return ops.prepare_quantized(weights[0])
+    return QuantParts([ops.prepare_quantized(w) for w in weights])
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -8,6 +8,13 @@ fills them like any other: ``q_proj.qweight`` goes to part "q" of ``qkv_proj.qwe
 parameter's `CkptParam` says which of its axes runs over output rows (N, possibly packed several
 to an int32) and which over input columns (K, packed, or one entry per group), which is all the
 tensor-parallel and fused-part slicing needs (`LinearBase.out_partition` / `in_partition`).
+
+Act order: every projection of an act-order checkpoint has its own ``g_idx`` (which group each
+input column is in), and fused projections (q/k/v, gate/up, an expert's gate/up) need not agree.
+A fused layer keeps one ``g_idx`` per part; where they are equal (or in order) it stays one
+`QuantWeight`, else `to_quant_weights` returns its parts, each with its own ``g_idx``, computed
+one after the other (`QuantParts`): one grouping of the input columns cannot serve rows that
+are grouped differently, and so every part keeps the platform's act-order kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from portside.quant.weight import QuantWeight, pack_int4, quantize_per_channel
 
 __all__ = [
     "CkptParam", "checkpoint_params", "add_checkpoint_params", "add_expert_params", "stacked_expert_weights",
-    "to_quant_weight", "unpack_int32",
+    "to_quant_weights", "unpack_int32",
 ]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i]
@@ -42,8 +49,7 @@ class CkptParam:
     out_pack: int = 1  # rows per element along out_dim
     in_dim: int | None = None  # axis over input columns
     in_unit: int | str = 1  # columns per element along in_dim, or "group"
-    per_part: bool = False  # one (scalar / small) value per fused part: [parts, ...]
-    shared: bool = False  # the same tensor for every part (GPTQ's g_idx): kept once, checked equal
+    per_part: bool = False  # one value per fused part: [parts, ...] (a scalar, or a g_idx over the input columns)
     optional: bool = False
     integer: bool = False  # must arrive as exactly `dtype`
 
@@ -57,7 +63,7 @@ def checkpoint_params(qc: QuantConfig) -> list[CkptParam]:
             CkptParam("qweight", i32, lambda n, k, g: (k // pf, n), out_dim=1, in_dim=0, in_unit=pf, integer=True),
             CkptParam("qzeros", i32, lambda n, k, g: (g, n // pf), out_dim=1, out_pack=pf, in_dim=0, in_unit="group", integer=True),
             CkptParam("scales", f32, lambda n, k, g: (g, n), out_dim=1, in_dim=0, in_unit="group"),
-            CkptParam("g_idx", i32, lambda n, k, g: (k,), in_dim=0, shared=True, optional=True, integer=True),
+            CkptParam("g_idx", i32, lambda n, k, g: (k,), in_dim=0, per_part=True, optional=True, integer=True),
         ]
     if qc.method == "awq":
         return [
@@ -76,7 +82,7 @@ def checkpoint_params(qc: QuantConfig) -> list[CkptParam]:
             params.append(CkptParam("weight_zero_point", i32, lambda n, k, g: (n // pf, g), out_dim=0, out_pack=pf,
                                     in_dim=1, in_unit="group", integer=True))
         if qc.desc_act:
-            params.append(CkptParam("weight_g_idx", i32, lambda n, k, g: (k,), in_dim=0, shared=True, integer=True))
+            params.append(CkptParam("weight_g_idx", i32, lambda n, k, g: (k,), in_dim=0, per_part=True, integer=True))
         return params
     if qc.method in ("compressed-tensors", "fp8") and not qc.online:
         fp8 = qc.method == "fp8" or qc.ct_format == "float-quantized"
@@ -137,7 +143,7 @@ def _make_param(layer: Any, spec: CkptParam, qc: QuantConfig, shard_ids: list[ob
 
 class ExpertSlot:
     """`MoEExperts.w13` or `.w2` seen as the linear layer one expert's part is (what the loaders and
-    `to_quant_weight` ask of a layer). w13: gate and up, output rows split over ranks; w2: down,
+    `to_quant_weights` ask of a layer). w13: gate and up, output rows split over ranks; w2: down,
     input columns split."""
 
     stacked = True
@@ -182,7 +188,7 @@ def add_expert_params(experts: Any, qc: QuantConfig) -> None:
 
 
 class _ExpertView:
-    """Expert e of a stacked slot, for `to_quant_weight`."""
+    """Expert e of a stacked slot, for `to_quant_weights`."""
 
     def __init__(self, slot: ExpertSlot, e: int) -> None:
         self.slot, self.e = slot, e
@@ -200,20 +206,24 @@ class _ExpertView:
         return view
 
 
-def stacked_expert_weights(experts: Any, qc: QuantConfig) -> tuple[QuantWeight, QuantWeight]:
-    """The loaded experts' (w13, w2) as canonical QuantWeights stacked [E, ...]; the checkpoint
-    tensors are removed."""
+def stacked_expert_weights(experts: Any, qc: QuantConfig) -> tuple[list[QuantWeight], list[QuantWeight]]:
+    """The loaded experts' (w13, w2) as canonical QuantWeights stacked [E, ...]: each one weight,
+    or w13 as [gate, up] stacked apart where some expert's gate and up act orders differ; the
+    checkpoint tensors are removed."""
     out = []
     for which in ("w13", "w2"):
         slot = ExpertSlot(experts, which)
         per_expert = []
         for e in range(experts.num_experts):
             try:
-                per_expert.append(to_quant_weight(_ExpertView(slot, e), qc))  # type: ignore[arg-type]
+                per_expert.append(to_quant_weights(_ExpertView(slot, e), qc))  # type: ignore[arg-type]
             except ValueError as err:
                 part = "gate/up" if which == "w13" else "down"
                 raise ValueError(f"experts.{e}.{part}_proj: {err}") from None
-        out.append(_stack(per_expert))
+        if any(len(ws) > 1 for ws in per_expert):  # every expert's parts apart, so they stack
+            rows = _part_rows(slot)  # type: ignore[arg-type]
+            per_expert = [ws if len(ws) > 1 else _split_rows(ws[0], rows, [ws[0].g_idx] * len(rows)) for ws in per_expert]
+        out.append([_stack([ws[i] for ws in per_expert]) for i in range(len(per_expert[0]))])
     for name in [n for n in experts._parameters if n.startswith(("w13", "w2"))]:
         delattr(experts, name)
     return out[0], out[1]
@@ -245,12 +255,12 @@ def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: 
         if not spec.integer and not loaded.is_floating_point():
             raise ValueError(f"{spec.name} is stored as {loaded.dtype}, expected a floating-point tensor")
         key, dst, t = shard_id, param.data, loaded
-        done = param.loaded_parts  # type: ignore[attr-defined]
         if getattr(layer, "stacked", False):  # an expert's part (e, part) of a stacked expert weight
             e, shard_id = cast(tuple[int, str], shard_id)
-            dst, done = dst[e], {p for ee, p in done if ee == e}
-        if spec.per_part:
+            dst = dst[e]
+        if spec.per_part:  # this part's row (a g_idx row is then cut to this rank's input columns below)
             dst = dst[layer.part_index(shard_id)]
+        if spec.per_part and spec.in_dim is None:
             t = t.reshape(dst.shape) if t.numel() == dst.numel() else t
         else:
             if spec.out_dim is not None:
@@ -275,8 +285,6 @@ def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: 
         if tuple(dst.shape) != tuple(t.shape):
             raise ValueError(f"{spec.name} has shape {tuple(loaded.shape)}, which does not fit {tuple(dst.shape)} "
                              f"({qc.describe()}; a wrong packing, group size or shard)")
-        if spec.shared and done and not torch.equal(dst, t.to(dst.dtype)):
-            raise ValueError(f"{spec.name} differs between the fused parts {sorted(map(str, done))} and {shard_id!r}")
         dst.copy_(t)
         param.loaded_parts.add(key)  # type: ignore[attr-defined]
 
@@ -311,9 +319,28 @@ def _expand_parts(layer: LinearBase, per_part: torch.Tensor) -> torch.Tensor:
     return torch.cat([per_part[i].reshape(1, 1).expand(n, 1) for i, n in enumerate(sizes)])
 
 
-def to_quant_weight(layer: LinearBase, qc: QuantConfig) -> QuantWeight:
+def _part_rows(layer: LinearBase) -> list[tuple[int, int]]:
+    """(first row in this rank's weight, rows) of each fused part, in ``layer.parts`` order."""
+    return [(d0, n) for d0, _, n in (layer.out_partition(s) for s in layer.parts or [None])]
+
+
+def _split_rows(w: QuantWeight, rows: list[tuple[int, int]], orders: list[torch.Tensor | None]) -> list[QuantWeight]:
+    """`w` cut into one weight per fused part (rows [d0, d0 + n) of it, output order), part i
+    with act order ``orders[i]``."""
+    def cut(t: torch.Tensor | None, d0: int, n: int) -> torch.Tensor | None:
+        return None if t is None else t.narrow(-2, d0, n).clone()
+
+    return [QuantWeight(w.kind, (n, w.in_features), cast(torch.Tensor, cut(w.qweight, d0, n)), bits=w.bits,
+                        scales=cut(w.scales, d0, n), zeros=cut(w.zeros, d0, n), group_size=w.group_size, g_idx=g,
+                        act=w.act, input_scale=w.input_scale, method=w.method)
+            for (d0, n), g in sorted(zip(rows, orders, strict=True), key=lambda r: r[0][0])]
+
+
+def to_quant_weights(layer: LinearBase, qc: QuantConfig) -> list[QuantWeight]:
     """The canonical `QuantWeight` of a loaded layer (its checkpoint tensors, or for an online
-    method its dense weight); raises ValueError when the tensors contradict each other."""
+    method its dense weight), or, for a fused layer whose parts' act orders differ, one per part
+    in output order (see the module docstring); raises ValueError when the tensors contradict
+    each other."""
     n, k = layer.out_local, layer.in_local
     gs = qc.group_size if qc.group_size > 0 else k
     get: Callable[[str], Any] = layer.get_parameter
@@ -337,19 +364,31 @@ def to_quant_weight(layer: LinearBase, qc: QuantConfig) -> QuantWeight:
             raise ValueError("g_idx is not in order but the config says desc_act: false")
         return g_idx.to(torch.int32).contiguous()  # under row parallelism it indexes every group (`_groups`)
 
+    def act_orders(param: Any) -> list[torch.Tensor | None]:  # [parts, K]: each part's g_idx (None: in order)
+        loaded = param.loaded_parts
+        return [act_order(param[i]) if s in loaded or None in loaded else None for i, s in enumerate(layer.parts or [None])]
+
     def weight(kind: str, qweight: torch.Tensor, **kw: Any) -> QuantWeight:
         return QuantWeight(kind, (n, k), qweight, group_size=gs, method=qc.method, act=qc.act, **kw)
+
+    def ordered(kind: str, qweight: torch.Tensor, orders: list[torch.Tensor | None], **kw: Any) -> list[QuantWeight]:
+        if all(g is None for g in orders):
+            return [weight(kind, qweight, **kw)]
+        natural = (torch.arange(k, device=qweight.device) // gs).to(torch.int32)
+        filled = [natural if g is None else g for g in orders]
+        if all(torch.equal(g, filled[0]) for g in filled[1:]):  # the fused parts agree: one weight, one g_idx
+            return [weight(kind, qweight, g_idx=filled[0], **kw)]
+        return _split_rows(weight(kind, qweight, **kw), _part_rows(layer), orders)
 
     if qc.method == "gptq":
         q = unpack_int32(get("qweight"), qc.bits, 0).T  # [N, K]
         z = unpack_int32(get("qzeros"), qc.bits, 1).T.float() + (1 if qc.gptq_v1_zeros else 0)  # [N, G]
-        g_param = get("g_idx")
-        g_idx = act_order(g_param) if g_param.loaded_parts else None  # type: ignore[attr-defined]
-        return weight("int", codes(q), bits=qc.bits, scales=get("scales").T.contiguous(), zeros=z.contiguous(), g_idx=g_idx)
+        return ordered("int", codes(q), act_orders(get("g_idx")), bits=qc.bits, scales=get("scales").T.contiguous(),
+                       zeros=z.contiguous())
     if qc.method == "awq":
         q = unpack_int32(get("qweight"), 4, 1, AWQ_ORDER).T
         z = unpack_int32(get("qzeros"), 4, 1, AWQ_ORDER).T.float()
-        return weight("int", codes(q), bits=4, scales=get("scales").T.contiguous(), zeros=z.contiguous())
+        return [weight("int", codes(q), bits=4, scales=get("scales").T.contiguous(), zeros=z.contiguous())]
     if qc.method == "compressed-tensors" and qc.ct_format == "pack-quantized":
         full_k = k * (getattr(layer, "tp_size", 1) if layer.in_partition() is not None else 1)
         for _, cols in get("weight_shape").tolist():
@@ -357,16 +396,16 @@ def to_quant_weight(layer: LinearBase, qc: QuantConfig) -> QuantWeight:
                 raise ValueError(f"weight_shape says {cols} input features, the model has {full_k}")
         q = unpack_int32(get("weight_packed"), qc.bits, 1)[:, :k]
         zp = unpack_int32(get("weight_zero_point"), qc.bits, 0)[:n].float().contiguous() if not qc.sym else None
-        order = act_order(get("weight_g_idx")) if qc.desc_act else None
-        return weight("int", codes(q), bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=zp, g_idx=order)
+        orders: list[torch.Tensor | None] = act_orders(get("weight_g_idx")) if qc.desc_act else [None]
+        return ordered("int", codes(q), orders, bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=zp)
     if qc.online:
-        return quantize_per_channel(layer.weight.detach(), qc.method, qc.act)  # type: ignore[union-attr]
+        return [quantize_per_channel(layer.weight.detach(), qc.method, qc.act)]  # type: ignore[union-attr]
     # compressed-tensors int/float-quantized, fp8
     w: torch.Tensor = get("weight")
     scale: torch.Tensor = get("weight_scale")
     scale = _expand_parts(layer, scale) if qc.strategy == "tensor" else scale
     input_scale = get("input_scale").max().reshape(1) if qc.act_static else None
     if w.dtype == torch.float8_e4m3fn:
-        return weight("fp8", w.detach(), scales=scale.contiguous(), input_scale=input_scale)
+        return [weight("fp8", w.detach(), scales=scale.contiguous(), input_scale=input_scale)]
     q = (w.detach().to(torch.int16) + 128).to(torch.uint8)
-    return weight("int", q, bits=8, scales=scale.contiguous(), input_scale=input_scale)
+    return [weight("int", q, bits=8, scales=scale.contiguous(), input_scale=input_scale)]

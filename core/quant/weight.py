@@ -23,17 +23,21 @@ scale from the token's absolute maximum, or ``input_scale`` where the checkpoint
 A platform may re-lay the tensors for its kernel in `ModelOps.prepare_quantized`, storing what it
 needs as further buffers (``packed_*``) or attributes; the canonical tensors it keeps stay valid
 so the reference can always run.
+
+A fused layer (q/k/v, gate/up) whose parts' act orders differ is a `QuantParts`: one
+`QuantWeight` per part, multiplied one after the other and concatenated along N (a single
+``g_idx`` over K cannot group rows that the checkpoint grouped differently).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["QuantWeight", "dequantize", "quantize_per_channel", "quantize_activation", "quantized_linear", "quantized_embedding", "FP8_MAX"]
+__all__ = ["QuantWeight", "QuantParts", "dequantize", "quantize_per_channel", "quantize_activation", "quantized_linear", "quantized_embedding", "FP8_MAX"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 KINDS = ("int", "fp8", "gguf")
@@ -101,6 +105,23 @@ class QuantWeight(nn.Module):
     def extra_repr(self) -> str:
         what = f"{self.kind}{self.bits}" if self.kind != "gguf" else f"gguf type {self.ggml_type}"
         return f"{self.method or what}, {what}, shape={self.shape}, group_size={self.group_size}, act={self.act}"
+
+
+class QuantParts(nn.ModuleList):
+    """A fused weight kept as its parts: `QuantWeight`s over consecutive output rows, in output
+    order (each prepared by the platform on its own). `LinearBase` and
+    `ModelOps.quantized_moe_experts` multiply by each part and concatenate the products."""
+
+    def weights(self) -> list[QuantWeight]:
+        return cast(list[QuantWeight], list(self))
+
+    @property
+    def out_features(self) -> int:
+        return sum(w.out_features for w in self.weights())
+
+    @property
+    def in_features(self) -> int:
+        return self.weights()[0].in_features
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

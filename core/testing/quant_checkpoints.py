@@ -8,7 +8,9 @@ layout, and writes `dst` (the quantized checkpoint, ``quantization_config`` in c
 ``dst/../<name>-oracle`` (dense fp32, the dequantized weights). Formats:
 
 - ``gptq``: AutoGPTQ/GPTQModel v1 packing (qweight [K/pf, N], qzeros = zero - 1 packed along N,
-  fp16 scales [G, N], g_idx [K]); ``desc_act`` assigns columns to groups out of order;
+  fp16 scales [G, N], g_idx [K]); ``desc_act`` assigns columns to groups out of order, each
+  projection by its own random permutation (``shared_act_order``: q/k/v, gate/up and an expert's
+  gate/up share one, the case of projections whose calibration inputs, hence Hessians, are equal);
 - ``awq``: AutoAWQ GEMM packing (qweight [K, N/8] in the interleaved nibble order, qzeros, scales);
 - ``ct-w4a16`` / ``ct-w8a16``: compressed-tensors ``pack-quantized`` through the library's own
   `pack_to_int32` (weight_packed, weight_scale, weight_zero_point when asymmetric, weight_shape);
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +122,17 @@ def _ct_pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bit
 def _group_index(k: int, group_size: int, desc_act: bool, seed: int) -> torch.Tensor:
     gs = group_size if group_size > 0 else k
     g_idx = torch.arange(k) // gs
-    if desc_act:  # act order: groups hold columns in a permuted order (GPTQ sorts by Hessian diagonal)
-        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(seed))]
+    if desc_act:  # act order: group j holds columns perm[j*gs:(j+1)*gs] (GPTQ's perm: the Hessian diagonal, descending)
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        g_idx = torch.empty_like(g_idx).scatter_(0, perm, g_idx)  # g_idx[perm] = arange // gs, as GPTQ's g_idx[invperm]
     return g_idx
+
+
+def _fused_with_first(module: str) -> str:
+    """The first projection fused with `module` in portside (q_proj for k/v, gate_proj for up, w1 for w3)."""
+    head, _, last = module.rpartition(".")
+    first = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}.get(last, last)
+    return f"{head}.{first}"
 
 
 def _fp8(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,8 +184,11 @@ def write_quantized(
     sym: bool = True,
     static: bool = False,
     seed: int = 0,
+    shared_act_order: bool = False,
 ) -> tuple[Path, Path]:
-    """Write `fmt`'s checkpoint of `src` at `dst` and its dequantized oracle; returns both."""
+    """Write `fmt`'s checkpoint of `src` at `dst` and its dequantized oracle; returns both.
+    `desc_act`: every projection's columns grouped in its own random order, unless
+    `shared_act_order` gives the projections portside fuses one order."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
     bits = {"awq": 4, "ct-w4a16": 4, "ct-w8a16": 8, "ct-w8a8": 8, "ct-fp8": 8, "fp8": 8}.get(fmt, bits)
@@ -210,10 +224,9 @@ def write_quantized(
             dense[name] = deq
             continue
         b = bits
-        # projections of the same input (q/k/v, gate/up) share GPTQ's column order, as the real tools give them
-        same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        order_of = _fused_with_first(module) if shared_act_order else module
         g_idx = _group_index(w.shape[1], group_size, desc_act and fmt in ("gptq", "ct-w4a16", "ct-w8a16"),
-                             seed + sum(map(ord, same_input)))
+                             seed + zlib.crc32(order_of.encode()))
         codes, scales, zeros = quantize_rtn(w, b, group_size, sym, g_idx, min_zero=1 if fmt == "gptq" else 0)
         dense[name] = (codes.float() - zeros[:, g_idx]) * scales[:, g_idx]
         if fmt == "gptq":

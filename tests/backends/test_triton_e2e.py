@@ -116,6 +116,29 @@ def test_online_quantized_model_through_triton_kernels(triton_plugin, tiny_gqa_m
     assert tokens == reference
 
 
+@pytest.mark.slow  # one engine under the interpreter
+def test_gptq_act_order_through_triton_kernels(triton_plugin, tiny_gqa_model: Path, tmp_path: Path) -> None:
+    """A GPTQ desc_act checkpoint whose fused projections have different column orders: each part
+    of q/k/v and gate/up goes through the Triton dequant GEMM with its own g_idx, and the greedy
+    tokens equal transformers' on the dequantized weights."""
+    from portside import LLM, SamplingParams
+    from portside.backends.triton.quant import TritonQuantLayout
+    from portside.testing.quant_checkpoints import write_quantized
+
+    q, oracle = write_quantized(tiny_gqa_model, tmp_path / "gptq", "gptq", bits=4, group_size=32, desc_act=True)
+    llm = LLM(model=str(q), device="triton-interp", max_model_len=64, block_size=16)
+    layer = llm.engine.executor.runner.model.model.layers[0]
+    for fused, parts in ((layer.self_attn.qkv_proj, 3), (layer.mlp.gate_up_proj, 2)):
+        assert len(fused.quant) == parts
+        for w in fused.quant:
+            assert w.g_idx is not None and isinstance(w.layout, TritonQuantLayout) and w.layout.path == "dequant"
+    prompts = [[1, 5, 9, 33, 70], list(range(3, 21))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 6), f"prompt of {len(prompt)} tokens"
+
+
 def test_lora_through_triton_kernels(triton_plugin, tiny_gqa_model: Path, tmp_path: Path) -> None:
     """Multi-LoRA (two adapters in one batch, one prompt prefilled in chunks) through the Triton
     shrink / expand kernels: greedy tokens equal transformers + peft with each adapter."""
