@@ -1,5 +1,6 @@
 """Qwen2.5-VL against transformers on a tiny random checkpoint: the torchvision-free image
-preprocessing (pixel for pixel), the vision tower's image features, the 3-D rope positions,
+preprocessing (pixel for pixel against both of transformers' image processors, and the one
+transformers picks chosen), the vision tower's image features, the 3-D rope positions,
 full-prompt logits with images and a decode step after them; checkpoint names of both
 transformers layouts; the vision tower on the first pipeline stage only."""
 
@@ -61,17 +62,40 @@ def _image(h: int, w: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
 # ---- preprocessing --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("h, w, mode", [(70, 100, "RGB"), (56, 56, "RGB"), (200, 90, "RGBA"), (33, 47, "L"),
-                                        (120, 130, "P"), (300, 30, "RGB"), (112, 84, "LA")])
-def test_preprocessing_equals_transformers(folder: Path, preprocessor_config: dict[str, Any], h: int, w: int,
-                                           mode: str) -> None:
+def _torchvision_works() -> bool:
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+    except Exception:  # not installed, or a build that does not load against this torch
+        return False
+    return True
+
+
+# "default": whichever image processor transformers picks here (its torchvision one where
+# torchvision is installed, else its PIL one), against portside's default
+BACKENDS = ["default", "pil", pytest.param("torchvision", marks=pytest.mark.skipif(
+    not _torchvision_works(), reason="transformers' torchvision image processor needs a working torchvision"))]
+
+
+def _hf_image_processor(folder: Path, backend: str, **overrides: Any) -> Any:
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(str(folder))
-    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    chosen = {} if backend == "default" else {"backend": backend}
+    return AutoImageProcessor.from_pretrained(str(folder), **chosen, **overrides)
+
+
+def _portside(image: Image.Image, config: dict[str, Any], backend: str) -> dict[str, torch.Tensor]:
+    return preprocess_qwen2_5_vl_image(image, config, None if backend == "default" else backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("h, w, mode", [(70, 100, "RGB"), (56, 56, "RGB"), (200, 90, "RGBA"), (33, 47, "L"),
+                                        (120, 130, "P"), (300, 30, "RGB"), (112, 84, "LA"), (400, 260, "RGB")])
+def test_preprocessing_equals_transformers(folder: Path, preprocessor_config: dict[str, Any], backend: str, h: int,
+                                           w: int, mode: str) -> None:
+    processor = _hf_image_processor(folder, backend)
     image = _image(h, w, mode, seed=h * w)
     ref = processor(images=[image], return_tensors="pt")
-    got = preprocess_qwen2_5_vl_image(image, preprocessor_config)
+    got = _portside(image, preprocessor_config, backend)
     assert got["pixel_values"].dtype == ref["pixel_values"].dtype == torch.float32
     assert torch.equal(got["image_grid_thw"], ref["image_grid_thw"])
     assert torch.equal(got["pixel_values"], ref["pixel_values"])
@@ -80,6 +104,54 @@ def test_preprocessing_equals_transformers(folder: Path, preprocessor_config: di
     side = preprocessor_config["patch_size"] * MERGE
     assert preprocessor_config["min_pixels"] <= int(grid[1] * grid[2]) * 14 * 14 <= preprocessor_config["max_pixels"]
     assert int(grid[1]) * 14 % side == 0 and int(grid[2]) * 14 % side == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("overrides", [{"resample": 2}, {"resample": 0}, {"do_rescale": False}, {"do_normalize": False},
+                                       {"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 100}])
+def test_preprocessing_options_equal_transformers(folder: Path, preprocessor_config: dict[str, Any], backend: str,
+                                                  overrides: dict[str, Any]) -> None:
+    """Resampling filters, rescale / normalise switched off, other pixel limits; several images in
+    one processor call (transformers resizes images of one size together)."""
+    processor = _hf_image_processor(folder, backend, **overrides)
+    images = [_image(h, w, mode, seed=i) for i, (h, w, mode) in enumerate(
+        [(70, 100, "RGB"), (300, 30, "RGBA"), (70, 100, "RGB"), (33, 47, "L"), (520, 410, "RGB")])]
+    ref = processor(images=images, return_tensors="pt")
+    got = [_portside(im, {**preprocessor_config, **overrides}, backend) for im in images]
+    assert torch.equal(torch.cat([g["image_grid_thw"] for g in got]), ref["image_grid_thw"])
+    assert torch.equal(torch.cat([g["pixel_values"] for g in got]), ref["pixel_values"].float())
+
+
+def test_images_are_resized_as_the_image_processor_transformers_picks(folder: Path, preprocessor_config: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' `AutoImageProcessor` (and `Qwen2_5_VLProcessor`, which needs torchvision)
+    resize with torchvision where it is installed, with PIL otherwise; the two differ on any image
+    that is resized, and the engine's processor follows the one transformers would use."""
+    import transformers.utils
+    from transformers import AutoConfig, AutoTokenizer
+
+    from portside.config import MultiModalConfig
+    from portside.multimodal.processor import MultiModalProcessor
+    from portside.multimodal.qwen_vl_preprocess import default_backend
+
+    image = _image(70, 100, seed=3)  # resized to 56 x 112
+    by_backend = {b: preprocess_qwen2_5_vl_image(image, preprocessor_config, b) for b in ("pil", "torchvision")}
+    assert not torch.equal(by_backend["pil"]["pixel_values"], by_backend["torchvision"]["pixel_values"])
+    for available, backend in ((False, "pil"), (True, "torchvision")):
+        monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda available=available: available)
+        assert default_backend() == backend
+        processor = MultiModalProcessor(folder, AutoConfig.from_pretrained(str(folder)),
+                                        AutoTokenizer.from_pretrained(str(folder)), MultiModalConfig())
+        data, n = processor.process_image(image)
+        assert torch.equal(data["pixel_values"], by_backend[backend]["pixel_values"]) and n == 8
+
+
+@pytest.mark.parametrize("resample", [1, 4, 5])  # lanczos, box, hamming
+def test_torchvision_preprocessing_refuses_other_filters(preprocessor_config: dict[str, Any], resample: int) -> None:
+    with pytest.raises(ValueError, match=f"resample={resample}"):
+        preprocess_qwen2_5_vl_image(_image(70, 100), {**preprocessor_config, "resample": resample}, "torchvision")
+    with pytest.raises(ValueError, match="image backend"):
+        preprocess_qwen2_5_vl_image(_image(70, 100), preprocessor_config, "cv2")
 
 
 # ---- the vision tower -----------------------------------------------------------------------

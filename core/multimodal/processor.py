@@ -5,11 +5,13 @@ the model sees (each image's placeholder expanded to its embedding rows) and one
 The prompt names each image with one placeholder, as the model's chat template writes it
 (LLaVA `<image>`, Qwen2.5-VL `<|image_pad|>` between `<|vision_start|>` and `<|vision_end|>`);
 the i-th placeholder is the i-th image. Each image goes through the folder's Hugging Face
-processor on its own (`AutoProcessor`, transformers' PIL image processors: no torchvision), which
-also says how many placeholder tokens it expands to; the prompt's placeholders are expanded
-here, so text and token-id prompts are treated alike and equal what the HF processor gives for
-the whole prompt. Qwen2.5-VL's images go through portside's own preprocessing
-(`qwen_vl_preprocess`): transformers' processor for it needs torchvision.
+processor on its own (`AutoProcessor`: the image processor transformers picks, its PIL one
+where torchvision is not installed), which also says how many placeholder tokens it expands
+to; the prompt's placeholders are expanded here, so text and token-id prompts are treated
+alike and equal what the HF processor gives for the whole prompt. Qwen2.5-VL's images go
+through portside's own preprocessing (`qwen_vl_preprocess`), as transformers' processor for it
+needs torchvision; it equals the image processor transformers picks in the same environment
+(torchvision's resize where torchvision is installed, PIL's otherwise).
 """
 
 from __future__ import annotations
@@ -71,11 +73,16 @@ class MultiModalProcessor:
         self.qwen_config: dict[str, Any] | None = None
         if getattr(hf_config, "model_type", "") in _QWEN_VL:
             # transformers' Qwen2.5-VL processor needs torchvision (its video half): portside's own
-            # image preprocessing, equal to transformers' PIL one (`qwen_vl_preprocess`)
+            # image preprocessing, equal to the image processor transformers picks here
+            # (`qwen_vl_preprocess`: its torchvision one when torchvision is installed, else its PIL one)
+            from portside.multimodal.qwen_vl_preprocess import default_backend
+
             config_file = Path(folder) / "preprocessor_config.json"
             if not config_file.is_file():
                 raise ValueError(f"{folder}: a vision-language model folder needs its preprocessor_config.json")
             self.qwen_config = json.loads(config_file.read_text())
+            self.qwen_backend = default_backend()
+            logger.info("Qwen2.5-VL images: resized as transformers' %s image processor does", self.qwen_backend)
             return
         try:
             self.hf_processor = AutoProcessor.from_pretrained(str(folder))
@@ -90,7 +97,7 @@ class MultiModalProcessor:
         if self.qwen_config is not None:
             from portside.multimodal.qwen_vl_preprocess import num_image_tokens, preprocess_qwen2_5_vl_image
 
-            data = preprocess_qwen2_5_vl_image(image, self.qwen_config)
+            data = preprocess_qwen2_5_vl_image(image, self.qwen_config, self.qwen_backend)
             return data, num_image_tokens(data["image_grid_thw"], int(self.qwen_config.get("merge_size", 2)))
         out = self.hf_processor(text=[self._probe], images=[image], return_tensors="pt")
         data = {k: out[k] for k in _IMAGE_KEYS if k in out}
