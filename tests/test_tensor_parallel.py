@@ -147,7 +147,7 @@ def test_worker_start_method(monkeypatch):
     environment when they start, but once a variable read on import changed since the fork
     server started (its forks would keep the old value), spawn."""
     from portside.backends.cpu.platform import CpuPlatform
-    from portside.engine import multiproc_executor as mpe
+    from portside.executor import multiproc as mpe
 
     class Accelerator(CpuPlatform):
         device_type = "cuda"

@@ -18,8 +18,8 @@ from typing import Any
 from portside.chat_template import render_chat
 from portside.engine.args import EngineArgs
 from portside.engine.detokenizer import IncrementalDetokenizer
-from portside.engine.executor import make_executor
 from portside.engine.output_processor import OutputProcessor, RequestGroup, SampleState
+from portside.executor import Executor, make_executor
 from portside.generation_config import generation_defaults
 from portside.lora.registry import LoRARegistry
 from portside.outputs import RequestOutput, SpecDecodeStats
@@ -68,7 +68,7 @@ class LLMEngine:
         self.reasoning_parser = _reasoning_parser(args.reasoning_parser, self.tokenizer)  # before the model loads: fail fast
         self.max_model_len = config.model.max_model_len
         self.task = config.model.task  # "generate" or "embed"
-        self.executor = make_executor(config, self.platform, self.eos_token_id)
+        self.executor: Executor = make_executor(config, self.platform, self.eos_token_id)
         block_size = config.cache.block_size
         assert block_size is not None
         try:
@@ -99,8 +99,8 @@ class LLMEngine:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
         self.num_blocks = num_blocks
-        # pipeline parallelism: scheduled steps kept in flight (oldest first), when the executor can
-        self.max_in_flight = config.parallel.pipeline_micro_batches if hasattr(self.executor, "submit") else 1
+        # pipeline parallelism: scheduled steps kept in flight (oldest first), as many as the executor takes
+        self.max_in_flight = self.executor.max_concurrent_batches
         self._batches: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = deque()
         self.scheduler = Scheduler(
             config.scheduler,
@@ -328,7 +328,7 @@ class LLMEngine:
             if not so.is_empty or so.finished_req_ids:
                 so.grammar = self._grammar_bitmask(so)
                 with self._failing_steps():
-                    self._batches.append((so, self._submit(so)))
+                    self._batches.append((so, self.executor.submit(so)))
                 if len(self._batches) < self.max_in_flight and not so.is_empty:
                     return []  # fill the pipeline before waiting on it
         if not self._batches:
@@ -339,15 +339,6 @@ class LLMEngine:
         with self._failing_steps():
             runner_output = result()
         return self._finish_step(so, runner_output)
-
-    def _submit(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """The executor's `submit` (the step goes to the workers now, its output is waited for
-        later); an executor without one runs the step now."""
-        submit = getattr(self.executor, "submit", None)
-        if submit is not None:
-            return submit(so)
-        out = self.executor.execute_model(so)
-        return lambda: out
 
     @contextlib.contextmanager
     def _failing_steps(self) -> Iterator[None]:
@@ -388,24 +379,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._batches)
 
     def check_health(self) -> None:
-        """RuntimeError when a worker process of the executor has exited: a step would fail, so
-        an idle engine reports it now (the async engine calls this while idle). Stops the
-        executor's remaining workers."""
-        import multiprocessing
-
-        own = getattr(self.executor, "check_health", None)
-        if own is not None:  # ranks that are not this process's children (Ray actors): the executor checks them
-            own()
-            return
-        pids = list(getattr(self.executor, "pids", ()))
-        if not pids:
-            return
-        alive = {p.pid for p in multiprocessing.active_children()}  # polls (reaps) exited children
-        dead = [pid for pid in pids if pid not in alive]
-        if dead:
-            self.executor.shutdown()
-            raise RuntimeError(f"worker process(es) {dead} of {len(pids)} exited while the engine was idle; "
-                               "the other workers were stopped")
+        """RuntimeError when a rank of the executor has died: a step would fail, so an idle engine
+        reports it now (the async engine calls this while idle). The executor has then stopped its
+        remaining ranks."""
+        self.executor.check_health()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

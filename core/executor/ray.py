@@ -23,28 +23,28 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from portside.backend_api import KVCacheSpec, Platform
 from portside.config import EngineConfig
+from portside.contract import Platform
 from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
 from portside.distributed.ray_cluster import bundle_resource, connect, disconnect, forwarded_env, import_ray, reserve
 from portside.distributed.ray_worker import RankPlace, RankSetup, RayWorker
-from portside.engine.multiproc_executor import WORKER_TIMEOUT_S
+from portside.executor.workers import GRACE_S, WORKER_TIMEOUT_S, WorkerExecutor, no_reply, protocol_error
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # how often a wait wakes up to check its deadline
-_GRACE_S = 1.0  # after a failure: how long to wait for the other ranks (to name the cause, not a consequence)
 _HEALTH_S = 2.0  # check_health: how long an idle actor may take to answer a ping
 _STOP_S = 5.0  # shutdown: how long the actors get to leave their process group before they are killed
 
 
-class RayExecutor:
+class RayExecutor(WorkerExecutor):
+    kind = "Ray"
+    workers = "Ray worker actors"
+
     def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None) -> None:
         self._ray = ray = import_ray()
-        self.world_size = config.parallel.world_size
-        self.output_rank = config.parallel.output_rank
-        self._error: RuntimeError | None = None
+        super().__init__(config)
         self._actors: list[Any] = []  # by rank once placed
         self._places: list[RankPlace] = []  # by rank
         self._state: dict[str, Any] = {"pg": None, "graceful": True}
@@ -53,15 +53,10 @@ class RayExecutor:
         # shutdown(). It must not reference self.
         self._finalizer = weakref.finalize(self, _release, ray, self._actors, self._state)
         try:
-            ready = self._start(config, platform, eos_token_id)
+            self._take_ready(self._start(config, platform, eos_token_id))
         except BaseException:
-            self._state["graceful"] = False
-            self.shutdown()
+            self._stop_ranks(graceful=False)
             raise
-        self.vocab_size: int = ready[0].vocab_size
-        self.weight_bytes: int = sum(r.weight_bytes for r in ready.values())
-        self.kv_cache_spec: KVCacheSpec = ready[0].kv_cache_spec  # per rank
-        self._num_blocks = min(r.num_blocks for r in ready.values())
 
     @property
     def places(self) -> list[RankPlace]:
@@ -69,17 +64,10 @@ class RayExecutor:
         local processes, and an actor's is on its node."""
         return list(self._places)
 
-    def determine_num_blocks(self) -> int:
-        """The smallest pool any rank can hold (every rank caches the same blocks)."""
-        return self._num_blocks
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._check()
         calls = {r: a.handle.remote(InitKVCache(num_blocks)) for r, a in enumerate(self._actors)}
         self._expect(self._wait(calls, "allocating its KV cache"), KVCacheReady, "allocating its KV cache")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(scheduler_output)()
 
     def submit(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Send a step to every actor now; the returned call waits for all of them and gives the
@@ -111,9 +99,10 @@ class RayExecutor:
         if failures:
             self._fail([], failures, calls)
 
-    def shutdown(self) -> None:
-        """Stop every actor (leave the process group, then kill), remove the placement group, and
-        disconnect from Ray if this executor connected; idempotent."""
+    def _stop_ranks(self, graceful: bool) -> None:
+        """Stop every actor (leave the process group unless a rank failed, then kill), remove the
+        placement group, and disconnect from Ray if this executor connected."""
+        self._state["graceful"] = self._state["graceful"] and graceful
         self._finalizer()
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -177,8 +166,7 @@ class RayExecutor:
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._fail([f"rank(s) {sorted(pending.values())} gave no reply within {WORKER_TIMEOUT_S:.0f} s "
-                                f"while {doing} (raise PORTSIDE_WORKER_TIMEOUT if that is expected)"], [], pending)
+                    self._fail([no_reply(pending.values(), doing)], [], pending)
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(_POLL_S, left))
                 for ref in ready:
                     rank = pending.pop(ref)
@@ -186,11 +174,8 @@ class RayExecutor:
                     if isinstance(reply, (WorkerError, _Died)):
                         self._fail([], [reply], pending)
                     got[rank] = reply
-        except (KeyboardInterrupt, SystemExit):
-            # Calls may still be running: the actors are out of step, so they go.
-            self._error = RuntimeError(f"interrupted while {doing}; the Ray worker actors were stopped")
-            self._state["graceful"] = False
-            self.shutdown()
+        except (KeyboardInterrupt, SystemExit):  # calls may still be running: the actors are out of step
+            self._interrupted(doing)
             raise
         return got
 
@@ -207,14 +192,8 @@ class RayExecutor:
     def _expect(self, replies: dict[int, Any], kind: type, doing: str) -> dict[int, Any]:
         for rank, reply in replies.items():
             if not isinstance(reply, kind):
-                self._fail([f"protocol error: rank {rank} sent {type(reply).__name__} while {doing}"], [], {})
+                self._fail([protocol_error(rank, reply, doing)], [], {})
         return replies
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if not self._finalizer.alive:
-            raise RuntimeError("the Ray executor has been shut down")
 
     def _label(self, rank: int) -> str:
         if rank >= len(self._places):
@@ -226,7 +205,7 @@ class RayExecutor:
         """Name the failed rank(s), their node and cause, kill every actor, and raise."""
         # The other ranks get a moment to fail too: one killed inside a collective makes its peers
         # raise, and the dead one is the cause.
-        grace_end = time.monotonic() + _GRACE_S
+        grace_end = time.monotonic() + GRACE_S
         while pending and time.monotonic() < grace_end:
             try:
                 ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=grace_end - time.monotonic())
@@ -241,16 +220,10 @@ class RayExecutor:
         causes = [f"{self._label(f.rank)} {f.cause}" for f in died]
         causes += [f"{self._label(f.rank)} raised {f.error}" for f in raised]
         if causes:  # a lost node's actors are declared dead only after Ray's health checks (seconds)
-            causes += [f"{self._label(rank)} gave no reply within {_GRACE_S:.0f} s (its process or node may be lost, "
+            causes += [f"{self._label(rank)} gave no reply within {GRACE_S:.0f} s (its process or node may be lost, "
                        "or it waits in a collective)" for rank in sorted(set(pending.values()))]
-        message = "Ray worker failed: " + "; then ".join(causes or reasons or ["unknown cause"])
-        for e in raised[: 0 if died else 1]:  # a death is the cause: the peers' errors are its echo
-            message += f"\n--- rank {e.rank} traceback ---\n{e.traceback}"
-        self._error = RuntimeError(message)
-        logger.error("%s", message)
-        self._state["graceful"] = False
-        self.shutdown()
-        raise self._error
+        # a death is the cause: the peers' errors are its echo, and their tracebacks are not shown
+        self._raise("Ray worker failed", causes or reasons, raised[0] if raised and not died else None)
 
 
 class _Died:

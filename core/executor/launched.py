@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from portside.backend_api import Platform
+import torch.distributed as dist
+
 from portside.config import EngineConfig
+from portside.contract import Platform
 from portside.distributed.env import LauncherEnv, init_process_group
 from portside.distributed.messages import InitKVCache, Shutdown, WorkerSetup
 from portside.distributed.worker import (
@@ -23,10 +25,11 @@ from portside.distributed.worker import (
     destroy_process_group_quietly,
     limit_threads,
 )
+from portside.executor.base import Executor
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
-class LaunchedExecutor:
+class LaunchedExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None, env: LauncherEnv) -> None:
         tp = config.parallel.tensor_parallel_size
         if env.world_size != tp:
@@ -54,8 +57,6 @@ class LaunchedExecutor:
             raise
 
     def determine_num_blocks(self) -> int:
-        import torch.distributed as dist
-
         gathered: list[Any] = [None] * self.world_size  # (blocks, weight bytes) of every rank
         mine = (self.worker.ready().num_blocks, self.worker.runner.weight_bytes)
         self._guard(lambda: dist.all_gather_object(gathered, mine, group=self._group))
@@ -74,6 +75,7 @@ class LaunchedExecutor:
         return self._guard(step)
 
     def shutdown(self) -> None:
+        """Tell the other ranks to exit (when they still listen) and leave the process group."""
         if self._closed:
             return
         self._closed = True

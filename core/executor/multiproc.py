@@ -34,26 +34,26 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, cast
 
-from portside.backend_api import KVCacheSpec, Platform
 from portside.config import EngineConfig
+from portside.contract import Platform
 from portside.distributed.env import free_port
 from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
 from portside.distributed.worker import run_pipe_worker
+from portside.executor.workers import GRACE_S, WORKER_TIMEOUT_S, WorkerExecutor, no_reply, protocol_error
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-# Longest wait for one reply (loading a shard, one step) while every worker is still alive.
-WORKER_TIMEOUT_S = float(os.environ.get("PORTSIDE_WORKER_TIMEOUT", "900"))
 _POLL_S = 0.5  # how often a wait wakes up to check deadlines
-_GRACE_S = 1.0  # after a failure: how long to wait for the other ranks' exits (to name the cause)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(WorkerExecutor):
+    kind = "tensor-parallel"
+    workers = "tensor-parallel workers"
+
     def __init__(self, config: EngineConfig, platform: type[Platform], eos_token_id: int | None) -> None:
-        self.world_size = world = config.parallel.world_size
-        self.output_rank = config.parallel.output_rank
-        self._error: RuntimeError | None = None
+        super().__init__(config)
+        world = self.world_size
         ctx = worker_context(platform)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._procs: list[BaseProcess] = []
@@ -76,26 +76,15 @@ class MultiprocExecutor:
             self._procs.append(proc)
             self._conns.append(parent)
         logger.info("started %d workers (TP %d x PP %d): pids %s", world, tp, world // tp, [p.pid for p in self._procs])
-        ready: dict[int, WorkerReady] = self._collect(range(world), WorkerReady, "loading its model shard")
-        self.vocab_size: int = ready[0].vocab_size
-        self.weight_bytes: int = sum(r.weight_bytes for r in ready.values())
-        self.kv_cache_spec: KVCacheSpec = ready[0].kv_cache_spec  # per rank
-        self._num_blocks = min(r.num_blocks for r in ready.values())
+        self._take_ready(self._collect(range(world), WorkerReady, "loading its model shard"))
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 
-    def determine_num_blocks(self) -> int:
-        """The smallest pool any rank can hold (every rank caches the same blocks)."""
-        return self._num_blocks
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(InitKVCache(num_blocks))
         self._collect(range(self.world_size), KVCacheReady, "allocating its KV cache")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(scheduler_output)()
 
     def submit(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Send a step to every rank now; the returned call waits for its output. Pipeline
@@ -104,8 +93,21 @@ class MultiprocExecutor:
         self._broadcast(scheduler_output)
         return lambda: self._collect([self.output_rank], ModelRunnerOutput, "running a step")[self.output_rank]
 
-    def shutdown(self) -> None:
-        """Stop every worker (Shutdown, then terminate, then kill); idempotent."""
+    def check_health(self) -> None:
+        """RuntimeError when a worker process exited while the engine was idle (a step would
+        fail); the other workers are stopped."""
+        pids = self.pids
+        if not pids:
+            return
+        alive = {p.pid for p in multiprocessing.active_children()}  # polls (reaps) exited children
+        dead = [pid for pid in pids if pid not in alive]
+        if dead:
+            self.shutdown()
+            raise RuntimeError(f"worker process(es) {dead} of {len(pids)} exited while the engine was idle; "
+                               "the other workers were stopped")
+
+    def _stop_ranks(self, graceful: bool) -> None:
+        """Shutdown to every worker, then terminate, then kill (see `_stop_workers`)."""
         self._finalizer()
 
     # ---- plumbing -----------------------------------------------------------------------------
@@ -125,9 +127,7 @@ class MultiprocExecutor:
         try:
             return self._collect_replies(ranks, kind, doing)
         except (KeyboardInterrupt, SystemExit):
-            # A reply may still be in flight: the pipes are out of step, so the workers go.
-            self._error = RuntimeError(f"interrupted while {doing}; the tensor-parallel workers were stopped")
-            self._finalizer()
+            self._interrupted(doing)
             raise
 
     def _collect_replies(self, ranks: Any, kind: type, doing: str) -> dict[int, Any]:
@@ -139,9 +139,7 @@ class MultiprocExecutor:
         while want - got.keys():
             left = deadline - time.monotonic()
             if left <= 0:
-                waiting = sorted(want - got.keys())
-                self._fail(f"rank(s) {waiting} gave no reply within {WORKER_TIMEOUT_S:.0f} s while {doing} "
-                           "(raise PORTSIDE_WORKER_TIMEOUT if that is expected)")
+                self._fail(no_reply(want - got.keys(), doing))
             ready = wait([*self._conns, *sentinels], timeout=min(_POLL_S, left))
             for obj in ready:
                 if isinstance(obj, int):  # a sentinel: that process exited
@@ -157,22 +155,16 @@ class MultiprocExecutor:
                 if isinstance(msg, WorkerError):
                     self._fail(None, first_error=msg)
                 if rank not in want or not isinstance(msg, kind):
-                    self._fail(f"protocol error: rank {rank} sent {type(msg).__name__} while {doing}")
+                    self._fail(protocol_error(rank, msg, doing))
                 got[rank] = msg
         return got
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if not self._finalizer.alive:
-            raise RuntimeError("the tensor-parallel executor has been shut down")
 
     def _fail(self, reason: str | None, first_error: WorkerError | None = None) -> NoReturn:
         """Name the failed rank and its cause, stop every worker, and raise."""
         errors = [first_error] if first_error else []
         # Give the other ranks a moment to exit or report: a rank killed inside a collective
         # makes its peers raise too, and the killed one is the cause.
-        grace_end = time.monotonic() + _GRACE_S
+        grace_end = time.monotonic() + GRACE_S
         while any(p.exitcode is None for p in self._procs) and time.monotonic() < grace_end:
             wait([p.sentinel for p in self._procs if p.exitcode is None], timeout=grace_end - time.monotonic())
         for conn in self._conns:
@@ -189,13 +181,7 @@ class MultiprocExecutor:
         causes += [f"rank {e.rank} raised {e.error}" for e in errors]
         if not causes and reason is not None:
             causes.append(reason)
-        message = "tensor-parallel worker failed: " + "; then ".join(causes or ["unknown cause"])
-        for e in errors[:1]:
-            message += f"\n--- rank {e.rank} traceback ---\n{e.traceback}"
-        self._error = RuntimeError(message)
-        logger.error("%s", message)
-        self._finalizer()
-        raise self._error
+        self._raise("tensor-parallel worker failed", causes, errors[0] if errors else None)
 
 
 # What every rank imports before it loads a model. No platform module: one could touch its device
