@@ -17,7 +17,7 @@ from typing import Any
 
 from stevedore import ExtensionManager, NamedExtensionManager
 
-from portside.backend_api import Availability, Platform
+from portside.contract import Availability, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _load_entry(name: str, package: str, register: Any) -> PlatformEntry:
     except Exception as e:
         return failed(f"importing {target} failed: {type(e).__name__}: {e}")
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
-        return failed(f"{target} is not a portside.backend_api.Platform subclass")
+        return failed(f"{target} is not a portside.contract.Platform subclass")
     platform_cls: type[Platform] = cls
     try:
         availability = platform_cls.is_available()

@@ -19,7 +19,7 @@ from portside.attention.reference import (
     paged_attention,
     write_kv,
 )
-from portside.backend_api import AttentionBackend, ForwardContext
+from portside.contract import AttentionBackend, ForwardContext
 from portside.testing.conformance.cases import (
     FEATURE_SETS,
     build_metadata,

@@ -43,7 +43,7 @@ def test_quick_run_writes_every_configuration(tmp_path: Path):
     assert set(result["summary"]) == {"base", "lora-0", "lora-1", "lora-4", "lora-16",
                                       "target_4_adapters_under_25pct_met"}
     assert all(r["best_tok_s"] > 0 for k, r in result["summary"].items() if k.startswith(("base", "lora")))
-    assert result["workload"]["graph_runners"]["lora"] == "portside.backend_api.EagerGraphRunner"
+    assert result["workload"]["graph_runners"]["lora"] == "portside.contract.graph.EagerGraphRunner"
     shares = result["lora_time_share"]
     assert shares["lora-16"]["apply_s"] > 0 and 0 < shares["lora-16"]["share"] < 1
     assert result["machine"]["cpu"] and result["machine"]["threads"] == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from portside.backend_api import DeviceInfo
+from portside.contract import DeviceInfo
 from portside.config import CacheConfig
 from portside.engine.args import EngineArgs
 from portside.kv_cache.budget import kv_cache_budget

@@ -70,11 +70,16 @@ def test_scheduler_and_kv_cache_are_pure_python(package):
     assert not bad, "\n".join(bad)
 
 
+def _within(mod: str, packages: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
 def test_backends_import_only_the_contract_and_shared_kernels():
-    """A backend imports portside.backend_api (and portside.backends.triton), never another
-    backend's module or core internals such as the scheduler. `portside.quant.weight` is part
-    of the contract: the canonical quantized layouts `ModelOps.prepare_quantized` receives."""
-    allowed_core = ("portside.backend_api", "portside.config", "portside.quant.weight", "portside.backends.triton")
+    """A backend imports portside.contract (and portside.backends.triton, and the config type),
+    never another backend's module or core internals such as the scheduler. The canonical
+    quantized layouts `ModelOps.prepare_quantized` receives (`QuantWeight` and its helpers) are
+    part of the contract and imported from it, not from `portside.quant`."""
+    allowed_core = ("portside.contract", "portside.config", "portside.backends.triton")
     bad = []
     for backend_dir in sorted(p for p in (ROOT / "backends").iterdir() if p.is_dir() and not p.name.startswith("_")):
         own = f"portside.backends.{backend_dir.name}"
@@ -82,10 +87,23 @@ def test_backends_import_only_the_contract_and_shared_kernels():
             for line, mod in _imports(path):
                 if not mod.startswith("portside"):
                     continue
-                if mod.startswith(own) or mod.startswith(allowed_core):
+                if _within(mod, (own, *allowed_core)):
                     continue
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_tree_does_not_import_the_deprecated_contract_module():
+    """`portside.backend_api` is only a shim for plugins written before `portside.contract`."""
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {mod}"
+        for folder in ("core", "backends")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if p != ROOT / "core" / "backend_api.py"
+        for line, mod in _imports(p)
+        if _within(mod, ("portside.backend_api",))
+    ]
+    assert not bad, "import portside.contract instead:\n" + "\n".join(bad)
 
 
 def test_import_portside_is_cheap():

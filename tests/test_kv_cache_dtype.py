@@ -1,6 +1,6 @@
 """`--kv-cache-dtype`: 8-bit KV caches (fp8_e4m3, fp8_e5m2, int8).
 
-The formats are core's (`portside.backend_api.quantize_kv`); the cpu backend's torch path and
+The formats are core's (`portside.contract.quantize_kv`); the cpu backend's torch path and
 native C kernels store them bit for bit as the reference does and attend over them within fp32
 tolerances of the reference's attention over its own 8-bit cache. Against attention over the
 exact values an 8-bit cache is within `KV_CACHE_TOLERANCES`. End to end: a tiny Llama with a
@@ -20,7 +20,7 @@ import torch
 from tolerances import KV_CACHE_TOLERANCES, KV_ROUND_TRIP, TOLERANCES, kv_round_trip_bound  # tests/ is on sys.path
 
 from portside.attention import reference
-from portside.backend_api import (
+from portside.contract import (
     AttentionBackend,
     Availability,
     DeviceInfo,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
-from portside.backend_api import LoRAMapping, ModelOps
+from portside.contract import LoRAMapping, ModelOps
 from portside.ops.lora import lora_expand, lora_shrink
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from portside.attention.reference import ReferenceAttentionBackend
-from portside.backend_api import Communicator, KVCacheSpec
+from portside.contract import Communicator, KVCacheSpec
 from portside.config import ModelConfig
 from portside.model.args import ModelArgs, RopeScaling
 from portside.model.registry import load_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portside.backend_api import ModelOps
+from portside.contract import ModelOps
 from portside.ops.moe import ACTIVATIONS, SCORING, moe_experts, select_experts
 
 T, HIDDEN, INTER = 6, 16, 12

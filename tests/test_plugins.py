@@ -175,7 +175,7 @@ def test_nothing_in_portside_names_the_example_plugin() -> None:
 # ---- broken plugins ---------------------------------------------------------------------------
 
 GOOD_PLATFORM = '''
-from portside.backend_api import Availability, DeviceInfo, Platform
+from portside.contract import Availability, DeviceInfo, Platform
 from portside.attention.reference import ReferenceAttentionBackend
 
 class DupPlatform(Platform):
@@ -215,7 +215,7 @@ EXPECTED_REASON = {
     "broken-import": "import failed: RuntimeError: boom at import",
     "broken-register": "register() raised RuntimeError: boom at register",
     "broken-type": "register() returned 42",
-    "broken-class": "is not a portside.backend_api.Platform subclass",
+    "broken-class": "is not a portside.contract.Platform subclass",
     "broken-probe": "probe raised RuntimeError: boom at probe",
     "broken-probe-type": "is_available() returned True, not an Availability",
 }

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from portside.attention.reference import ReferenceAttentionBackend, encoder_attention
-from portside.backend_api import ForwardContext
+from portside.contract import ForwardContext
 from portside.config import ModelConfig
 from portside.model.registry import load_model
 from portside.multimodal.inputs import MultiModalFeature, PlaceholderRange, content_hash

@@ -108,7 +108,7 @@ def matmul_gflops() -> dict[str, float]:
 def read_bandwidth_huge_pages(mib: int = 1024) -> float:
     """GB/s of a sum over `mib` MiB of huge pages (`host_zeros`), best of 5. Re-measured after
     every peer: on a VM the memory bandwidth it is given moves during a run."""
-    from portside.backend_api import host_zeros
+    from portside.contract import host_zeros
 
     h = host_zeros(mib * 2**20).view(torch.float32)
     h.fill_(1.0)

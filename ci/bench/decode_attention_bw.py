@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from portside.backend_api import AttentionMetadata
+from portside.contract import AttentionMetadata
 
 # Peak HBM bandwidth, GB/s, by a substring of the device name (vendor data sheets).
 PEAK_GBS = {"H200": 4800, "H100 SXM": 3350, "H100": 2000, "A100-SXM4-80GB": 2039, "A100": 1555, "L40S": 864,
@@ -69,7 +69,7 @@ CPU_DTYPES = {"auto": torch.float32, "int8": torch.int8, "fp8_e4m3": torch.float
 
 def _cpu_case(batch: int, ctx: int, heads: int, kv_heads: int, head: int, block: int, kv_dtype: str, layers: int):
     """(one round: a decode call over each of `layers` caches of this dtype, KV bytes one call reads)."""
-    from portside.backend_api import kv_row_bytes
+    from portside.contract import kv_row_bytes
     from portside.backends.cpu import kernels
     from portside.backends.cpu.attention import NativeAttentionBackend
 

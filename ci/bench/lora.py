@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from portside.backend_api import LoRAMapping, ModelOps
+from portside.contract import LoRAMapping, ModelOps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, RANK, SLOTS = 2048, 16, 16

@@ -8,7 +8,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from portside.backend_api import Platform
+from portside.contract import Platform
 
 
 def dist_timeout_s() -> float:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from portside.backend_api import KVCacheSpec
 from portside.config import EngineConfig
+from portside.contract import KVCacheSpec
 
 
 @dataclass(frozen=True)

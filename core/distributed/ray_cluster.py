@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import Any
 
-from portside.backend_api import Platform
+from portside.contract import Platform
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from portside.backend_api import Platform
 from portside.config import EngineConfig
+from portside.contract import Platform
 from portside.distributed.env import free_port, init_process_group
 from portside.distributed.messages import Shutdown, WorkerError, WorkerReady
 from portside.distributed.worker import Worker, destroy_process_group_quietly

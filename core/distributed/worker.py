@@ -20,8 +20,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from portside.backend_api import Platform
 from portside.config import EngineConfig
+from portside.contract import Platform
 from portside.distributed.env import destroy_process_group, init_process_group, launcher_env
 from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady, WorkerSetup
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput

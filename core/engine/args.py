@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from portside.backend_api import Platform
 from portside.config import (
     CacheConfig,
     EngineConfig,
@@ -25,6 +24,7 @@ from portside.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from portside.contract import Platform
 from portside.engine.unsupported_args import add_unsupported_args
 from portside.spec_decode.config import SpeculativeConfig
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduler side of the tree stays free of torch and the config module
-    from portside.backend_api import DeviceInfo
     from portside.config import CacheConfig
+    from portside.contract import DeviceInfo
 
 GiB = 2**30
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portside.backend_api import Communicator, ForwardContext, KVCacheSpec, ModelOps, SingleRankCommunicator
+from portside.contract import Communicator, ForwardContext, KVCacheSpec, ModelOps, SingleRankCommunicator
 from portside.model.args import ModelArgs
 from portside.model.layers import (
     MergedColumnParallelLinear,
@@ -333,7 +333,7 @@ class DecoderForCausalLM(nn.Module):
             h = self.post_attention(i, h, o)
         return self.final_norm(h)
 
-    # ---- portside.backend_api.PiecewiseModel: the model cut at its attention calls ----------
+    # ---- portside.contract.PiecewiseModel: the model cut at its attention calls ----------
 
     @property
     def num_layers(self) -> int:

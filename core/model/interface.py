@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 from torch import nn
 
-from portside.backend_api import EncoderAttention, ForwardContext, KVCacheSpec
+from portside.contract import EncoderAttention, ForwardContext, KVCacheSpec
 from portside.model.args import ModelArgs
 from portside.multimodal.inputs import MultiModalFeature
 

@@ -2,7 +2,7 @@
 
 Every parameter carries a ``weight_loader(param, full_tensor, shard_id=None)`` that receives the
 *full* checkpoint tensor and copies only this rank's slice, so no rank keeps the whole model.
-Collectives go through a `portside.backend_api.Communicator`.
+Collectives go through a `portside.contract.Communicator`.
 
 Sharding (rank r of n):
 - `ColumnParallelLinear` / `MergedColumnParallelLinear` / `QKVParallelLinear`: output rows split
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portside.backend_api import Communicator, SingleRankCommunicator
+from portside.contract import Communicator, SingleRankCommunicator
 
 __all__ = [
     "LinearBase",

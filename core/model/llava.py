@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from portside.backend_api import Communicator, EncoderAttention, ModelOps
+from portside.contract import Communicator, EncoderAttention, ModelOps
 from portside.model.args import ModelArgs
 from portside.model.decoder import DecoderForCausalLM, PipelineStage
 from portside.model.vision.clip import VisionTransformer, hidden_state_indices, vision_activation

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from portside.backend_api import Communicator, ModelOps
+from portside.contract import Communicator, ModelOps
 from portside.model.layers import ReplicatedLinear, _copy, _divide, _param
 
 __all__ = ["MoEExperts", "SparseMoEBlock"]

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from portside.backend_api import Communicator, EncoderAttention, ModelOps
+from portside.contract import Communicator, EncoderAttention, ModelOps
 from portside.model.args import ModelArgs
 from portside.model.decoder import DecoderForCausalLM, PipelineStage
 from portside.model.vision.qwen2_5_vit import Qwen2_5_VisionTransformer

@@ -10,10 +10,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from portside.backend_api import Communicator, ModelOps, SingleRankCommunicator
 from portside.config import ModelConfig
+from portside.contract import Communicator, ModelOps, SingleRankCommunicator
 from portside.model.args import ModelArgs
+from portside.model.decoder import pipeline_stages
+from portside.model.gguf_loader import resolve_model_path
 from portside.model.interface import CausalLM
+from portside.model.loader import load_checkpoint
+from portside.quant.apply import finalize_quantized, prepare_model_for_format
 
 __all__ = ["Architecture", "SUPPORTED_ARCHITECTURES", "format_architectures", "CausalLM", "model_class", "read_model_args", "load_model"]
 
@@ -23,7 +27,7 @@ class Architecture:
 
     module: str
     cls: str
-    needs: tuple[str, ...] = ()  # attention features (backend_api.ATTENTION_FEATURES) and "moe"
+    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES) and "moe"
     may_need: tuple[str, ...] = ("sliding_window",)  # only where a checkpoint's config asks for it
 
 
@@ -101,9 +105,6 @@ def load_model(
     Parameters are allocated uninitialised on the device and filled straight from the
     checkpoint, so no full-model copy is made.
     """
-    from portside.model.gguf_loader import resolve_model_path
-    from portside.model.loader import load_checkpoint
-
     folder = resolve_model_path(model_config.path)
     args = read_model_args(folder, model_config.max_model_len)
     cls = model_class(args.architecture)
@@ -111,20 +112,14 @@ def load_model(
     qc = model_config.quantization
     stage = None
     if pp_size > 1:
-        from portside.model.decoder import pipeline_stages
-
         stage = pipeline_stages(args.num_layers, pp_size, pipeline_layers)[pp_rank]
     with torch.device(device):
         model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops,
                     **({"stage": stage} if stage is not None else {}))
         if qc is not None:  # the format's checkpoint tensors, on the device too
-            from portside.quant.apply import prepare_model_for_format
-
             prepare_model_for_format(model, qc, ops)
     load_checkpoint(model, folder)
     if qc is not None:
-        from portside.quant.apply import finalize_quantized
-
         try:
             finalize_quantized(model, qc, ops)
         except ValueError as e:

@@ -9,10 +9,12 @@ import logging
 
 from torch import nn
 
-from portside.backend_api import ModelOps
+from portside.contract import ModelOps
 from portside.model.layers import LinearBase
+from portside.model.moe import MoEExperts
 from portside.quant.config import QuantConfig
 from portside.quant.formats import add_checkpoint_params, add_expert_params, stacked_expert_weights, to_quant_weights
+from portside.quant.gguf import finalize_gguf_model, prepare_gguf_model
 from portside.quant.weight import QuantParts, QuantWeight, quantize_per_channel
 
 __all__ = ["prepare_model_for_format", "finalize_quantized", "weight_bytes"]
@@ -31,11 +33,7 @@ def _hf_names(name: str) -> list[str]:
 def prepare_model_for_format(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None:
     """Give every quantized linear layer of `model` its checkpoint tensors (`formats`); layers
     the format leaves in full precision (ignore lists, lm_head, MoE routers) keep theirs."""
-    from portside.model.moe import MoEExperts
-
     if qc.method == "gguf":
-        from portside.quant.gguf import prepare_gguf_model
-
         prepare_gguf_model(model, qc, ops)
         return
     for name, module in model.named_modules():
@@ -59,11 +57,7 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
     """Convert every loaded quantized layer to a `QuantWeight` the platform has prepared (a fused
     one whose parts' act orders differ: a `QuantParts`), and (online methods) quantize the
     experts of MoE layers. Raises ValueError naming the layer."""
-    from portside.model.moe import MoEExperts
-
     if qc.method == "gguf":
-        from portside.quant.gguf import finalize_gguf_model
-
         finalize_gguf_model(model, qc, ops)
         return
     split = 0

@@ -27,19 +27,17 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
 
-from portside.backend_api import ModelOps
+from portside.contract import ModelOps
 from portside.model.layers import LinearBase, VocabParallelEmbedding, default_weight_loader
+from portside.model.moe import MoEExperts
 from portside.quant.config import QuantConfig
 from portside.quant.gguf_blocks import block_shape, dequantize_blocks, row_bytes, type_from_name, type_name
 from portside.quant.weight import QuantWeight
-
-if TYPE_CHECKING:
-    from portside.model.moe import MoEExperts
 
 __all__ = ["dequantize_blocks", "GGUFPart", "GGUFSplitLinear", "gguf_parts", "prepare_gguf_model", "finalize_gguf_model"]
 
@@ -289,8 +287,6 @@ def _dequantizing(loader: Callable[..., None], parts: dict[object, GGUFPart]) ->
 def prepare_gguf_model(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None:
     """Give every layer a quantized checkpoint tensor fills its uint8 parameter (see the module
     docstring). Raises ValueError naming a tensor that cannot be placed or split."""
-    from portside.model.moe import MoEExperts
-
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)  # type: ignore[union-attr]
@@ -366,8 +362,6 @@ def _finalize_linear(name: str, layer: LinearBase, ops: ModelOps) -> tuple[str, 
 
 def finalize_gguf_model(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None:
     """Turn every loaded uint8 parameter into a prepared `QuantWeight` (see the module docstring)."""
-    from portside.model.moe import MoEExperts
-
     replaced: list[tuple[str, nn.Module]] = []
     types: Counter[str] = Counter()
     embed_quant: dict[int, nn.Module] = {}

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from portside.quant.gguf_blocks import dequantize_blocks
+
 __all__ = ["QuantWeight", "QuantParts", "dequantize", "quantize_per_channel", "quantize_activation", "quantized_linear", "quantized_embedding", "FP8_MAX"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -144,8 +146,6 @@ def _group_index(w: QuantWeight, device: torch.device) -> torch.Tensor:
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dense weight [.., N, K] in `dtype` (computed in fp32)."""
     if w.kind == "gguf":
-        from portside.quant.gguf import dequantize_blocks
-
         assert w.ggml_type is not None
         return dequantize_blocks(w.qweight, w.ggml_type, w.in_features).to(dtype)
     assert w.scales is not None

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from portside.backend_api import (
+from portside.config import EngineConfig
+from portside.contract import (
     AttentionMetadata,
     Communicator,
     EagerGraphRunner,
@@ -25,7 +26,6 @@ from portside.backend_api import (
     kv_cache_dtype_name,
     kv_cache_torch_dtype,
 )
-from portside.config import EngineConfig
 from portside.kv_cache.budget import kv_cache_budget
 from portside.model.interface import is_multimodal
 from portside.multimodal.inputs import MultiModalFeature

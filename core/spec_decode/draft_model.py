@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from portside.backend_api import ForwardContext, KVCacheSpec, Platform
+from portside.contract import ForwardContext, KVCacheSpec, Platform
 
 if TYPE_CHECKING:
     from portside.config import EngineConfig

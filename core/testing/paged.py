@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, ForwardContext
+from portside.contract import AttentionBackend, AttentionMetadata, ForwardContext
 
 __all__ = ["single_sequence_metadata", "PagedSequence"]
 

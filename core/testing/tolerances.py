@@ -8,7 +8,7 @@ difference is the inputs' and outputs' rounding).
 over a cache of that dtype against attention over the exact values (measured on the conformance
 kit's shapes with N(0, 1) keys and values: max abs error 0.18 e4m3, 0.32 e5m2, 0.031 int8, mostly
 at short sequences, where an output is one or two quantized values), and the kit allows the same
-between a backend's 8-bit attention and the reference's (`portside.backend_api.quantize_kv`
+between a backend's 8-bit attention and the reference's (`portside.contract.quantize_kv`
 formats); `KV_ROUND_TRIP` bounds one stored element (one quantization step: an implementation
 may round differently from the reference).
 

@@ -22,7 +22,7 @@ import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 from portside.attention import reference
-from portside.backend_api import AttentionBackend, AttentionMetadata, ForwardContext
+from portside.contract import AttentionBackend, AttentionMetadata, ForwardContext
 from portside.backends.cpu import kernels
 from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.ipex_attention import ipex_unavailable_reason

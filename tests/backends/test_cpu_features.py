@@ -22,7 +22,7 @@ from test_cpu_attention import Case, make_case  # tests/backends is on sys.path 
 from tolerances import assert_close
 
 from portside.attention import reference
-from portside.backend_api import AttentionBackend, ForwardContext
+from portside.contract import AttentionBackend, ForwardContext
 from portside.backends.cpu import kernels, native_ops
 from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.ipex_attention import IpexAttentionBackend

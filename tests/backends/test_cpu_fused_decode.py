@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from portside import LLM, SamplingParams
-from portside.backend_api import ForwardContext
+from portside.contract import ForwardContext
 from portside.config import ModelConfig
 from portside.model.registry import load_model
 from portside.testing.paged import single_sequence_metadata

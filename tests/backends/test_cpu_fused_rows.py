@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from portside import LLM, SamplingParams
-from portside.backend_api import ForwardContext
+from portside.contract import ForwardContext
 from portside.config import ModelConfig
 from portside.model.registry import load_model
 from portside.testing.paged import single_sequence_metadata
@@ -180,7 +180,7 @@ def test_which_steps_the_rows_step_covers(tiny_llama):
                       dtype=torch.int8) for _ in range(spec.num_layers)]  # fmt: skip
     assert not covered(10, 5, q8)
     # two sequences of 3 rows each: no one-sequence plan
-    from portside.backend_api import AttentionMetadata
+    from portside.contract import AttentionMetadata
 
     md = AttentionMetadata(
         slot_mapping=torch.arange(6, dtype=torch.int64) + 40, query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32),

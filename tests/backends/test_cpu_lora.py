@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from portside.backend_api import LoRAMapping, ModelOps
+from portside.contract import LoRAMapping, ModelOps
 from portside.backends.cpu.moe import CpuModelOps
 from portside.ops import lora as ref
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from portside.backend_api import HUGE_PAGE, host_zeros
+from portside.contract import HUGE_PAGE, host_zeros
 from portside.backends.cpu.weights import ALIGN, pack_weights
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from portside.backend_api import (
+from portside.contract import (
     AttentionMetadata,
     ForwardContext,
     GraphCaptureSupport,

@@ -18,7 +18,7 @@ import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 from portside.attention import reference
-from portside.backend_api import AttentionMetadata, ForwardContext
+from portside.contract import AttentionMetadata, ForwardContext
 
 triton = pytest.importorskip("triton")
 
@@ -285,7 +285,7 @@ def hide_outside_window(batch: Batch, window: int) -> None:
 
 
 def test_backend_declares_every_feature() -> None:
-    from portside.backend_api import ATTENTION_FEATURES
+    from portside.contract import ATTENTION_FEATURES
 
     assert TritonAttentionBackend.features == frozenset(ATTENTION_FEATURES)  # no slow fallback, graphs work
 
@@ -411,7 +411,7 @@ def fp8_batch(batch: Batch, cache_dtype: torch.dtype) -> Batch:
     """`batch` over an fp8 cache holding its prefixes as `quantize_kv` stores them. Its empty
     slots become fp8 NaN bytes (0x7f), which the kernel decodes to NaN (e5m2) or 480 (e4m3): read,
     either shows."""
-    from portside.backend_api import quantize_kv
+    from portside.contract import quantize_kv
 
     cache = quantize_kv(batch.kv_cache.cpu(), cache_dtype).to(batch.kv_cache.device)
     return Batch(batch.query, batch.key, batch.value, cache, batch.metadata)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
-from portside.backend_api import LoRAMapping
+from portside.contract import LoRAMapping
 from portside.ops import lora as ref
 
 triton = pytest.importorskip("triton")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
-from portside.backend_api import ModelOps
+from portside.contract import ModelOps
 from portside.ops.moe import moe_experts, select_experts
 
 triton = pytest.importorskip("triton")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
-from portside.backend_api import ModelOps
+from portside.contract import ModelOps
 from portside.quant.weight import QuantWeight, pack_int4, quantize_activation, quantize_per_channel, quantized_linear
 
 triton = pytest.importorskip("triton")

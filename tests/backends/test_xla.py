@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portside.backend_api import AttentionMetadata
+from portside.contract import AttentionMetadata
 from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets, powers_of_two
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -185,7 +185,7 @@ def _check_attention(xla_device, num_heads, num_kv_heads, head_size, block_size,
     a cached prefix and a whole prefill; history written first, then the step's tokens by
     `ForwardContext.attention` (with the layer's `features`), against core's reference."""
     from portside.attention import reference
-    from portside.backend_api import ForwardContext
+    from portside.contract import ForwardContext
 
     g = torch.Generator().manual_seed(num_heads * 100 + head_size)
     query_lens = [1, 1, 1, 5, 9]
@@ -275,7 +275,7 @@ PADDED_FEATURES = {"sliding_window": 3, "logit_softcap": 2.0}
 def test_attention_padded_batch_matches_unpadded(xla_device, shape, features):
     """The graph runner's padding (extra tokens at slot -1, extra empty requests, wider block
     tables) leaves the real rows' output unchanged, and every padding row finite."""
-    from portside.backend_api import ForwardContext
+    from portside.contract import ForwardContext
     from portside.backends.xla.graph import _pad_inputs
 
     g = torch.Generator().manual_seed(7)

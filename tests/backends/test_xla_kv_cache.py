@@ -35,7 +35,7 @@ def clear_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fp8_cache_through_the_bucketed_graphs(clear_llama, kv):
     from portside import LLM, SamplingParams
     from portside.attention.reference import ReferenceAttentionBackend
-    from portside.backend_api import kv_cache_torch_dtype
+    from portside.contract import kv_cache_torch_dtype
     from portside.backends.xla.platform import XlaPlatform
     from portside.config import ModelConfig
     from portside.model.registry import load_model

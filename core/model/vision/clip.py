@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portside.backend_api import EncoderAttention
+from portside.contract import EncoderAttention
 
 __all__ = ["VisionTransformer", "vision_activation", "hidden_state_indices"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from portside.backend_api import EncoderAttention
+from portside.contract import EncoderAttention
 from portside.model.decoder import activation
 from portside.model.layers import RMSNorm
 from portside.model.rotary import apply_rotary

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from portside.backend_api import AttentionMetadata, Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
 from portside.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from portside.contract import AttentionMetadata, Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
 
 Request = tuple[int, int]  # (num_cached, num_new)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portside.backend_api import Platform
+from portside.contract import Platform
 from portside.platform import PlatformEntry, discover_platforms
 
 DEVICE_ENV = "PORTSIDE_CONFORMANCE_DEVICE"

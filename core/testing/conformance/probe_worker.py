@@ -65,10 +65,10 @@ def probe(entry_point: str) -> dict:
     before = set(sys.modules)
     cls = getattr(importlib.import_module(module), attr)
     report["import_heavy"] = _heavy(before)
-    from portside.backend_api import Availability, Platform
+    from portside.contract import Availability, Platform
 
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
-        return {**report, "error": f"{target} is {cls!r}, not a portside.backend_api.Platform subclass"}
+        return {**report, "error": f"{target} is {cls!r}, not a portside.contract.Platform subclass"}
     platform_cls: type[Platform] = cls
     report["name"] = getattr(cls, "name", None)
     before = set(sys.modules)

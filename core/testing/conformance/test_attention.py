@@ -24,7 +24,7 @@ import torch
 from portside.attention.reference import cache_shape as reference_cache_shape
 from portside.attention.reference import paged_attention
 from portside.attention.reference import write_kv as reference_write_kv
-from portside.backend_api import ATTENTION_FEATURES, KV_CACHE_DTYPES, AttentionBackend, ForwardContext, Platform
+from portside.contract import ATTENTION_FEATURES, KV_CACHE_DTYPES, AttentionBackend, ForwardContext, Platform
 from portside.platform import discover_platforms
 from portside.testing.conformance.cases import (
     FEATURE_SETS,

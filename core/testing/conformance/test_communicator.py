@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from portside.backend_api import Platform
+from portside.contract import Platform
 from portside.testing.conformance.cases import contract_failure
 
 

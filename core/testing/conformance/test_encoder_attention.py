@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from portside.attention.reference import encoder_attention
-from portside.backend_api import Platform
+from portside.contract import Platform
 from portside.testing.conformance.cases import contract_failure, engine_config
 from portside.testing.tolerances import TOLERANCES
 

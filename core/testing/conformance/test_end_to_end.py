@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from portside.backend_api import Platform
+from portside.contract import Platform
 from portside.testing.conformance.cases import contract_failure
 
 PROMPTS = ([5, 17, 250, 31, 99, 8, 120, 64, 300, 2, 45, 77, 1, 390, 12, 13, 14, 200, 201, 6, 7, 333, 42],

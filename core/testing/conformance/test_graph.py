@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from portside.backend_api import EagerGraphRunner, ForwardContext, Platform
+from portside.contract import EagerGraphRunner, ForwardContext, Platform
 from portside.testing.conformance.cases import build_metadata, contract_failure, engine_config
 
 NUM_REQS = 11

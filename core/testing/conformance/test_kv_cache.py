@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from portside.backend_api import Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
+from portside.contract import Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
 from portside.testing.conformance.cases import contract_failure, engine_config
 from portside.testing.tolerances import kv_round_trip_bound
 

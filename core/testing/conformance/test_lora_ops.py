@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portside.backend_api import LoRAMapping, ModelOps, Platform
+from portside.contract import LoRAMapping, ModelOps, Platform
 from portside.ops.lora import lora_expand, lora_shrink
 from portside.testing.conformance.cases import contract_failure, engine_config
 from portside.testing.tolerances import TOLERANCES

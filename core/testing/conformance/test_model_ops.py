@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portside.backend_api import ModelOps, Platform
+from portside.contract import ModelOps, Platform
 from portside.ops.moe import ACTIVATIONS, SCORING, moe_experts, select_experts
 from portside.testing.conformance.cases import contract_failure, engine_config
 from portside.testing.tolerances import TOLERANCES

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from portside.backend_api import Platform
+from portside.contract import Platform
 from portside.platform import PlatformEntry
 from portside.testing.conformance.cases import contract_failure
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portside.backend_api import ModelOps, Platform
+from portside.contract import ModelOps, Platform
 from portside.ops.moe import select_experts
 from portside.quant.weight import QuantWeight, pack_int4, quantize_per_channel, quantized_linear
 from portside.testing.conformance.cases import contract_failure, engine_config

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portside.backend_api import Platform, TokenBitmask, apply_token_bitmask
+from portside.contract import Platform, TokenBitmask, apply_token_bitmask
 from portside.sample.metadata import SamplingMetadata
 from portside.sampling_params import SamplingParams
 from portside.testing.conformance.cases import contract_failure, engine_config

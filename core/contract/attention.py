@@ -1,0 +1,268 @@
+"""Attention: the paged `AttentionBackend` a platform supplies, the per-step `AttentionMetadata`
+it reads, the `ForwardContext` models call it through, and what a layer's cache holds
+(`KVCacheSpec`). Core's references (`portside.ops.attention`, `portside.attention.reference`)
+are the oracle every backend is tested against.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from portside.contract.kv_quant import is_quantized_kv, kv_row_bytes
+from portside.contract.memory import host_zeros
+from portside.ops.attention import attention_through_read_kv
+from portside.ops.attention import encoder_attention as reference_encoder_attention
+
+__all__ = [
+    "ATTENTION_FEATURES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "EncoderAttention",
+    "ForwardContext",
+    "GraphCaptureSupport",
+    "KVCacheSpec",
+]
+
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap")
+"""Per-layer attention features a model may ask for, passed to `AttentionBackend.forward` as
+keyword arguments of these names (never when a layer does not use them; semantics in
+`portside.attention.reference`):
+
+- ``sliding_window: int``: a query at position p sees keys at positions p - window < k <= p;
+- ``logit_softcap: float``: scores -> cap * tanh(scores / cap) before the mask and the softmax.
+"""
+
+EncoderAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+"""(query, key, value, cu_seqlens, max_seqlen, scale) -> out: `AttentionBackend.encoder_attention`."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer stores per token; the pool is sized from this."""
+
+    num_layers: int
+    """Attention layers on this rank (its pipeline stage's)."""
+    num_kv_heads: int
+    """KV heads per tensor-parallel rank."""
+    head_size: int
+    """Values per head."""
+    dtype: torch.dtype
+    """The model's dtype."""
+    cache_dtype: torch.dtype | None = None
+    """What the cache holds (`--kv-cache-dtype`, an 8-bit dtype); None: `dtype`."""
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype."""
+        return self.cache_dtype or self.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer for one token (`kv_row_bytes` per head and layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_size, self.storage_dtype)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """`bytes_per_token` times `block_size`."""
+        return self.bytes_per_token * block_size
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once per batch by the model runner.
+
+    The batch is a flat list of tokens, grouped by request in `query_start_loc` order. Request i
+    owns query tokens ``query_start_loc[i]:query_start_loc[i+1]``; these are the *last*
+    ``query_len_i`` tokens of its sequence of ``seq_lens[i]`` tokens, so a decode has
+    query_len 1 and a prefill chunk attends causally to its cached prefix plus itself.
+
+    Tensors live on the model's device. The `*_cpu` lists are host copies made while building
+    the batch, so backends that loop or bucket on the host need no device sync.
+    """
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: each token's cache slot (block * block_size + offset); -1: skip."""
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32: cumulative query lengths."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int32: cached + new tokens, per request."""
+    block_tables: torch.Tensor
+    """[num_reqs, max_num_blocks] int32: each request's blocks (padding entries are 0)."""
+    max_query_len: int
+    """The longest query of the batch."""
+    max_seq_len: int
+    """The longest sequence of the batch."""
+    block_size: int
+    """Tokens per KV block."""
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    """`query_start_loc` on the host."""
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    """`seq_lens` on the host."""
+    num_decode_tokens: int = 0
+    """Decodes come first in the batch: requests [0, num_decode_tokens) have query_len 1."""
+    backend_data: Any = None
+    """Whatever `AttentionBackend.prepare` adds."""
+
+    @property
+    def num_reqs(self) -> int:
+        """Requests in the batch."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the batch (padding included)."""
+        return self.slot_mapping.shape[0]
+
+
+class GraphCaptureSupport(enum.Enum):
+    """How far an attention backend can be captured in a graph."""
+
+    NEVER = "never"
+    """Eager only."""
+    DECODE_ONLY = "decode_only"
+    """Uniform batches of query_len 1."""
+    ALWAYS = "always"
+    """Any batch shape (static metadata buffers)."""
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one platform. Stateless apart from configuration.
+
+    The cache of one layer is a single tensor whose shape the backend chooses (see
+    `kv_cache_shape`); core only allocates it and hands it back.
+
+    Per-layer features (`ATTENTION_FEATURES`): a backend lists in `features` those its `forward`
+    takes as keyword arguments. For a layer that needs one it does not list, core runs its own
+    reference over the backend's `write_kv`/`read_kv` instead (correct whatever the layout, slow,
+    eager only); a backend whose graphs cannot run that lists the feature in
+    `unsupported_features`, and the platform then refuses the model, naming the feature.
+
+    8-bit caches (`--kv-cache-dtype`, `KV_CACHE_DTYPES`): a backend lists in `kv_cache_dtypes`
+    the formats it stores besides the model's dtype ("auto"); core refuses any other. For such a
+    cache, `kv_cache_shape` is called with `cache_dtype` (the cache tensor's dtype) and the
+    tensor's dtype tells `write_kv` / `read_kv` / `forward` which format it holds: they quantize
+    on write, and `read_kv` returns fp32 values. The layout (scales included) is the backend's,
+    but its bytes per (token, KV head) row must be `kv_row_bytes` (core sizes the pool by it);
+    `quantize_kv` / `dequantize_kv` are the reference formats, which an implementation must match
+    within `portside.testing.tolerances`.
+    """
+
+    name: ClassVar[str] = "abstract"
+    """The implementation's name, in logs and in the errors that refuse a model or a cache."""
+    graph_support: ClassVar[GraphCaptureSupport] = GraphCaptureSupport.NEVER
+    """How far a graph runner may capture this backend's `forward`."""
+    features: ClassVar[frozenset[str]] = frozenset()
+    """The `ATTENTION_FEATURES` its `forward` takes as keyword arguments."""
+    unsupported_features: ClassVar[frozenset[str]] = frozenset()
+    """Features core's eager fallback cannot stand in for here (the platform's graphs cannot run
+    it): the model runner refuses a model that needs one, naming it."""
+    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto"})
+    """The cache formats it stores (canonical `KV_CACHE_DTYPES` names; "auto": the model's dtype)."""
+    prefault_host_cache: bool = False
+    """Host caches only: map every page at allocation (`host_zeros(prefault=True)`) rather than
+    when a step first writes its blocks. A platform sets it on the backend it returns."""
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache (K and V together). A backend that lists 8-bit formats in
+        `kv_cache_dtypes` takes a keyword argument ``cache_dtype: torch.dtype | None = None``,
+        which core passes (only) for such a cache."""
+
+    @abstractmethod
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store key/value ([num_tokens, num_kv_heads, head_size]) at `slot_mapping` (-1: skip),
+        quantized when the cache is 8-bit."""
+
+    @abstractmethod
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read back K and V ([len(slots), num_kv_heads, head_size]) at `slots`, dequantized to
+        fp32 from an 8-bit cache. For tests and the conformance kit; not on the hot path."""
+
+    def cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype
+    ) -> tuple[int, ...]:
+        """`kv_cache_shape` for a cache of `cache_dtype`: with ``cache_dtype=`` for an 8-bit one,
+        without it otherwise (so a backend written before 8-bit caches keeps its signature)."""
+        if is_quantized_kv(cache_dtype):
+            return self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype=cache_dtype)  # type: ignore[call-arg]
+        return self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write key/value into `kv_cache`, then attend. Returns [num_tokens, num_heads, head_size].
+        Takes the `features` it lists as further keyword arguments."""
+
+    def encoder_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32 on the device: sequence s is rows [cu[s], cu[s+1])
+        max_seqlen: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Non-causal attention within each sequence, no KV cache (vision encoders: one image,
+        or one window of an image, per sequence). Returns [num_tokens, num_heads, head_size] in
+        the query's dtype. Default: core's reference (`portside.ops.attention.encoder_attention`)."""
+        return reference_encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed cache tensor for one layer. On host memory it comes from `host_zeros`: pages
+        are mapped lazily as blocks are first written (or all now, `prefault_host_cache`), and
+        huge where the kernel allows."""
+        if device.type == "cpu":
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            return host_zeros(nbytes, prefault=self.prefault_host_cache).view(dtype).view(shape)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Add backend-specific data (`metadata.backend_data`) once per step. Default: nothing."""
+        return metadata
+
+    def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
+        """None if this configuration is supported, else the reason why not."""
+        return None
+
+
+@dataclass
+class ForwardContext:
+    """Everything attention layers need for one forward pass, passed explicitly (no globals)."""
+
+    backend: AttentionBackend
+    """The platform's attention backend."""
+    kv_caches: Sequence[torch.Tensor]
+    """One cache per layer (may be empty for a cache-less forward)."""
+    metadata: AttentionMetadata
+    """This step's metadata, after `AttentionBackend.prepare`."""
+
+    def attention(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **features: Any
+    ) -> torch.Tensor:
+        """Layer `layer_idx`'s paged attention. `features`: the layer's `ATTENTION_FEATURES`
+        (`PiecewiseModel.attention_features`), None values meaning not used. A feature the
+        backend does not list runs core's reference over its `write_kv` / `read_kv`."""
+        used = {name: value for name, value in features.items() if value is not None}
+        cache = self.kv_caches[layer_idx]
+        if not used:
+            return self.backend.forward(q, k, v, cache, self.metadata, scale)
+        if used.keys() <= self.backend.features:
+            return self.backend.forward(q, k, v, cache, self.metadata, scale, **used)
+        return attention_through_read_kv(self.backend, q, k, v, cache, self.metadata, scale, **used)

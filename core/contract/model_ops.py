@@ -1,0 +1,144 @@
+"""Model ops: the kernels of model layers other than attention (`ModelOps`), each defaulting to
+core's pure-torch reference (`portside.ops.moe`, `portside.ops.lora`, `portside.quant.weight`),
+and the data they take: `LoRAMapping` and the canonical quantized weight, `QuantWeight` (with
+the helpers a kernel needs to read or produce its layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from portside.ops import lora, moe
+from portside.ops.lora import LoRAMapping
+from portside.quant import weight as quant_weight
+from portside.quant.weight import QuantParts, QuantWeight, pack_int4, quantize_activation, unpack_int4
+
+__all__ = [
+    "LoRAMapping",
+    "ModelOps",
+    "QuantParts",
+    "QuantWeight",
+    "pack_int4",
+    "quantize_activation",
+    "unpack_int4",
+]
+
+
+class ModelOps:
+    """Kernels of model layers other than attention (`Platform.model_ops`). Every method's
+    default is core's pure-torch reference (`portside.ops`), so a platform that overrides none
+    runs every model correctly; a backend overrides what it has a faster kernel for, and the
+    conformance kit tests each override against the reference.
+
+    Mixture-of-experts (shapes in `portside.ops.moe`): `fused_moe` routes (`select_experts`)
+    then computes the experts (`moe_experts`); a backend usually overrides `moe_experts` only.
+
+    Quantized weights (`QuantWeight`, canonical layouts in `portside.quant.weight`):
+    `prepare_quantized` re-lays a loaded weight once, `quantized_linear` multiplies by it; a
+    backend overrides the formats it has kernels for and hands the rest to ``super()``.
+
+    Batched multi-LoRA (shapes in `portside.ops.lora`): `lora_shrink` multiplies each token by
+    its adapter slot's A, `lora_expand` adds its product with the slot's B into a column range of
+    the layer's output; the `LoRAMapping` (token -> slot) is shared by every layer of a step. On
+    a platform with ``supports_lora = False`` neither is called.
+    """
+
+    name: ClassVar[str] = "reference"
+    """The implementation's name, in logs."""
+
+    # ---- mixture-of-experts (`portside.ops.moe`) ---------------------------------------------
+
+    @staticmethod
+    def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+        """An expert's activation by name ("silu", "gelu_tanh"), for kernels that need it in torch."""
+        return moe.activate(gate, activation)
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
+        return moe.select_experts(router_logits, top_k, renormalize, scoring)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] -> [T, hidden] in x's dtype."""
+        return moe.moe_experts(x, w13, w2, topk_weights, topk_ids, activation)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        scoring: str = "softmax",
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """A mixture-of-experts layer: `select_experts`, then `moe_experts`."""
+        weights, ids = self.select_experts(router_logits, top_k, renormalize, scoring)
+        return self.moe_experts(x, w13, w2, weights, ids, activation)
+
+    # ---- quantized weights (`portside.quant`: canonical layouts in `portside.quant.weight`) ---
+
+    def prepare_quantized(self, weight: QuantWeight) -> QuantWeight:
+        """Called once per quantized layer after loading: re-lay `weight` the way this
+        platform's kernels read it (register further buffers on it, set ``weight.layout``), or
+        return another `QuantWeight`. The canonical buffers should stay valid: the reference
+        (and a kernel declining an input) reads them. Default: as loaded."""
+        return weight
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype: x @ dequantize(weight)^T + bias, activations first
+        rounded per token where ``weight.act`` says (W8A8). Default: dequantize, then matmul."""
+        return quant_weight.quantized_linear(x, weight, bias)
+
+    def quantized_embedding(self, ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        """Rows `ids` [T] of a quantized embedding table -> fp32 [T, hidden] (GGUF embeddings)."""
+        return quant_weight.quantized_embedding(ids, weight)
+
+    def quantized_moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: QuantWeight,
+        w2: QuantWeight,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """`moe_experts` with stacked quantized experts (w13 [E, 2I, hidden], w2 [E, hidden, I]
+        as `QuantWeight`s; w13 a `QuantParts` [gate, up] where their act orders differ). Default:
+        each expert routed to through `quantized_linear`."""
+        return moe.moe_experts(x, w13, w2, topk_weights, topk_ids, activation, linear=self._expert_parts_linear)
+
+    def _expert_parts_linear(self, x: torch.Tensor, w: Any, e: int) -> torch.Tensor:
+        if isinstance(w, torch.nn.ModuleList):  # `QuantParts`: each part's expert e, concatenated
+            parts: list[Any] = list(w)
+            return torch.cat([self._expert_linear(x, part, e) for part in parts], dim=-1)
+        return self._expert_linear(x, w, e)
+
+    def _expert_linear(self, x: torch.Tensor, w: QuantWeight, e: int) -> torch.Tensor:
+        return self.quantized_linear(x, w.expert(e))
+
+    # ---- batched multi-LoRA (`portside.ops.lora`) -------------------------------------------
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """x [T, in], a [S, R, in] -> y [T, R] in x's dtype: y[t] = x[t] @ a[slot[t]].T (fp32
+        accumulation); 0 for tokens without an adapter."""
+        return lora.lora_shrink(x, a, mapping)
+
+    def lora_expand(
+        self, y: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping, out: torch.Tensor, out_offset: int = 0
+    ) -> None:
+        """In place: out[t, out_offset : out_offset + N] += y[t] @ b[slot[t]].T for tokens with an
+        adapter; y [T, R] (possibly a column slice of a wider tensor), b [S, N, R], out [T, M]."""
+        lora.lora_expand(y, b, mapping, out, out_offset)
