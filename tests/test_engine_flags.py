@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from portside.contract import DeviceInfo
 from portside.config import CacheConfig
+from portside.contract import DeviceInfo
 from portside.engine.args import EngineArgs
 from portside.kv_cache.budget import kv_cache_budget
 from portside.platform import resolve_platform

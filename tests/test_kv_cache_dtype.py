@@ -20,6 +20,9 @@ import torch
 from tolerances import KV_CACHE_TOLERANCES, KV_ROUND_TRIP, TOLERANCES, kv_round_trip_bound  # tests/ is on sys.path
 
 from portside.attention import reference
+from portside.backends.cpu import kernels
+from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
+from portside.config import CacheConfig, EngineConfig, ModelConfig
 from portside.contract import (
     AttentionBackend,
     Availability,
@@ -32,9 +35,6 @@ from portside.contract import (
     kv_row_bytes,
     quantize_kv,
 )
-from portside.backends.cpu import kernels
-from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
-from portside.config import CacheConfig, EngineConfig, ModelConfig
 from portside.testing.conformance.cases import batches, build_metadata, ordered, random_block_tables
 
 Q8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from portside.attention.reference import ReferenceAttentionBackend
-from portside.contract import Communicator, KVCacheSpec
 from portside.config import ModelConfig
+from portside.contract import Communicator, KVCacheSpec
 from portside.model.args import ModelArgs, RopeScaling
 from portside.model.registry import load_model
 from portside.model.rotary import RotaryEmbedding, rope_inv_freq

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from portside.attention.reference import ReferenceAttentionBackend, encoder_attention
-from portside.contract import ForwardContext
 from portside.config import ModelConfig
+from portside.contract import ForwardContext
 from portside.model.registry import load_model
 from portside.multimodal.inputs import MultiModalFeature, PlaceholderRange, content_hash
 from portside.multimodal.qwen_vl_preprocess import num_image_tokens, preprocess_qwen2_5_vl_image

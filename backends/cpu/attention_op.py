@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from portside.backend_api import ATTENTION_FEATURES, ForwardContext
+from portside.contract import ATTENTION_FEATURES, ForwardContext
 
 _current: ForwardContext | None = None
 

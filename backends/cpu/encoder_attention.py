@@ -80,7 +80,7 @@ def encoder_attention(
 ) -> torch.Tensor:
     """Bidirectional attention within each sequence; [T, H, D] in the query's dtype."""
     if query.dtype not in SDPA_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
-        from portside.backend_api import AttentionBackend  # the contract's default: core's reference
+        from portside.contract import AttentionBackend  # the contract's default: core's reference
 
         return AttentionBackend.encoder_attention(None, query, key, value, cu_seqlens, max_seqlen, scale)  # type: ignore[arg-type]
     num_tokens, num_heads, head_size = query.shape

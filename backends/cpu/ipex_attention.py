@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 from portside.backends.cpu.attention import attend_read_kv, plan_prefills, valid_slots
+from portside.contract import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 
 
 @functools.lru_cache(maxsize=1)

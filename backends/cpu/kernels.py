@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from portside.backend_api import KV_SCALE_BYTES
 from portside.backends.cpu import native_ops
 from portside.backends.cpu.native_build import NativeBuildError
+from portside.contract import KV_SCALE_BYTES
 
 ABI_VERSION = 4
 _ERRORS = {
@@ -31,7 +31,7 @@ _ERRORS = {
     5: "an unknown cache format",
 }
 # Cache dtype -> the C kernels' format (csrc/paged_attention.c, PS_KV_*): fp32, an 8-bit cache as
-# portside.backend_api.quantize_kv lays it out (the canonical layout, int8 rows + fp32 scale), or a
+# portside.contract.quantize_kv lays it out (the canonical layout, int8 rows + fp32 scale), or a
 # bf16 model's bf16 cache (read as fp32 by a 16-bit shift; queries and K/V rows bf16 or fp32).
 FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.bfloat16: 4}
 BF16 = FORMATS[torch.bfloat16]
@@ -127,7 +127,7 @@ def paged_decode(
     logit_softcap: float | None = None,
 ) -> None:
     """Decode attention of B single-token queries over their paged K/V (GQA: H % KVH == 0), with
-    the attention features of `portside.backend_api.ATTENTION_FEATURES` (None: not used).
+    the attention features of `portside.contract.ATTENTION_FEATURES` (None: not used).
     Softmax and sums in fp32; bf16 queries are converted first and the output rounded to bf16
     after (the kernels' queries and outputs are fp32)."""
     lib = load_library().lib

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.backend_api import LoRAMapping
+from portside.contract import LoRAMapping
 
 __all__ = ["lora_shrink", "lora_expand", "CpuLoRAOps", "Padded", "plan"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 from portside.backends.cpu.segments import make_segments, run_segments
+from portside.contract import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class OpenVinoGraphRunner(GraphRunner):
         if reason:
             raise RuntimeError(reason)
         if not isinstance(model_fn, PiecewiseModel):
-            raise ValueError("cpu graph mode 'openvino' needs a model that implements portside.backend_api.PiecewiseModel")
+            raise ValueError("cpu graph mode 'openvino' needs a model that implements portside.contract.PiecewiseModel")
         config_of_model = getattr(model_fn, "config", None)
         if getattr(config_of_model, "num_experts", 0):
             raise ValueError(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.quant.weight import QuantWeight, pack_int4, quantize_activation, unpack_int4
+from portside.contract import QuantWeight, pack_int4, quantize_activation, unpack_int4
 
 logger = logging.getLogger(__name__)
 

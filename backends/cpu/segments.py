@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from portside.backend_api import ForwardContext, PiecewiseModel
+from portside.contract import ForwardContext, PiecewiseModel
 
 # A compiled segment: called with the segment's inputs, returns its outputs as a sequence.
 SegmentFn = Callable[..., Sequence[torch.Tensor]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from portside.backend_api import TorchDistributedCommunicator
+from portside.contract import TorchDistributedCommunicator
 
 __all__ = ["NcclCommunicator"]
 

@@ -6,10 +6,10 @@ from typing import ClassVar
 
 import torch
 
-from portside.backend_api import Availability
 from portside.backends.cuda.communicator import NcclCommunicator
 from portside.backends.cuda.graph import CudaGraphRunner
 from portside.backends.triton.gpu_platform import TorchGpuPlatform, gpu_availability, has_triton
+from portside.contract import Availability
 
 __all__ = ["CudaPlatform", "cuda_build_error", "visible_cuda_devices"]
 

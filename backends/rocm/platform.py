@@ -6,10 +6,10 @@ from typing import ClassVar
 
 import torch
 
-from portside.backend_api import Availability
 from portside.backends.rocm.communicator import RcclCommunicator
 from portside.backends.rocm.graph import HipGraphRunner
 from portside.backends.triton.gpu_platform import TorchGpuPlatform, gpu_availability, has_triton
+from portside.contract import Availability
 
 __all__ = ["RocmPlatform", "rocm_build_error"]
 

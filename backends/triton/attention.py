@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from portside.backend_api import (
+from portside.backends.triton import kv_cache as _kv
+from portside.backends.triton.encoder_attention import choose_encoder_launch, encoder_attention
+from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch
+from portside.backends.triton.paged_attention import paged_attention
+from portside.contract import (
     AttentionBackend,
     AttentionMetadata,
     GraphCaptureSupport,
     dequantize_kv,
     is_quantized_kv,
 )
-from portside.backends.triton import kv_cache as _kv
-from portside.backends.triton.encoder_attention import choose_encoder_launch, encoder_attention
-from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch
-from portside.backends.triton.paged_attention import paged_attention
 
 __all__ = ["TritonAttentionBackend"]
 

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from portside.backend_api import (
+from portside.backends.triton.graphs import (
+    GRAPH_SIZES_OPTION,
+    DeviceGraphRunner,
+    default_graph_sizes,
+    parse_graph_sizes,
+    with_graph_sizes,
+)
+from portside.contract import (
     AttentionBackend,
     Availability,
     Communicator,
@@ -26,13 +33,6 @@ from portside.backend_api import (
     Sampler,
     SingleRankCommunicator,
     TorchDistributedCommunicator,
-)
-from portside.backends.triton.graphs import (
-    GRAPH_SIZES_OPTION,
-    DeviceGraphRunner,
-    default_graph_sizes,
-    parse_graph_sizes,
-    with_graph_sizes,
 )
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from portside.backend_api import (
+from portside.contract import (
     AttentionBackend,
     AttentionMetadata,
     ForwardContext,

@@ -3,7 +3,7 @@
 Cache layout (one layer, the canonical one): ``[2, num_blocks, block_size, num_kv_heads,
 head_size]``; slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 is
 padding and is skipped. An fp8 cache (float8_e4m3fn / float8_e5m2) has the same layout: the new
-K/V are cast first (saturating, `portside.backend_api.quantize_kv`, in torch) and the kernel
+K/V are cast first (saturating, `portside.contract.quantize_kv`, in torch) and the kernel
 copies their bytes (uint8 views), so it never handles an fp8 type itself (the interpreter has
 none, and older GPUs have no fp8 conversions).
 """
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from portside.backend_api import is_quantized_kv, quantize_kv
 from portside.backends.triton.launch import next_power_of_2
+from portside.contract import is_quantized_kv, quantize_kv
 
 __all__ = ["write_kv"]
 

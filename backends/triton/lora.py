@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from portside.backend_api import LoRAMapping
 from portside.backends.triton.launch import ArchInfo, LoRALaunch, choose_lora_launch, detect_arch
+from portside.contract import LoRAMapping
 
 __all__ = ["lora_shrink", "lora_expand", "TritonLoRAOps"]
 

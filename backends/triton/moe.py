@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from portside.backend_api import ModelOps
 from portside.backends.triton.launch import ArchInfo, MoeLaunch, choose_moe_launch, detect_arch
 from portside.backends.triton.lora import TritonLoRAOps
 from portside.backends.triton.quant import TritonQuantOps
+from portside.contract import ModelOps
 
 __all__ = ["align_pairs", "fused_experts", "TritonModelOps"]
 

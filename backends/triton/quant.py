@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from portside.backend_api import ModelOps
 from portside.backends.triton.launch import ArchInfo, detect_arch
+from portside.contract import ModelOps
 
 # The interpreter of Triton before 3.8 asserts on an int8 x int8 -> int32 `tl.dot` (the CI leg's
 # pinned 3.7.1 does; 3.9 runs it): there the int8 scaled path upcasts to fp32, which is exact for

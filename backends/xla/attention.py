@@ -32,7 +32,7 @@ layout). It costs O(H * T^2) scores where the sequences need O(H * sum of len^2)
 what static shapes buy; vision towers have T in the hundreds to a few thousand.
 
 fp8 caches (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`): the same layout in float8; K/V are cast on
-write (saturating, `portside.backend_api.quantize_kv`) and the gather path upcasts what it
+write (saturating, `portside.contract.quantize_kv`) and the gather path upcasts what it
 gathers to fp32 (a plain dequantize-on-read); the platform does not pick Pallas for them.
 """
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.backend_api import AttentionBackend, AttentionMetadata, GraphCaptureSupport, is_quantized_kv, quantize_kv
+from portside.contract import AttentionBackend, AttentionMetadata, GraphCaptureSupport, is_quantized_kv, quantize_kv
 
 __all__ = ["XlaAttentionBackend", "XlaAttentionData", "encoder_attention_masked", "pallas_available"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from portside.backend_api import Communicator
+from portside.contract import Communicator
 
 __all__ = ["XlaCommunicator"]
 

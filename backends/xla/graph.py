@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from portside.backend_api import AttentionMetadata, ForwardContext, GraphRunner, ModelFn
 from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets
+from portside.contract import AttentionMetadata, ForwardContext, GraphRunner, ModelFn
 
 __all__ = ["XlaGraphRunner", "RecompilationError", "compile_count", "CompileStats"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from portside.backend_api import ModelOps
+from portside.contract import ModelOps
 
 __all__ = ["XlaModelOps"]
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from portside.backend_api import (
+from portside.contract import (
     AttentionBackend,
     Availability,
     Communicator,

@@ -69,9 +69,9 @@ CPU_DTYPES = {"auto": torch.float32, "int8": torch.int8, "fp8_e4m3": torch.float
 
 def _cpu_case(batch: int, ctx: int, heads: int, kv_heads: int, head: int, block: int, kv_dtype: str, layers: int):
     """(one round: a decode call over each of `layers` caches of this dtype, KV bytes one call reads)."""
-    from portside.contract import kv_row_bytes
     from portside.backends.cpu import kernels
     from portside.backends.cpu.attention import NativeAttentionBackend
+    from portside.contract import kv_row_bytes
 
     dtype = CPU_DTYPES[kv_dtype]
     backend = NativeAttentionBackend()

@@ -22,10 +22,10 @@ import torch
 from tolerances import assert_close  # tests/ is on sys.path (rootdir conftest)
 
 from portside.attention import reference
-from portside.contract import AttentionBackend, AttentionMetadata, ForwardContext
 from portside.backends.cpu import kernels
 from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
+from portside.contract import AttentionBackend, AttentionMetadata, ForwardContext
 
 POOL = 67  # KV blocks in the pool; tables draw from all of it
 

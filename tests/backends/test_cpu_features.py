@@ -22,11 +22,11 @@ from test_cpu_attention import Case, make_case  # tests/backends is on sys.path 
 from tolerances import assert_close
 
 from portside.attention import reference
-from portside.contract import AttentionBackend, ForwardContext
 from portside.backends.cpu import kernels, native_ops
 from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.ipex_attention import IpexAttentionBackend
 from portside.backends.cpu.moe import CpuModelOps
+from portside.contract import AttentionBackend, ForwardContext
 from portside.ops.moe import moe_experts as reference_moe_experts
 from portside.ops.moe import select_experts
 

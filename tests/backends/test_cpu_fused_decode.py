@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from portside import LLM, SamplingParams
-from portside.contract import ForwardContext
 from portside.config import ModelConfig
+from portside.contract import ForwardContext
 from portside.model.registry import load_model
 from portside.testing.paged import single_sequence_metadata
 from portside.testing.tiny import hf_greedy, make_tiny_model

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from portside.contract import LoRAMapping, ModelOps
 from portside.backends.cpu.moe import CpuModelOps
+from portside.contract import LoRAMapping, ModelOps
 from portside.ops import lora as ref
 
 SLOTS = [0, 2, -1, 2, 1, 0, -1]

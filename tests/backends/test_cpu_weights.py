@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from portside.contract import HUGE_PAGE, host_zeros
 from portside.backends.cpu.weights import ALIGN, pack_weights
+from portside.contract import HUGE_PAGE, host_zeros
 
 
 def test_host_zeros_is_zeroed_aligned_and_sized():

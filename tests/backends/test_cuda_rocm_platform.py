@@ -16,12 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from portside.contract import (
-    AttentionMetadata,
-    ForwardContext,
-    GraphCaptureSupport,
-    SingleRankCommunicator,
-)
 from portside.backends.cuda.communicator import NcclCommunicator
 from portside.backends.cuda.graph import CudaGraphRunner
 from portside.backends.cuda.platform import CudaPlatform, cuda_build_error
@@ -38,6 +32,12 @@ from portside.backends.triton.graphs import (
 )
 from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits
 from portside.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from portside.contract import (
+    AttentionMetadata,
+    ForwardContext,
+    GraphCaptureSupport,
+    SingleRankCommunicator,
+)
 
 NO_GPU = not torch.cuda.is_available()
 

@@ -94,8 +94,8 @@ def test_online_quantized_model_through_triton_kernels(triton_plugin, tiny_gqa_m
     """``--quantization int8`` (weight-only) and ``fp8`` (FP8 activations too) through the Triton
     quantized kernels: greedy tokens equal those of the same engine on core's reference ops."""
     from portside import LLM, SamplingParams
-    from portside.contract import ModelOps
     from portside.backends.triton.quant import TritonQuantLayout, TritonQuantOps
+    from portside.contract import ModelOps
 
     base = [1, 5, 9, 33, 70, 12, 40, 41, 2, 17, 18, 19, 60, 61, 62, 63, 64, 8]
     prompts = [base[:4], base]  # within a block, across one

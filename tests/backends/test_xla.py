@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from portside.contract import AttentionMetadata
 from portside.backends.xla.buckets import Buckets, BucketShape, parse_buckets, powers_of_two
+from portside.contract import AttentionMetadata
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not importable (the xla leg installs it: ci/legs/xla.sh)")
@@ -275,8 +275,8 @@ PADDED_FEATURES = {"sliding_window": 3, "logit_softcap": 2.0}
 def test_attention_padded_batch_matches_unpadded(xla_device, shape, features):
     """The graph runner's padding (extra tokens at slot -1, extra empty requests, wider block
     tables) leaves the real rows' output unchanged, and every padding row finite."""
-    from portside.contract import ForwardContext
     from portside.backends.xla.graph import _pad_inputs
+    from portside.contract import ForwardContext
 
     g = torch.Generator().manual_seed(7)
     block_size, kvh, heads, d = 4, 2, 4, 16

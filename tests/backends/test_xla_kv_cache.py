@@ -35,9 +35,9 @@ def clear_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fp8_cache_through_the_bucketed_graphs(clear_llama, kv):
     from portside import LLM, SamplingParams
     from portside.attention.reference import ReferenceAttentionBackend
-    from portside.contract import kv_cache_torch_dtype
     from portside.backends.xla.platform import XlaPlatform
     from portside.config import ModelConfig
+    from portside.contract import kv_cache_torch_dtype
     from portside.model.registry import load_model
     from portside.testing.paged import PagedSequence
 
