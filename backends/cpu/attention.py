@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from portside.backend_api import (
+from portside.backends.cpu import kernels
+from portside.backends.cpu.encoder_attention import encoder_attention
+from portside.contract import (
     AttentionBackend,
     AttentionMetadata,
     GraphCaptureSupport,
@@ -49,8 +51,6 @@ from portside.backend_api import (
     kv_row_bytes,
     quantize_kv,
 )
-from portside.backends.cpu import kernels
-from portside.backends.cpu.encoder_attention import encoder_attention
 
 # The most rows of a one-sequence step the fused multi-row step takes (csrc/fused_decode.cpp's kMaxRows).
 MAX_FUSED_ROWS = 16

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from portside.backend_api import ForwardContext
 from portside.backends.cpu.attention import MAX_FUSED_ROWS
+from portside.contract import ForwardContext
 
 logger = logging.getLogger(__name__)
 

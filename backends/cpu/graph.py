@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from portside.backend_api import EagerGraphRunner as _CoreEagerGraphRunner
-from portside.backend_api import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, EagerLinears, amx_linears, make_packed_weights
 from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
+from portside.contract import EagerGraphRunner as _CoreEagerGraphRunner
+from portside.contract import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from portside.backend_api import ModelOps
 from portside.backends.cpu.lora import CpuLoRAOps
 from portside.backends.cpu.quant import CpuQuantOps
+from portside.contract import ModelOps
 
 
 def moe_experts(

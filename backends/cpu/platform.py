@@ -10,7 +10,11 @@ from typing import ClassVar
 
 import torch
 
-from portside.backend_api import (
+from portside.backends.cpu.communicator import select_dist_backend
+from portside.backends.cpu.eager_linears import BF16_LINEAR_MODES, PREPACK_MODES
+from portside.backends.cpu.fused_decode import FUSED_DECODE_MODES
+from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
+from portside.contract import (
     AttentionBackend,
     Availability,
     DeviceInfo,
@@ -21,10 +25,6 @@ from portside.backend_api import (
     Sampler,
     host_memory,
 )
-from portside.backends.cpu.communicator import select_dist_backend
-from portside.backends.cpu.eager_linears import BF16_LINEAR_MODES, PREPACK_MODES
-from portside.backends.cpu.fused_decode import FUSED_DECODE_MODES
-from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from portside.backend_api import HUGE_PAGE, host_zeros
+from portside.contract import HUGE_PAGE, host_zeros
 
 logger = logging.getLogger(__name__)
 
