@@ -202,3 +202,15 @@ def test_public_names_live_in_their_part():
     for name in contract.__all__:
         assert hasattr(contract, name), name
 
+
+
+def test_torch_distributed_communicator_keeps_what_subclasses_use(tmp_path):
+    """`plugins/npu_example`'s communicator calls ``self._dist.all_gather(..., group=self.group)``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comm = contract.TorchDistributedCommunicator()
+        assert comm._dist is dist and comm.group is None and (comm.rank, comm.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()

@@ -149,6 +149,10 @@ class TorchDistributedCommunicator(Communicator):
     name = "torch.distributed"
 
     def __init__(self, group: Any = None) -> None:
+        self._dist = dist
+        """The `torch.distributed` module, for a subclass's own calls, such as
+        ``self._dist.all_gather(parts, x, group=self.group)``: the example plugin in `plugins/`
+        makes that call, so plugins copied from it rely on this name."""
         self.group = group
         """The process group (None: the default one)."""
         pg = dist.group.WORLD if group is None else group
