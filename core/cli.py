@@ -48,6 +48,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     fixed = dict(n=args.n, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                  seed=args.sampling_seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
     SamplingParams(**fixed, **{**fallback, **given})  # a bad flag fails before the model loads
+    if args.max_num_seqs is None:
+        # One prompt: its n samples run together, and the KV cache is sized for them (the runner
+        # caps it at twice what max_num_seqs sequences of full length take) rather than a server's
+        # budget: the default model's 4 GiB cost a first answer ~10 s of CPU to allocate and touch.
+        args.max_num_seqs = max(1, args.n)
     llm = LLM(**{**engine_kwargs(args), "model": args.model})
     params = SamplingParams(**fixed, **{**fallback, **llm.engine.default_sampling, **given})
     if args.raw:
@@ -101,6 +106,7 @@ def build_parser() -> Parser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("-n", type=int, default=1, help="number of samples")
     add_engine_args(p)
+    p.set_defaults(max_num_seqs=None)  # default: -n (`_cmd_generate`)
     _add_config_arg(p)
     p.set_defaults(func=_cmd_generate)
 

@@ -79,3 +79,18 @@ def test_default_model_answers_paris():
     proc = portside("generate", "What is the capital of France?", timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,sequences", [((), 1), (("-n", "3"), 3), (("--max-num-seqs", "5"), 5)])
+def test_generate_sizes_its_kv_cache_for_its_prompt(tiny_llama, flags, sequences):
+    """One prompt's n samples: `--max-num-seqs` defaults to -n, so the KV cache is the runner's cap
+    for that many sequences (twice their full length), not a server's budget (the default model's
+    4 GiB cost a first answer ~10 s of CPU)."""
+    import re
+
+    proc = portside("--log-level", "INFO", "generate", "hello", "--raw", "--model", str(tiny_llama), "--device", "cpu",
+                    "--max-model-len", "256", "--block-size", "16", "--max-tokens", "2", *flags)
+    assert proc.returncode == 0, proc.stderr
+    blocks = int(re.search(r"KV cache: (\d+) blocks of 16 tokens", proc.stderr).group(1))
+    assert blocks == 2 * sequences * (256 // 16)

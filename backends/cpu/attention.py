@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from portside.backends.cpu import kernels
+from portside.backends.cpu import kernels, native_ops
 from portside.backends.cpu.encoder_attention import encoder_attention
 from portside.contract import (
     AttentionBackend,
@@ -104,6 +104,8 @@ class TorchAttentionPlan:
     # the prefills that are a request's first chunk (no earlier keys), as runs of consecutive
     # chunks of one length: (first row, chunks, length, their indices in `prefills`); `causal_runs`
     fresh_runs: list[tuple[int, int, int, range]] | None = None
+    # `NativeAttentionBackend`'s plan of a step before its kernels were built (in the background): the torch path
+    torch_only: bool = False
 
     def causal_runs(self) -> list[tuple[int, int, int, range]]:
         if self.fresh_runs is None:
@@ -275,13 +277,25 @@ class NativeAttentionBackend(CpuAttentionBackend):
     """`CpuAttentionBackend` with decodes and K/V writes in the native C kernels (fp32, 8-bit or
     bf16 caches; fp32 queries, or bf16 over a bf16 cache), which take the attention features too.
 
-    Build the kernels first (`kernels.native_unavailable_reason()`); the platform only picks this
-    backend when they load."""
+    The platform picks this backend when the kernels load, or while they are built in the
+    background (`native_ops.ready`): until then each step runs the torch path (a plan with
+    `torch_only`, the cache layout being the same), and from the first step that finds them
+    built, the kernels."""
 
     name = "native-paged"
+    _ready = False  # the kernels are loaded (asked again at each step until they are)
+
+    def _kernels_ready(self) -> bool:
+        if not self._ready:
+            self._ready = native_ops.ready() and kernels.native_unavailable_reason() is None
+        return self._ready
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         md = metadata
+        if not self._kernels_ready():
+            md = super().prepare(md)
+            md.backend_data.torch_only = True
+            return md
         nd = md.num_decode_tokens
         decode_only = nd == md.slot_mapping.shape[0]
         # The torch path's slot filter is only needed when a step falls back to it (`forward`):
@@ -303,7 +317,7 @@ class NativeAttentionBackend(CpuAttentionBackend):
         return md
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        if _native(kv_cache, key, value):
+        if self._kernels_ready() and _native(kv_cache, key, value):
             kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), slot_mapping.long().contiguous())
         else:
             super().write_kv(kv_cache, key, value, slot_mapping)
@@ -313,8 +327,10 @@ class NativeAttentionBackend(CpuAttentionBackend):
         sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
         plan = metadata.backend_data
-        if not isinstance(plan, TorchAttentionPlan) or plan.native_slots is None:
+        if not isinstance(plan, TorchAttentionPlan) or (plan.native_slots is None and not plan.torch_only):
             plan = self.prepare(metadata).backend_data
+        if plan.torch_only:
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logit_softcap)
         native = _native(kv_cache, query, key, value)
         if native and plan.native_step is not None:
             return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale,

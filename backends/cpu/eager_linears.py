@@ -177,8 +177,8 @@ def bf16_linears_mode(config: Any) -> str:
     from portside.backends.cpu.platform import has_native_bf16
 
     mode = config.option("cpu_bf16_linears", "auto")
-    if mode == "auto":
-        return "amx" if amx_unavailable_reason() is None else "native" if has_native_bf16() else "widen"
+    if mode == "auto":  # (while the library is built in the background: native, which packs the weights as amx does)
+        return "amx" if amx_unavailable_reason(wait=False) is None else "native" if has_native_bf16() else "widen"
     return mode
 
 
@@ -187,11 +187,12 @@ def amx_linears(config: Any) -> bool:
     return config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
 
 
-def amx_unavailable_reason() -> str | None:
-    """None when the native AMX tile linear runs here (`linear_amx`), else why not."""
+def amx_unavailable_reason(wait: bool = True) -> str | None:
+    """None when the native AMX tile linear runs here (`linear_amx`), else why not; without `wait`,
+    also while the native library is built in the background (`native_ops.ready`)."""
     from portside.backends.cpu import native_ops
 
-    reason = native_ops.unavailable_reason()
+    reason = native_ops.unavailable_reason() if wait else native_ops.not_ready_reason()
     if reason:
         return f"the native operators are unavailable ({reason})"
     if not torch.ops.portside_cpu_native.linear_amx_supported():

@@ -148,7 +148,7 @@ def unsupported_reason(model: Any) -> str | None:
         return "a weight that is not a contiguous cpu tensor"
     from portside.backends.cpu import native_ops
 
-    return native_ops.unavailable_reason()
+    return native_ops.not_ready_reason()
 
 
 def make_fused_decoder(model: Any, config: Any) -> FusedDecoder | None:

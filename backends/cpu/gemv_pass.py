@@ -75,7 +75,7 @@ class GemvAsReduction(CustomGraphPass):
         if native:
             from portside.backends.cpu import native_ops
 
-            reason = native_ops.unavailable_reason()
+            reason = native_ops.not_ready_reason()  # (built in the background: the graphs keep the reduction)
             if reason:
                 logger.warning("one-row linears use Inductor's fused reduction: the native operator is "
                                "unavailable (%s)", reason)

@@ -98,12 +98,28 @@ class _FusedDecodeSteps:
     _fused: FusedDecoder | None = None
     _step_logits: torch.Tensor | None = None
     _rows_step = False  # the last step ran in the fused multi-row step
+    _native_pending = False  # the native library is being built in the background (`_take_native`)
+
+    def _take_native(self) -> None:
+        """At a step's start while the native library is built in the background: once it is
+        loaded (`native_ops.ready`), this step and the later ones take the runner's native paths
+        (`_on_native`). Nothing a step keeps depends on which kernels ran the steps before: the
+        KV cache layout is the same, and the weights are the model's (the fused step reads them
+        in place)."""
+        from portside.backends.cpu import native_ops
+
+        if native_ops.ready():
+            self._native_pending = False
+            self._on_native()
+
+    def _on_native(self) -> None:
+        self._fused = make_fused_decoder(self.model_fn, self.config)  # type: ignore[attr-defined]
 
     def _fused_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """The step's hidden states when a fused step ran it (a one-row step's logits kept), else None."""
         self._step_logits, self._rows_step = None, False
-        if self._fused is None or getattr(getattr(self, "model_fn", None), "stage_input", None) is not None:
-            return None  # embeddings given (a vision-language model's image rows): op by op
+        if self._fused is None or ctx.inputs_embeds is not None:
+            return None  # embeddings given (image rows, a later pipeline stage): op by op
         if self._fused.covers(input_ids, ctx):
             hidden, self._step_logits = self._fused(input_ids, positions, ctx)
             return hidden
@@ -189,7 +205,8 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
         # operators build here (~12 us a layer warm, more right after the weight stream).
         from portside.backends.cpu import native_ops
 
-        self._native = native_ops.unavailable_reason() is None
+        self._native = native_ops.ready()  # (built in the background: the graphs keep torch's kernels, `_on_native`)
+        self._native_pending = not self._native and native_ops.pending()
         attention = torch.ops.portside_cpu_native.attention if self._native else torch.ops.portside_cpu.attention
         # One-row steps (batch-1 decode) get the LM head in the same graph: one compiled call a
         # step instead of two, each with its Python entry and exit, and no gather between them.
@@ -229,7 +246,16 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
                 self.compute_logits(hidden)
         logger.info("inductor: compiled the model in %.1f s", time.perf_counter() - t0)
 
+    def _on_native(self) -> None:
+        """The fused decode steps and the attention backend's native kernels (called from the
+        graphs through `portside_cpu::attention`); the compiled graphs keep torch's one-row
+        linears until the next start (recompiling them would stall a step for seconds)."""
+        if self.model is not None:
+            super()._on_native()
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self._native_pending:
+            self._take_native()
         hidden = self._fused_step(input_ids, positions, ctx)
         if hidden is not None:
             return hidden
@@ -274,7 +300,8 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
     rather than MKL's sgemm (option ``cpu_prepack``; bf16 on CPUs without bf16 arithmetic over fp32
     copies, option ``cpu_bf16_linears``). One-sequence decode steps of a Llama-family fp32 or bf16
     model run in the fused native step (`fused_decode`). Without a C++ compiler or oneDNN, the linears
-    concerned stay with torch's kernels."""
+    concerned stay with torch's kernels; while the native library is built in the background, until
+    the first step after it is built (`_take_native`)."""
 
     supports_pipeline_stages = True  # op by op: a stage's `embed` reads its input when called
 
@@ -282,8 +309,11 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         super().__init__(model_fn, config)
         from portside.backends.cpu import native_ops
 
-        reason = native_ops.unavailable_reason()
-        if reason:
+        reason = native_ops.not_ready_reason()
+        self._native_pending = reason is not None and native_ops.pending()
+        if self._native_pending:
+            logger.info("cpu eager: torch's kernels until the native library is built in the background")
+        elif reason:
             logger.warning("cpu eager: one-row linears use torch's GEMV (native operator unavailable: %s)", reason)
         self._native = reason is None
         self._fused = make_fused_decoder(model_fn, config) if self._native else None
@@ -317,7 +347,15 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
             return EagerLinears(self._native, self.packed_weights, amx)
         return contextlib.nullcontext()
 
+    def _on_native(self) -> None:
+        """The one-row and AMX linears, and the fused decode steps."""
+        self._native = True
+        self._amx = amx_linears(self.config)
+        super()._on_native()
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self._native_pending:
+            self._take_native()
         hidden = self._fused_step(input_ids, positions, ctx)
         if hidden is not None:
             return hidden

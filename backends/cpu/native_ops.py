@@ -1,8 +1,16 @@
 """The cpu backend's one native library: every C/C++ kernel, built once per compiler, CPU and torch
-version against the running torch with the system C++ compiler (`native_build`: on first use, in
-the background from `CpuPlatform.check_and_update_config`, or ahead of time with
-``python -m portside.backends.cpu.native_ops``). Without a compiler the backend runs its torch
-paths. It holds:
+version against the running torch with the system C++ compiler (`native_build`), or ahead of time
+with ``python -m portside.backends.cpu.native_ops``. Without a compiler the backend runs its torch
+paths.
+
+An engine never waits for the build (`ready`): when the library is not in the cache,
+`CpuPlatform.check_and_update_config` starts it in a detached process at nice 19 (`start`; ~1.5-4
+minutes of compiling on 2 cores) and the engine answers on its torch paths meanwhile.
+Its runners, attention backend and sampler ask `ready()` at each step and take the native kernels
+from the first step after the build has finished (docs/cpu.md, "Native kernels"); a one-shot
+command that ends first leaves the build running for the next one. Tests and explicit options
+(``cpu_attention=native``, ``cpu_bf16_linears=amx``) use `unavailable_reason()`, which builds or
+waits. It holds:
 
 - the paged-attention kernels' C entry points (`ps_*`, `csrc/paged_attention_abi.cpp`: the C
   kernels of `csrc/paged_attention.c` with C linkage), called through ctypes by `kernels.py`;
@@ -34,10 +42,14 @@ default model.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import logging
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,31 +86,184 @@ def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return compile_flags, (f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10")
 
 
-def _build() -> tuple[Path, bool]:
-    """The library's path, compiling it first unless it is cached; and whether this call compiled it."""
+def _target() -> tuple[list[str], tuple[str, ...], tuple[str, ...], Path]:
+    """(compiler, compile flags, link flags, the library's path in the cache)."""
     cxx = native_build.compiler()
     compile_flags, libs = _torch_flags()
     key = native_build.build_key(cxx, SOURCES + INCLUDED, compile_flags + libs, extra=torch.__version__)
-    target = native_build.cache_dir() / key / "portside_cpu_native.so"
-    return target, native_build.build(cxx, SOURCES, compile_flags, libs, target)
+    return cxx, compile_flags, libs, native_build.cache_dir() / key / "portside_cpu_native.so"
 
 
-@functools.lru_cache(maxsize=1)
-def prebuild_in_background() -> threading.Thread:
-    """Start compiling the library on a thread, once per process, so a first run's build overlaps
-    tokenizer and weight loading; `load()` then waits for it (`native_build.build` holds a lock)
-    or finds the .so cached. Nothing is loaded here, and a failure is left for `load()` /
-    `unavailable_reason()` to report."""
+def _build(timeout: float = 300, lock_fd: int | None = None) -> tuple[Path, bool]:
+    """The library's path, compiling it first unless it is cached; and whether this call compiled it."""
+    cxx, compile_flags, libs, target = _target()
+    return target, native_build.build(cxx, SOURCES, compile_flags, libs, target, timeout=timeout, lock_fd=lock_fd)
 
-    def work() -> None:
+
+POLL_S = 1.0  # how often `ready` looks for a background build's library (a stat, at a step's start)
+BACKGROUND_TIMEOUT_S = 1800  # a compiler call's limit in a background build (lowest priority, busy machine)
+
+
+class _State:
+    """This process's view of a library it has not loaded yet (`start`, `ready`)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.reason: str | None = None  # why the library cannot be used in this process
+        self.build: native_build.BackgroundBuild | None = None
+        self.next_poll = 0.0
+        self.callbacks: list[Callable[[], None]] = []
+        self.lock = threading.RLock()
+
+
+_state = _State()
+
+
+def loaded() -> bool:
+    """Whether the operators are registered in this process (`load` succeeded)."""
+    return load.cache_info().currsize > 0
+
+
+def start() -> None:
+    """Make the library usable without waiting for it (`ready`), once per process: nothing when it
+    is loaded or cached; else start its build in a detached process at nice 19
+    (`native_build.start_background`), or follow the process building it already, and say so on
+    stderr. A missing compiler, or a failure a background build recorded, becomes the reason the
+    torch paths run (`not_ready_reason`)."""
+    with _state.lock:
+        if _state.started or loaded():
+            return
+        _state.started = True
         try:
-            _build()
-        except Exception as e:  # noqa: BLE001 - whatever it is, load() meets it again and reports it
-            logger.debug("cpu: background native build failed (reported on first use): %s", e)
+            target = _target()[3]
+        except NativeBuildError as e:
+            _state.reason = str(e)
+            return
+        if target.exists():
+            return
+        failed = native_build.recorded_failure(target)
+        if failed is not None:
+            _state.reason = (f"their build failed ({failed}); `python -m portside.backends.cpu.native_ops` "
+                             "builds them again and shows why")
+            _notice(f"the native cpu kernels are unavailable, so the torch paths run: {_state.reason}")
+            return
+        argv = [sys.executable, "-m", "portside.backends.cpu.native_ops", "--background", str(target)]
+        try:
+            _state.build = native_build.start_background(argv, target)
+        except OSError as e:
+            _state.reason = f"the background build could not start: {e}"
+            return
+        if _state.build is None:  # built meanwhile
+            return
+        what, estimate = native_build.describe(SOURCES)
+        if _state.build.proc is not None:
+            _notice(f"building native cpu kernels in the background ({what}, at low priority; first run, "
+                    f"~{estimate} s on an idle machine); the torch paths answer until they are built")
+        else:
+            _notice("native cpu kernels are being built by another process; the torch paths answer until they are built")
+        atexit.register(_say_still_building)
 
-    thread = threading.Thread(target=work, name="portside-native-build", daemon=True)
-    thread.start()
-    return thread
+
+def ready() -> bool:
+    """Whether the native operators are registered in this process, never waiting for a build:
+    True when they are loaded, or cached (loading them now), or a background build (`start`,
+    which this starts if need be) has just finished (its library is looked for at most every
+    `POLL_S` seconds; then loaded, stderr told, and the `when_ready` callbacks run). A caller
+    asks at a step's start and takes the native kernels from there on."""
+    if loaded():
+        return True
+    start()
+    with _state.lock:
+        if _state.reason is not None:
+            return False
+        bg = _state.build
+        if bg is not None:
+            now = time.monotonic()
+            if now < _state.next_poll:
+                return False
+            _state.next_poll = now + POLL_S
+            try:
+                if not bg.done():
+                    return False
+            except NativeBuildError as e:
+                _state.reason = f"their background build failed: {e}"
+                _notice(f"the native cpu kernels are unavailable, so the torch paths go on: {_state.reason}")
+                return False
+        reason = unavailable_reason()  # built (or cached): loads it without compiling
+        if reason is not None:
+            _state.reason = reason
+            return False
+        callbacks, _state.callbacks = _state.callbacks, []
+    if bg is not None:
+        _notice(f"native cpu kernels built in the background in {time.monotonic() - bg.started:.0f} s; "
+                "the native paths run from now on")
+    for fn in callbacks:
+        fn()
+    return True
+
+
+def pending() -> bool:
+    """Whether a background build may still make `ready` true in this process."""
+    start()
+    return not loaded() and _state.build is not None and _state.reason is None
+
+
+def not_ready_reason() -> str | None:
+    """None when `ready()`, else why the torch paths run now (a build in the background, or why
+    the library is unavailable)."""
+    if ready():
+        return None
+    if _state.reason is not None:
+        return _state.reason
+    return "they are being built in the background (the torch paths run until then)"
+
+
+def wait(why: str) -> bool:
+    """`ready()`, after waiting for a background build to end (`why`: what needs the library from
+    the start, said on stderr)."""
+    if ready():
+        return True
+    bg = _state.build
+    if bg is not None and _state.reason is None:
+        _notice(f"waiting for the native cpu kernels being built in the background ({why}) ...")
+        while True:
+            try:
+                if bg.done():
+                    break
+            except NativeBuildError:
+                break  # `ready` reports it
+            time.sleep(0.5)
+        _state.next_poll = 0.0
+    return ready()
+
+
+def when_ready(fn: Callable[[], None]) -> None:
+    """Call `fn` now when `ready()`, else once a background build's library is loaded (never when
+    the library is unavailable)."""
+    if ready():
+        fn()
+    elif pending():
+        with _state.lock:
+            _state.callbacks.append(fn)
+
+
+def forget() -> None:
+    """Forget this process's library state (tests: another cache or compiler). Operators once
+    registered stay registered."""
+    global _state
+    load.cache_clear()
+    _state = _State()
+
+
+def _notice(msg: str) -> None:
+    print(f"portside: {msg}", file=sys.stderr, flush=True)
+
+
+def _say_still_building() -> None:
+    bg = _state.build
+    if bg is not None and not loaded() and _state.reason is None and not bg.target.exists():
+        who = f"pid {bg.proc.pid}" if bg.proc is not None else "another process"
+        _notice(f"the native cpu kernels are still building in the background ({who}); later runs use them once built")
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,15 +332,40 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Build the library ahead of first use (a container image, a shared cache): prints its path,
-    or why it cannot be built (exit 2)."""
+    or why it cannot be built (exit 2). ``--background TARGET``: the detached build `start` runs."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--background":
+        return _background_build(Path(args[1]))
     try:
         target, compiled = _build()
     except NativeBuildError as e:
         print(f"portside: the native cpu library cannot be built here: {e}", file=sys.stderr)
         return 2
     print(f"{target} ({'built' if compiled else 'already built'})")
+    return 0
+
+
+def _background_build(expected: Path) -> int:
+    """The child of `native_build.start_background`: build `expected`, the library its parent waits
+    for, with the lock it inherited (anything else, e.g. after the sources were edited, is not
+    built under that library's lock); a failure (other than a compiler call running out of time)
+    is recorded for later starts, and the log of a build that succeeded removed."""
+    lock_fd = native_build.inherited_lock()
+    try:
+        if _target()[3] != expected:
+            print(f"portside: not building {expected}: the sources or the compiler changed since it was asked for",
+                  file=sys.stderr, flush=True)
+            return 2
+        target, _ = _build(timeout=BACKGROUND_TIMEOUT_S, lock_fd=lock_fd)
+    except NativeBuildError as e:
+        print(f"portside: the native cpu library cannot be built here: {e}", file=sys.stderr, flush=True)
+        if not isinstance(e, native_build.NativeBuildTimeout):
+            with contextlib.suppress(OSError):
+                native_build.record_failure(expected, str(e))
+        return 2
+    (target.parent / "build.log").unlink(missing_ok=True)
     return 0
 
 

@@ -89,12 +89,14 @@ def install_caching_allocator(cache_mb: int) -> bool:
     buffers, which glibc serves from a heap fragmented by model load and compilation (batch-1
     decode of the default model, 2 threads, same process: 0.29 ms a step less, median). Process-wide,
     like preloading tcmalloc or jemalloc (the fix vLLM's and IPEX's CPU guides give). Returns
-    whether it is installed; without the native library (no C++ compiler) nothing changes."""
+    whether it is installed; without the native library (no C++ compiler) nothing changes, and
+    while it is built in the background it is installed once built (`native_ops.when_ready`)."""
     from portside.backends.cpu import native_ops
 
-    reason = native_ops.unavailable_reason()
+    reason = native_ops.not_ready_reason()
     if reason:
-        logger.debug("cpu: no caching allocator (native library unavailable: %s)", reason)
+        logger.debug("cpu: no caching allocator yet (native library: %s)", reason)
+        native_ops.when_ready(lambda: install_caching_allocator(cache_mb))  # (when built in the background)
         return False
     ops = torch.ops.portside_cpu_native
     if cache_mb <= 0 and not ops.caching_allocator_stats()[0]:
@@ -222,7 +224,7 @@ class CpuPlatform(Platform):
                     torch.get_num_threads())
         from portside.backends.cpu import native_ops
 
-        native_ops.prebuild_in_background()  # a first run compiles while the tokenizer and weights load
+        native_ops.start()  # not cached: built in the background while the torch paths answer
         return super().check_and_update_config(config)
 
     @classmethod
@@ -241,8 +243,9 @@ class CpuPlatform(Platform):
     def _attention_backend(cls, config) -> AttentionBackend:
         """Option cpu_attention: "auto" picks IPEX's paged kernels when intel_extension_for_pytorch
         is usable (and the KV cache is the model's dtype), else the native C kernels for fp32
-        and bf16 models when they build, else the torch path; "native", "torch" and "ipex" force
-        one (checked in `check_and_update_config`)."""
+        and bf16 models when they build (while they are built in the background, the native
+        backend runs the torch path until they are: `NativeAttentionBackend`), else the torch
+        path; "native", "torch" and "ipex" force one (checked in `check_and_update_config`)."""
         from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 
         impl = config.option("cpu_attention", "auto")
@@ -253,9 +256,16 @@ class CpuPlatform(Platform):
                 logger.info("cpu attention: IPEX PagedAttention kernels")
                 return IpexAttentionBackend()
         if impl == "native" or (impl == "auto" and config.model.dtype in (torch.float32, torch.bfloat16)):
+            from portside.backends.cpu import native_ops
             from portside.backends.cpu.kernels import native_unavailable_reason
 
-            reason = native_unavailable_reason()
+            if impl == "native":  # built (or waited for) in check_and_update_config
+                reason = native_unavailable_reason()
+            else:
+                reason = native_ops.not_ready_reason() or native_unavailable_reason()
+                if reason is not None and native_ops.pending():
+                    logger.info("cpu attention: the torch path until the native C kernels are built in the background")
+                    return NativeAttentionBackend()
             if reason is None:
                 logger.info("cpu attention: native C kernels (decodes, K/V writes), SDPA for prefill chunks")
                 return NativeAttentionBackend()
@@ -267,21 +277,34 @@ class CpuPlatform(Platform):
         """Core's sampler with the native row argmax (`csrc/argmax.cpp`) and grammar mask
         (`csrc/token_bitmask.cpp`) when the operators build: torch's CPU argmax reads a row one
         element at a time (~40 us for one 49k-token row, 1.3 ms for 64 rows here; 8 us and 0.41 ms
-        native)."""
+        native). While the library is built in the background, core's until it is (`native_ops.ready`)."""
         from portside.backends.cpu import native_ops
 
-        if native_ops.unavailable_reason() is None:
+        if native_ops.ready():
             ops = torch.ops.portside_cpu_native
             return Sampler(argmax=ops.argmax_rows, apply_token_bitmask=ops.apply_token_bitmask)
+        if native_ops.pending():
+            core = Sampler()
+
+            def argmax(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.portside_cpu_native.argmax_rows(x) if native_ops.ready() else core.argmax(x)
+
+            def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                if native_ops.ready():
+                    return torch.ops.portside_cpu_native.apply_token_bitmask(logits, bitmask, rows)
+                return core.apply_token_bitmask(logits, bitmask, rows)
+
+            return Sampler(argmax=argmax, apply_token_bitmask=apply_token_bitmask)
         return Sampler()
 
     @classmethod
     def model_ops(cls, config) -> ModelOps:
         """Core's references, but mixture-of-experts grouped by expert, native quantized linears and
-        multi-LoRA grouped by adapter (`moe.CpuModelOps`)."""
+        multi-LoRA grouped by adapter (`moe.CpuModelOps`). A quantized model waits for a native
+        library built in the background: its weights are laid out for the kernels as they load."""
         from portside.backends.cpu.moe import CpuModelOps
 
-        return CpuModelOps()
+        return CpuModelOps(wait=getattr(getattr(config, "model", None), "quantization", None) is not None)
 
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config) -> GraphRunner:

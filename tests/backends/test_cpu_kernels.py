@@ -32,7 +32,7 @@ def fresh(monkeypatch, tmp_path):
 
 def _forget() -> None:
     kernels.load_library.cache_clear()
-    native_ops.load.cache_clear()
+    native_ops.forget()
 
 
 def _script(path: Path, body: str) -> str:

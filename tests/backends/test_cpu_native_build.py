@@ -74,3 +74,58 @@ def test_a_failing_source_is_named(sources, tmp_path, monkeypatch):
     with pytest.raises(native_build.NativeBuildError, match="building b.c with .* failed"):
         native_build.build(["cc"], sources, FLAGS, (), tmp_path / "lib.so")
     assert not (tmp_path / "lib.so").exists()
+
+
+def _background_child(cc: str, sources, target) -> list[str]:
+    """What `native_ops` runs detached (`python -m ... --background`), for these sources: a build
+    holding the lock it inherits, its failure recorded."""
+    script = (f"import pathlib, sys; from portside.backends.cpu import native_build as nb; "
+              f"target = pathlib.Path({str(target)!r}); fd = nb.inherited_lock(); assert fd is not None\n"
+              f"try: nb.build([{cc!r}], tuple(map(pathlib.Path, {[str(p) for p in sources]!r})), {FLAGS!r}, (), "
+              f"target, lock_fd=fd)\n"
+              f"except nb.NativeBuildError as e: nb.record_failure(target, str(e)); sys.exit(2)")
+    return [sys.executable, "-c", script]
+
+
+def _until(check, timeout: float = 120):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return result
+
+
+def test_a_background_build_runs_detached_once_while_the_caller_goes_on(sources, tmp_path):
+    """`start_background` returns while the compiler still runs (here: blocked until released), in
+    a child that holds the build lock from the start, so a second caller (another engine) follows
+    that build instead of starting one; the library appears whole, once."""
+    target, release, calls = tmp_path / "out" / "lib.so", tmp_path / "release", tmp_path / "calls"
+    blocked_cc = tmp_path / "blocked-cc"
+    blocked_cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
+                          f'n=0; while [ ! -e {release} ] && [ $n -lt 1200 ]; do sleep 0.1; n=$((n+1)); done\n'
+                          f'exec cc "$@"\n')
+    blocked_cc.chmod(0o755)
+    argv = _background_child(str(blocked_cc), sources, target)
+    first = native_build.start_background(argv, target)
+    assert first is not None and first.proc is not None
+    assert first.done() is False and not target.exists()  # the compiler is still blocked: nobody waited
+    second = native_build.start_background(argv, target)
+    assert second is not None and second.proc is None and second.done() is False  # follows the first
+    release.touch()
+    assert _until(first.done) and second.done() and first.proc.wait(timeout=60) == 0
+    assert ctypes.CDLL(str(target)).ps_two() == 2
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 3 and sum(" -c " in line for line in lines) == 2  # a and b compiled once, linked once
+    assert native_build.start_background(argv, target) is None  # built: nothing to start
+
+
+def test_a_failed_background_build_gives_its_reason_and_is_recorded(sources, tmp_path):
+    target = tmp_path / "lib.so"
+    sources[1].write_text("int ps_two(void) { return }\n")
+    build = native_build.start_background(_background_child("cc", sources, target), target)
+    with pytest.raises(native_build.NativeBuildError, match="building b.c with cc failed"):
+        _until(build.done)
+    assert "building b.c with cc failed" in native_build.recorded_failure(target)
+    assert not target.exists()
