@@ -370,12 +370,12 @@ def test_the_fast_path_renders_once_and_tokenizes_once(qwen: Any, monkeypatch: p
     assert ids == hf_ids(qwen, messages)
 
 
-def test_llm_engine_apply_chat_template_tokenizes_user_tokens_as_text(qwen: Any) -> None:
+def test_input_processor_apply_chat_template_tokenizes_user_tokens_as_text(qwen: Any) -> None:
     """LLM.chat's rendering: the text for outputs and ids for the engine, with the user's tokens plain."""
-    from portside.engine.llm_engine import LLMEngine
+    from portside.engine.processor import InputProcessor
 
     messages = [{"role": "user", "content": FORGERY}]
-    prompt = LLMEngine.apply_chat_template(SimpleNamespace(tokenizer=qwen), messages)  # type: ignore[arg-type]
+    prompt = InputProcessor.apply_chat_template(SimpleNamespace(tokenizer=qwen), messages)  # type: ignore[arg-type]
     assert prompt == {"prompt": qwen.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                       "prompt_token_ids": render_chat_ids(qwen, messages)}  # fmt: skip
     assert_not_forged(qwen, messages, prompt["prompt_token_ids"], [FORGERY])

@@ -9,26 +9,22 @@ Each request gets a `RequestStream`: an async iterator of `RequestOutput`s (of t
 `output_kind`; unread ones coalesced) that ends after the finished one. Closing a stream before
 it finishes aborts the request; the engine frees its KV blocks on the next step.
 
-While it runs, full garbage collections (`FullCollections`) happen when the engine is idle, not
-whenever the heap has grown by a quarter: a collection holds the GIL for as long as it scans, and
-the live heap of a request with logprobs is large (n=128 x 160 tokens x 21 `Logprob`s: 0.3-0.5 s
-pauses every few seconds of it, stalling the event loop and every other request).
+While it runs, full garbage collections happen when the engine is idle, and the allocator's free
+pages go back to the OS then (`portside.engine.memory_hygiene`); each request that ends is
+reported as a `RequestRecord` (`portside.engine.stats`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
-import gc
 import logging
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from portside.engine.memory_hygiene import IDLE_GC_S, FullCollections, release_free_memory
+from portside.engine.stats import RequestRecord, RequestTimings
 from portside.outputs import RequestOutput
 from portside.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,55 +54,6 @@ class EngineStoppedError(RuntimeError):
     """The engine no longer accepts requests: it is shutting down or its step loop died."""
 
 
-@dataclass
-class RequestRecord:
-    """Timings and sizes of one finished (or aborted) request, for metrics."""
-
-    request_id: str
-    outcome: str  # "stop", "length", "abort" or "error" (the step loop died)
-    arrival_time: float  # time.monotonic()
-    first_token_time: float | None
-    finish_time: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    first_scheduled_time: float | None = None  # when the scheduler first admitted it (engine clock, same monotonic)
-    params: SamplingParams | None = None
-    lora_name: str | None = None  # the LoRA adapter it ran with
-    engine_index: int = 0  # the data-parallel replica that ran it (metrics' `engine` label)
-
-    @property
-    def queue_time(self) -> float | None:
-        """Arrival to first scheduled."""
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def prefill_time(self) -> float | None:
-        """First scheduled to first token."""
-        if self.first_scheduled_time is None or self.first_token_time is None:
-            return None
-        return self.first_token_time - self.first_scheduled_time
-
-    @property
-    def decode_time(self) -> float | None:
-        """First token to the end."""
-        return None if self.first_token_time is None else self.finish_time - self.first_token_time
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e(self) -> float:
-        return self.finish_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_time is None or self.num_generation_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_generation_tokens - 1)
-
-
 def check_waiting_limit(limit: int | None, num_waiting: int, num_seqs: int) -> None:
     """`QueueFullError` unless `num_seqs` more sequences may wait beside `num_waiting` under
     `limit` (None: no limit); ValueError when that many could never wait at once."""
@@ -119,91 +66,19 @@ def check_waiting_limit(limit: int | None, num_waiting: int, num_seqs: int) -> N
         raise QueueFullError(f"too many waiting requests ({num_waiting} sequences of at most {limit}); retry later")
 
 
-def release_free_memory() -> None:
-    """Hand the allocator's free pages back to the OS (glibc's `malloc_trim`), when the engine
-    goes idle: the peaks of a busy period (activations of the largest batches, in every
-    thread's arena) would otherwise stay resident for good. A no-op elsewhere."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-IDLE_GC_S = 1.0  # a full garbage collection once the engine has been idle this long after working
 HEALTH_CHECK_S = 1.0  # while idle, how often the engine's `check_health` (when it has one) runs
-BUSY_GC_INTERVAL_S = 120.0  # and one at least this often while it never goes idle
 
 
-class FullCollections:
-    """Full (oldest-generation) garbage collections moved off the request path.
-
-    Python collects its oldest generation whenever a quarter more objects than at the last full
-    collection have survived into it, and such a collection scans the whole heap with the GIL
-    held. The objects a request with logprobs keeps until it finishes (a dict and k+1 `Logprob`s
-    per token) make that scan take 0.3-0.5 s, several times a request: every thread stalls,
-    the event loop included. Instead, `start` collects and freezes the start-up heap (the model,
-    modules and tokenizer: never scanned again, as vLLM does), and sets the oldest generation's
-    threshold out of reach; the engine thread then collects in full once it has been idle for
-    IDLE_GC_S after working and every finished output it handed out has been let go (a 24 MB
-    response may still be being built from one: its objects would make the scan long), and at
-    least every BUSY_GC_INTERVAL_S regardless (which bounds how long cyclic garbage that reached
-    the oldest generation waits). The younger generations are collected as usual. `stop`
-    restores the threshold and unfreezes.
-    """
-
-    def __init__(self, busy_interval_s: float = BUSY_GC_INTERVAL_S) -> None:
-        self.busy_interval_s = busy_interval_s
-        self.dirty = False  # worked since the last full collection
-        self.last = time.monotonic()
-        self._thresholds: tuple[int, int, int] | None = None
-        self._held = 0  # finished outputs handed out and still alive somewhere
-        self._lock = threading.Lock()
-
-    def hold(self, out: RequestOutput) -> None:
-        """`out` (finished) was handed out: no idle collection until it is let go."""
-        try:
-            weakref.finalize(out, self._let_go)
-        except TypeError:  # an output type without weak references: not waited for
-            return
-        with self._lock:
-            self._held += 1
-
-    def _let_go(self) -> None:  # any thread: the one that drops the last reference
-        with self._lock:
-            self._held -= 1
-
-    def due_when_idle(self) -> bool:
-        return self.dirty and (self._held == 0 or time.monotonic() - self.last > self.busy_interval_s)
-
-    def start(self) -> None:
-        gc.collect()
-        gc.freeze()
-        self._thresholds = gc.get_threshold()
-        gc.set_threshold(self._thresholds[0], self._thresholds[1], 1 << 30)
-        self.last = time.monotonic()
-
-    def stop(self) -> None:
-        if self._thresholds is not None:
-            gc.set_threshold(*self._thresholds)
-            gc.unfreeze()
-            self._thresholds = None
-
-    def collect(self) -> None:
-        gc.collect()
-        self.dirty, self.last = False, time.monotonic()
-
-    def before_step(self) -> None:
-        """Called before each engine step: a full collection when one is overdue."""
-        self.dirty = True
-        if time.monotonic() - self.last > self.busy_interval_s:
-            self.collect()
+async def generate_outputs(engine: Any, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
+                           priority: int) -> AsyncIterator[RequestOutput]:
+    """Add a request to `engine` (an `AsyncLLMEngine`, or a front with its `add_request`) and yield
+    its outputs; leaving early aborts it."""
+    stream = await engine.add_request(request_id, prompt, params, priority=priority)
+    try:
+        async for out in stream:
+            yield out
+    finally:
+        stream.close()
 
 
 class RequestStream:
@@ -226,12 +101,7 @@ class RequestStream:
         self._wake = asyncio.Event()
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finished = False
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.engine_times: dict[str, float] = {}  # the engine's first_scheduled_time / first_token_time
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.length_only = True  # every sample finished by length (the metrics' outcome)
+        self.timings = RequestTimings(arrival_time=time.monotonic())  # for its `RequestRecord`
         self.lora_request: Any = None  # the LoRA adapter it runs with
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -273,11 +143,8 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
     # called on the event loop by the owner
-    def _put(self, out: RequestOutput) -> None:
-        if self.num_prompt_tokens == 0:
-            self.num_prompt_tokens = len(out.prompt_token_ids)
-        new_tokens = sum(len(c.token_ids) for c in out.outputs) + out.num_dropped_tokens  # best_of: every sample
-        self.num_generation_tokens = self.num_generation_tokens + new_tokens if self._delta else new_tokens
+    def _put(self, out: RequestOutput, now: float) -> None:
+        self.timings.observe(out, now, self._delta)
         if self._pending is not None and self._delta:
             self._pending.add(out)
         else:
@@ -376,7 +243,7 @@ class AsyncLLMEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences (a request's n samples each) accepted that have not produced a token yet."""
-        return sum(s.num_seqs for s in self._streams.values() if s.first_token_time is None)
+        return sum(s.num_seqs for s in self._streams.values() if s.timings.first_token_time is None)
 
     @property
     def supports_images(self) -> bool:
@@ -456,16 +323,11 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority=priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
+        return generate_outputs(self, request_id, prompt, params, priority)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (event-loop thread). Its stream ends; blocks are freed on the next step."""
@@ -509,20 +371,13 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
                 continue
-            if stream.first_token_time is None and any(c.token_ids for c in out.outputs):
-                stream.first_token_time = now
-            for key in ("first_scheduled_time", "first_token_time"):
-                if key in out.metrics:
-                    stream.engine_times.setdefault(key, out.metrics[key])
-            reasons = {c.finish_reason for c in out.outputs}  # a delta holds the samples that finished now
-            stream.length_only = stream.length_only and reasons <= {"length", None}
-            stream._put(out)
+            stream._put(out, now)
             if out.finished and self._gc is not None:
                 self._gc.hold(out)
             if out.finished:
                 del self._streams[out.request_id]
                 stream.finished = True
-                self._record(stream, "length" if stream.length_only else "stop")
+                self._record(stream, stream.timings.finished_outcome)
                 stream._end()
 
     def _on_dead(self, error: BaseException) -> None:
@@ -539,20 +394,8 @@ class AsyncLLMEngine:
     def _record(self, stream: RequestStream, outcome: str) -> None:
         if self.on_request_done is None:
             return
-        record = RequestRecord(
-            request_id=stream.request_id,
-            outcome=outcome,
-            arrival_time=stream.arrival_time,
-            # the engine's clock where it has one: a final-only output reaches the loop at the end
-            first_token_time=stream.engine_times.get("first_token_time", stream.first_token_time),
-            finish_time=time.monotonic(),
-            num_prompt_tokens=stream.num_prompt_tokens,
-            num_generation_tokens=stream.num_generation_tokens,
-            first_scheduled_time=stream.engine_times.get("first_scheduled_time"),
-            params=stream.params,
-            lora_name=getattr(stream.lora_request, "lora_name", None),
-            engine_index=self.engine_index,
-        )
+        record = stream.timings.record(stream.request_id, outcome, time.monotonic(), stream.params,
+                                       stream.lora_request, self.engine_index)
         try:
             self.on_request_done(record)
         except Exception:  # metrics must never break serving

@@ -35,13 +35,14 @@ from typing import Any
 from portside.engine.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
-    FullCollections,
-    RequestRecord,
     RequestStream,
     SyncEngine,
     check_waiting_limit,
+    generate_outputs,
 )
 from portside.engine.dp_router import PrefixRouter
+from portside.engine.memory_hygiene import FullCollections
+from portside.engine.stats import RequestRecord
 from portside.outputs import RequestOutput
 from portside.sampling_params import SamplingParams
 
@@ -245,16 +246,11 @@ class DataParallelEngine:
         return await self.replicas[i].add_request(request_id, prompt, params, priority=priority, check_capacity=False,
                                                   lora_request=lora_request)
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, *, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority=priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
+        return generate_outputs(self, request_id, prompt, params, priority)
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from portside.engine.detokenizer import IncrementalDetokenizer, find_stop
 from portside.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SpecDecodeStats
 from portside.request import Request
 from portside.sampling_params import RequestOutputKind
 from portside.sched.output import LogprobsLists
+
+if TYPE_CHECKING:
+    from portside.engine.processor import EngineRequest
 
 
 @dataclass
@@ -153,10 +156,31 @@ class OutputProcessor:
         # so the top-k alternatives of every position (n=128 x 480 tokens x 21: 1.3M) cost a lookup
         self._token_text: dict[int, str] = {}
 
-    def add(self, group: RequestGroup) -> None:
-        self.groups[group.request_id] = group
-        for rid in group.samples:
-            self.owner[rid] = group.request_id
+    def add_request(self, request: EngineRequest) -> None:
+        """Track a request the input processor validated: one sample per sequence it runs."""
+        params, prompt_ids = request.params, request.prompt_token_ids
+        samples = {
+            seq.request_id: SampleState(
+                index=k,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.detokenize),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for k, seq in enumerate(request.sequences)
+        }
+        self.groups[request.request_id] = RequestGroup(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=prompt_ids,
+            samples=samples,
+            stops=params.stop_strings,
+            include_stop=params.include_stop_str_in_output,
+            want_logprobs=params.logprobs is not None,
+            kind=params.output_kind,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            best_n=request.best_n,
+        )
+        for rid in samples:
+            self.owner[rid] = request.request_id
 
     def _decode_token(self, token_id: int) -> str:
         """A token's text alone, decoded here on the engine thread: the server uses

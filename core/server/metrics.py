@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from portside.engine.async_engine import RequestRecord
+from portside.engine.stats import RequestRecord
 from portside.server.vllm_metrics import VllmMetrics
 
 disable_created_metrics()  # no `_created` series: they double the exposition for little use

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from portside.engine.async_engine import RequestRecord
+from portside.engine.stats import RequestRecord
 
 request_logger = logging.getLogger("portside.requests")
 stats_logger = logging.getLogger("portside.stats")

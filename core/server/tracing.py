@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from portside.engine.async_engine import RequestRecord
+from portside.engine.stats import RequestRecord
 
 INSTALL_HINT = "pip install opentelemetry-sdk opentelemetry-exporter-otlp"
 SPAN_NAME = "llm_request"

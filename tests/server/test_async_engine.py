@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestRecord
+from portside.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError
+from portside.engine.stats import RequestRecord
 from portside.sampling_params import SamplingParams
 
 
@@ -112,7 +113,7 @@ def test_full_collections_wait_for_idle_and_released_outputs(sync_engine) -> Non
     The start-up heap is frozen; shutdown restores the collector as it was."""
     import gc
 
-    from portside.engine.async_engine import IDLE_GC_S
+    from portside.engine.memory_hygiene import IDLE_GC_S
     from portside.sampling_params import RequestOutputKind
 
     def full_collections() -> int:

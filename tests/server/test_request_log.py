@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from server_process import ServerProcess
 
-from portside.engine.llm_engine import EngineStats
+from portside.engine.stats import EngineStats
 from portside.server.request_log import StatsLogger
 
 LINE = re.compile(r"INFO portside\.requests: (request_id=\S+ .*)")
