@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from portside.engine.async_engine import EngineStoppedError, QueueFullError, RequestRecord
+from portside.engine.async_engine import EngineStoppedError, QueueFullError
 from portside.engine.data_parallel import DataParallelEngine, merge_stats
 from portside.engine.dp_router import AFFINITY_BLOCKS, AFFINITY_SLACK, PrefixRouter
-from portside.engine.llm_engine import EngineStats, LLMEngine
+from portside.engine.llm_engine import LLMEngine
+from portside.engine.stats import EngineStats, RequestRecord
 from portside.outputs import SpecDecodeStats
 from portside.sampling_params import SamplingParams
 from portside.testing.tiny import hf_greedy
@@ -207,7 +208,7 @@ def test_front_aborts_at_the_owner_refuses_duplicates_and_bounds_waiting(engines
             await front.add_request("c", [1, 2, 3], params)
 
     run(main())
-    assert all(not e.has_unfinished_requests() and e.scheduler.kv_cache_usage == 0 for e in engines)
+    assert all(not e.has_unfinished_requests() and e.scheduler.make_stats().kv_cache_usage == 0 for e in engines)
 
 
 def test_front_shares_grammar_cache_and_adapter_registry(engines: list[LLMEngine]):

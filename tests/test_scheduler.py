@@ -218,7 +218,7 @@ def test_max_num_seqs_limits_running_requests() -> None:
     for i in range(3):
         sched.add_request(make_request(f"r{i}", [i + 1], max_tokens=2))
     out, _ = step(sched, runner)
-    assert set(out.num_scheduled_tokens) == {"r0", "r1"} and sched.num_running == 2 and sched.num_waiting == 1
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"} and sched.make_stats().num_running == 2 and sched.make_stats().num_waiting == 1
     out, _ = step(sched, runner)
     assert set(out.num_scheduled_tokens) == {"r0", "r1"}  # both finish (max_tokens 2)
     out, _ = step(sched, runner)
@@ -328,7 +328,7 @@ def test_abort_frees_blocks_whether_waiting_running_or_mid_prefill() -> None:
     assert sched.kv.get_block_ids("pre") and sched.kv.get_block_ids("dec")
     assert sched.get_request("pre").num_computed_tokens < 30  # type: ignore[union-attr]
     sched.finish_requests(["pre", "wait", "nope"], RequestStatus.FINISHED_ABORTED)
-    assert sched.kv.get_block_ids("pre") == [] and sched.num_waiting == 0
+    assert sched.kv.get_block_ids("pre") == [] and sched.make_stats().num_waiting == 0
     sched.check_integrity()
     out = sched.schedule()
     assert out.finished_req_ids == {"pre", "wait"} and out.num_scheduled_tokens == {"dec": 1}
@@ -431,7 +431,8 @@ def test_prefix_cache_hit_across_requests_and_stats() -> None:
     out, _ = step(sched, runner)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 8 and out.num_scheduled_tokens == {"b": 3}
     assert b.num_cached_tokens == 8
-    assert sched.prefix_cache_queries == 10 + 11 and sched.prefix_cache_hits == 8
+    stats = sched.make_stats()
+    assert stats.prefix_cache_queries == 10 + 11 and stats.prefix_cache_hits == 8
     run_all(sched, runner)
     assert b.output_token_ids == reference_outputs(b.prompt_token_ids, 2)
 
@@ -526,7 +527,7 @@ def test_random_traffic_keeps_invariants_and_outputs(
         add()
     run_all(sched, runner)
 
-    assert all_blocks_free(sched) and sched.num_running == sched.num_waiting == 0
+    assert all_blocks_free(sched) and sched.make_stats().num_running == sched.make_stats().num_waiting == 0
     event(f"preemptions: {min(sched.num_preemptions, 3)}+")
     event(f"requests starting from shared blocks: {min(sum(r.num_cached_tokens > 0 for r in made), 2)}+")
     for r in made:

@@ -39,17 +39,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from portside.kv_cache.manager import KVCacheManager, cdiv
 from portside.outputs import SpecDecodeStats
 from portside.request import Request, RequestStatus
-from portside.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 from portside.sched.policy import make_policy
 from portside.sched.request_queue import WaitingQueue
+from portside.sched.runner_view import RunnerView
 
 if TYPE_CHECKING:  # portside.config imports torch (for dtypes); the scheduler must not
     from portside.config import SchedulerConfig
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state and counters at one moment (`Scheduler.make_stats`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found in the cache
+    num_preemptions: int
+    spec_decode: SpecDecodeStats  # every request's proposals and acceptances since start
 
 
 class Scheduler:
@@ -87,12 +102,10 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # for the next output's finished_req_ids
-        self._num_sent_blocks: dict[str, int] = {}  # req_id -> block ids the runner knows
+        self.runner_view = RunnerView(self.kv, send_token_ids)  # what the runner knows of each request
         self._in_flight: dict[str, int] = {}  # scheduled, not yet updated (several batches with num_micro_batches > 1)
         self.num_micro_batches = num_micro_batches  # scheduled steps the engine keeps in flight
         self.micro_batch_tokens = micro_batch_tokens  # cap on a micro-batch's tokens (see schedule)
-        self.send_token_ids = send_token_ids  # cached requests carry their new tokens (pipeline parallelism)
-        self._num_sent_tokens: dict[str, int] = {}  # req_id -> tokens the runner was sent (send_token_ids)
         self.spec_stats = SpecDecodeStats()  # every request's proposals and acceptances since start
 
     # ---- intake ------------------------------------------------------------------------------
@@ -151,9 +164,9 @@ class Scheduler:
         for req_id in scheduled:
             request = self.requests[req_id]
             if req_id in new_ids:
-                output.scheduled_new_reqs.append(self._new_request_data(request))
+                output.scheduled_new_reqs.append(self.runner_view.new_request(request))
             else:
-                output.scheduled_cached_reqs.append(self._cached_request_data(request))
+                output.scheduled_cached_reqs.append(self.runner_view.cached_request(request))
         self._in_flight.update(scheduled)
         return output
 
@@ -303,8 +316,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         self.running.remove(request)
-        self._num_sent_blocks.pop(request.request_id, None)
-        self._num_sent_tokens.pop(request.request_id, None)
+        self.runner_view.forget(request.request_id)
         request.spec_token_ids = []
         request.mm_encoded.clear()  # its images are charged again when it is recomputed
         request.status = RequestStatus.PREEMPTED
@@ -312,40 +324,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
-
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        block_ids = self.kv.get_block_ids(request.request_id)
-        assert self.kv.num_null_blocks(request.request_id) == 0, f"{request} is admitted holding a freed block"
-        self._num_sent_blocks[request.request_id] = len(block_ids)
-        if self.send_token_ids:
-            self._num_sent_tokens[request.request_id] = request.num_tokens
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params,
-            block_ids=block_ids,
-            num_computed_tokens=request.num_computed_tokens,
-            lora_request=request.lora_request,
-            mm_features=request.mm_features,
-        )
-
-    def _cached_request_data(self, request: Request) -> CachedRequestData:
-        block_ids = self.kv.get_block_ids(request.request_id)
-        num_sent = self._num_sent_blocks[request.request_id]
-        self._num_sent_blocks[request.request_id] = len(block_ids)
-        assert self.kv.num_null_blocks(request.request_id) <= num_sent, f"{request}: a freed block was never sent"
-        new_token_ids: list[int] = []
-        if self.send_token_ids:
-            sent = self._num_sent_tokens[request.request_id]
-            new_token_ids = list(request.output_token_ids[sent - request.num_prompt_tokens :])
-            self._num_sent_tokens[request.request_id] = request.num_tokens
-        return CachedRequestData(
-            req_id=request.request_id,
-            new_block_ids=block_ids[num_sent:],
-            num_computed_tokens=request.num_computed_tokens,
-            new_token_ids=new_token_ids,
-        )
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -449,8 +427,7 @@ class Scheduler:
         self.kv.cache_blocks(request, request.num_computed_tokens)
         self.kv.free(request)
         del self.requests[request.request_id]
-        self._num_sent_blocks.pop(request.request_id, None)
-        self._num_sent_tokens.pop(request.request_id, None)
+        self.runner_view.forget(request.request_id)
         self._in_flight.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
@@ -462,25 +439,16 @@ class Scheduler:
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv.usage
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.kv.prefix_cache_stats.queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.kv.prefix_cache_stats.hits
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_stats.queries,
+            prefix_cache_hits=self.kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+            spec_decode=self.spec_stats,
+        )
 
     def check_integrity(self) -> None:
         """Assert the scheduler's and the KV-cache manager's invariants."""
