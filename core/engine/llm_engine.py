@@ -34,7 +34,24 @@ from portside.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
+class _OfProcessor:
+    """An attribute of the engine's input processor, read and set through the engine."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: type | None = None) -> Any:
+        return self if engine is None else getattr(engine.processor, self.name)
+
+    def __set__(self, engine: Any, value: Any) -> None:
+        setattr(engine.processor, self.name, value)
+
+
 class LLMEngine:
+    # the grammar cache and the adapter registry (a data-parallel front shares replica 0's with every replica)
+    structured: StructuredOutputManager = _OfProcessor()  # type: ignore[assignment]
+    loras: LoRARegistry = _OfProcessor()  # type: ignore[assignment]
+
     def __init__(self, args: EngineArgs) -> None:
         self.platform = resolve_platform(args.device)
         self.config = config = args.create_engine_config(self.platform)
@@ -180,24 +197,6 @@ class LLMEngine:
         """The conversation as a prompt: {"prompt": rendered text, "prompt_token_ids": ids}, with
         special tokens in user and tool contents tokenized as plain text (`portside.chat_template`)."""
         return self.processor.apply_chat_template(messages, add_generation_prompt, chat_template)
-
-    # the grammar cache and the adapter registry (the input processor's; a data-parallel front
-    # shares replica 0's with every replica by setting them)
-    @property
-    def structured(self) -> StructuredOutputManager:
-        return self.processor.structured
-
-    @structured.setter
-    def structured(self, value: StructuredOutputManager) -> None:
-        self.processor.structured = value
-
-    @property
-    def loras(self) -> LoRARegistry:
-        return self.processor.loras
-
-    @loras.setter
-    def loras(self, value: LoRARegistry) -> None:
-        self.processor.loras = value
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now; their KV blocks are freed at once (the runner forgets them next step)."""
