@@ -17,7 +17,13 @@ decode step's weights are far larger than the caches. Figures:
   sequence at a time: its prompts run one after another);
 - the multi-row paths of one int8 and one Q4_K matrix (2048 x 5632) at several row counts: the
   decode kernel, the tiles dequantized per thread + GEMM (what runs from 9 rows), and the whole
-  matrix dequantized + one GEMM.
+  matrix dequantized + one GEMM;
+- resident memory per GGUF format (Q8_0, Q4_K): a fresh process loads the file (converted on
+  first use) and generates gen-len tokens after one prompt-len prompt (`portside.testing.resident`);
+  the rise of its resident set over the imports, less the KV pool (set to one sequence and shown
+  on its own) and less the engine's fixed cost (a control model of the same architecture with a
+  few MiB of weights, measured the same way), against the file's tensor bytes. "raw" keeps the
+  fixed cost in.
 
     /work/venv/bin/python ci/bench/quant.py                       # everything
     /work/venv/bin/python ci/bench/quant.py --peers int8,llama.cpp-q8_0 --num-prompts 4   # quick
@@ -162,6 +168,28 @@ def bench_portside(model: str, prompts, gen: int, decode_tokens: int, **llm_args
     return info
 
 
+# ---- resident memory ---------------------------------------------------------------------------------
+
+
+def resident_memory(hf_dir: Path, ggufs: dict[str, Path], work: Path, prompt_len: int, gen: int) -> dict[str, Any]:
+    """Per GGUF format: `resident_ratio` of a load + generate in a fresh process (each file
+    converted on first use there; `make_control` for the engine's fixed cost) and the weights'
+    MiB as served."""
+    from portside.testing.resident import gguf_tensor_bytes, make_control, measure, resident_ratio
+
+    out: dict[str, Any] = {"prompt_len": prompt_len, "gen_len": gen}
+    for qtype in ("Q8_0", "Q4_K"):
+        path = ggufs.get(qtype) or make_tiny_gguf(hf_dir, work / f"model-{qtype}.gguf", qtype)
+        control = make_control(hf_dir, work / f"control-{qtype}", qtype)
+        env = {"PORTSIDE_CACHE": str(work / f"resident-cache-{qtype}")}
+        run = measure(path, prompt_len=prompt_len, max_tokens=gen, env=env)
+        base = measure(control, prompt_len=prompt_len, max_tokens=gen, env=env)
+        out[qtype] = resident_ratio(run, gguf_tensor_bytes(path), base, gguf_tensor_bytes(control))
+        out[qtype]["weights_mib"] = round(run["weights_mib"], 1)
+        print("resident", qtype, json.dumps(out[qtype]), flush=True)
+    return out
+
+
 # ---- the multi-row paths ----------------------------------------------------------------------------
 
 
@@ -269,6 +297,18 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             f"| {name} | {s['decode_mb_per_token']} | {s['decode_ms_per_token']} | {s['decode_vs_bound_then']}x / "
             f"{s['decode_vs_bound_strict']}x | {str(s.get('kernel_stream_vs_bound', '')) + 'x' if 'kernel_stream_vs_bound' in s else '-'} | "
             f"{s.get('decode_speedup_vs_fp32', '-')}x | {s.get('decode_speedup_vs_llama_cpp_q8_0', '-')}x | {s['output_tok_s']} |")
+    if "memory" in result:
+        mem = result["memory"]
+        lines += ["", f"Resident memory, load + generate ({mem['prompt_len']} -> {mem['gen_len']} tokens) in a fresh process, "
+                  "MiB: the rise over the imports, the KV pool (one sequence, taken out), the engine's fixed cost (a control "
+                  "model, taken out), what is left against the file's tensor bytes (once idle, and right after generate "
+                  "returned); raw: the fixed cost left in.", "",
+                  "| format | tensor MiB | weights as served | rise | KV pool | engine fixed | model | ratio | at return | raw |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for q in ("Q8_0", "Q4_K"):
+            r = mem[q]
+            lines.append(f"| {q} | {r['tensor_mib']} | {r['weights_mib']} | {r['rise_mib']} | {r['kv_mib']} | "
+                         f"{r['engine_fixed_mib']} | {r['model_mib']} | {r['ratio']}x | {r['ratio_at_return']}x | {r['raw_ratio']}x |")
     if "row_paths" in result:
         rp = result["row_paths"]
         cols = [c for c in next(v for k, v in rp.items() if k.isdigit())]
@@ -288,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     ap.add_argument("--skip-row-paths", action="store_true")
+    ap.add_argument("--skip-memory", action="store_true", help="no resident-memory measurement of the GGUF formats")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers of the random model")
     ap.add_argument("--threads", type=int, default=None, help="threads for every peer (default: the usable cores)")
     ap.add_argument("--out", default=str(RESULTS / "quant"), help="output path without extension")
@@ -360,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         _summary(result)
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    if not args.skip_memory:
+        result["memory"] = resident_memory(path, ggufs, work, args.prompt_len, args.gen_len)
     if not args.skip_row_paths:
         result["row_paths"] = row_paths()
         result["machine"]["fp32_after"] = matmul_gflops()

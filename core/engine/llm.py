@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from portside.engine.args import EngineArgs
 from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.engine.llm_engine import LLMEngine
+from portside.engine.memory_hygiene import release_free_memory
 from portside.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -216,6 +217,9 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+        # idle now: the pages glibc kept of this call's freed buffers go back to the OS, as the async
+        # engine's do when it goes idle (a 1024-token prefill of a 31 MiB Q4_K model left 20 MiB; 0.3-6 ms)
+        release_free_memory()
         return [finished[r] for r in ids]
 
 
