@@ -16,9 +16,12 @@ from portside.cli_parser import EXIT_USAGE, Parser
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
-    from portside.platform import discover_platforms, format_devices
+    from portside.platform import discover_platforms, format_backend_options, format_devices
 
-    print(format_devices(discover_platforms()))
+    entries = discover_platforms()
+    print(format_devices(entries))
+    print()
+    print(format_backend_options(entries))
     return 0
 
 

@@ -144,7 +144,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)  # used by vision-language models
     device: str | None = None  # platform name; None: auto-detect
-    # platform-specific options (e.g. {"cpu_graph": "inductor"}), validated by the platform
+    # options only the platform understands (e.g. {"cpu_graph": "inductor"}; --backend-option KEY=VALUE):
+    # checked against `Platform.backend_options` (`portside.contract.check_backend_options`), then by the platform
     platform_options: tuple[tuple[str, str], ...] = ()
 
     def option(self, key: str, default: str | None = None) -> str | None:

@@ -200,3 +200,25 @@ def format_devices(entries: list[PlatformEntry], width: int | None = None) -> st
             lines += textwrap.wrap(reason, max(40, width), initial_indent="    reason: ", subsequent_indent="    ",
                                    break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def format_backend_options(entries: list[PlatformEntry], width: int | None = None) -> str:
+    """`portside devices`' second part: each loaded platform's `backend_options` (name, choices,
+    default and help, wrapped to `width`), or that it takes none."""
+    import shutil
+    import textwrap
+
+    width = max(40, width or shutil.get_terminal_size((80, 24)).columns)
+    lines = textwrap.wrap("BACKEND OPTIONS (--backend-option KEY=VALUE; Python: platform_options)",
+                          width, subsequent_indent="  ")
+    for e in entries:
+        if e.platform is None:
+            continue
+        options = getattr(e.platform, "backend_options", ())
+        lines.append(f"{e.name}:" + ("" if options else " none"))
+        for option in options:
+            lines += textwrap.wrap(option.describe(), width, initial_indent="  ", subsequent_indent="      ",
+                                   break_long_words=False, break_on_hyphens=False)
+            lines += textwrap.wrap(option.help, width, initial_indent="      ", subsequent_indent="      ",
+                                   break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)

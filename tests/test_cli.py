@@ -22,7 +22,8 @@ def portside(*args: str, env: dict[str, str] | None = None, timeout: float = 240
 def test_devices_lists_every_platform_with_reasons():
     proc = portside("devices")
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    table, options = proc.stdout.split("\n\n", 1)
+    lines = table.splitlines()
     assert lines[0].split()[:3] == ["DEVICE", "STATUS", "PACKAGE"]
     rows = {line.split()[0]: line for line in lines[1:]}
     assert "available" in rows["cpu"].split()[1]
@@ -32,6 +33,10 @@ def test_devices_lists_every_platform_with_reasons():
     assert "unavailable" in rows["cuda"]
     below = lines[lines.index(rows["cuda"]) + 1]
     assert below.startswith("    reason: ") and len(below.split("reason: ", 1)[1].strip()) > 10, proc.stdout
+    # then each platform's backend options (`Platform.backend_options`): name, choices, default, help
+    assert options.startswith("BACKEND OPTIONS (--backend-option KEY=VALUE"), options
+    assert "\ncpu:\n  cpu_graph=eager|inductor|openvino (default: eager)\n      how the model step runs" in options
+    assert "\ncuda:\n  graph_sizes=VALUE\n" in options and "\ntpu:\n  xla_token_buckets=VALUE\n" in options
 
 
 def test_unavailable_device_exits_2_naming_devices_and_reasons(tiny_llama):

@@ -59,6 +59,61 @@ def test_core_imports_no_backend_or_vendor_runtime():
     assert not bad, "core/ must stay hardware-agnostic:\n" + "\n".join(bad)
 
 
+def _is_device_type(node: ast.expr) -> bool:
+    """`x.device_type`, a bare `device_type`, or the `.type` of something named like a device
+    (`device.type`, `t.device.type`, `self._device.type`); never another object's `.type`
+    (`response_format.type`)."""
+    if isinstance(node, ast.Name):
+        return node.id == "device_type"
+    if not isinstance(node, ast.Attribute):
+        return False
+    if node.attr == "device_type":
+        return True
+    owner = node.value
+    name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+    return node.attr == "type" and "device" in name.lower()
+
+
+def _is_text(node: ast.expr) -> bool:
+    """A string literal, or a tuple, list or set of them (`x in ("cpu", "xla")`)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and bool(node.elts) and all(_is_text(e) for e in node.elts)
+
+
+def device_type_checks(source: str) -> list[tuple[int, str]]:
+    """Every comparison of a device type with a string literal in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_is_device_type(o) for o in operands) and any(_is_text(o) for o in operands):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_core_compares_no_device_type_with_a_string():
+    """What differs between devices is platform data (`Platform.host_device`, `worker_start_method`,
+    `ray_resource`, `backend_options`, ...), never a test of the device's name in core."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {code}" for path in core_files()
+           for line, code in device_type_checks(path.read_text())]  # fmt: skip
+    assert not bad, "core/ tests device types; make it a Platform attribute or method:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("code, found", [
+    ('if platform.device_type == "cpu": pass', True),
+    ('x = "spawn" if "cpu" != cls.device_type else "fork"', True),
+    ('ok = t.device.type in ("cpu", "meta")', True),
+    ('ok = device.type == "xla"', True),
+    ('ok = device_type != "cuda"', True),
+    ('ok = rf.type == "json_schema"', False),  # not a device
+    ('ok = out.device.type != q.device.type', False),  # no literal
+    ('ok = platform.host_device', False),
+])
+def test_the_device_check_finder(code: str, found: bool) -> None:
+    assert bool(device_type_checks(code)) is found
+
+
 @pytest.mark.parametrize("package", ["kv_cache", "sched"])
 def test_scheduler_and_kv_cache_are_pure_python(package):
     bad = [

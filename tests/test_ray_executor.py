@@ -233,10 +233,13 @@ def test_actor_environment_and_bundles() -> None:
     assert forwarded_env(env) == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0",
                                   "PORTSIDE_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "4"}  # fmt: skip
 
-    class Accelerator:
-        device_type = "cuda"
+    from portside.backends.cpu.platform import CpuPlatform
+    from portside.backends.cuda.platform import CudaPlatform
+    from portside.backends.xla.platform import XlaPlatform
 
-    class Cpu:
-        device_type = "cpu"
+    assert [bundle_resource(p) for p in (CpuPlatform, CudaPlatform, XlaPlatform)] == ["CPU", "GPU", "TPU"]
 
-    assert (bundle_resource(Cpu), bundle_resource(Accelerator)) == ("CPU", "GPU")  # type: ignore[arg-type]
+    class Npu(CudaPlatform):  # a plugin's own resource, declared; one that declares none reserves a GPU
+        ray_resource = "NPU"
+
+    assert (bundle_resource(Npu), bundle_resource(CudaPlatform)) == ("NPU", "GPU")

@@ -22,13 +22,11 @@ from torch import nn
 
 from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, EagerLinears, amx_linears, make_packed_weights
 from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
+from portside.backends.cpu.options import DEFAULT_GRAPH_MODE, GRAPH_MODES  # noqa: F401  (GRAPH_MODES: tests)
 from portside.contract import EagerGraphRunner as _CoreEagerGraphRunner
 from portside.contract import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 
 logger = logging.getLogger(__name__)
-
-GRAPH_MODES = ("eager", "inductor", "openvino")
-DEFAULT_GRAPH_MODE = "eager"
 
 # Token counts run once in `capture`: one call for each of `_compile`'s two compiled functions
 # (a symbolic token count for every size >= 2, and a static graph for one token: batch-1 decode).

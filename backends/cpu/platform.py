@@ -11,12 +11,11 @@ from typing import ClassVar
 import torch
 
 from portside.backends.cpu.communicator import select_dist_backend
-from portside.backends.cpu.eager_linears import BF16_LINEAR_MODES, PREPACK_MODES
-from portside.backends.cpu.fused_decode import FUSED_DECODE_MODES
-from portside.backends.cpu.graph import DEFAULT_GRAPH_MODE, GRAPH_MODES
+from portside.backends.cpu.options import BACKEND_OPTIONS, DEFAULT_ALLOCATOR_CACHE_MB, DEFAULT_GRAPH_MODE
 from portside.contract import (
     AttentionBackend,
     Availability,
+    BackendOption,
     DeviceInfo,
     GraphRunner,
     ModelFn,
@@ -27,13 +26,6 @@ from portside.contract import (
 )
 
 logger = logging.getLogger(__name__)
-
-ATTENTION_IMPLS = ("auto", "native", "torch", "ipex")  # platform option "cpu_attention"
-OPTIONS = (  # docs/cpu.md
-    "cpu_graph", "cpu_attention", "cpu_threads", "cpu_allocator_cache_mb", "cpu_fused_decode", "cpu_prepack",
-    "cpu_bf16_linears", "cpu_kv_prefault",
-)
-KV_PREFAULT_MODES = ("on", "off")
 
 
 @lru_cache(maxsize=1)
@@ -79,9 +71,6 @@ def configure_threads(requested: int | None = None) -> int:
     return torch.get_num_threads()
 
 
-DEFAULT_ALLOCATOR_CACHE_MB = 512
-
-
 def install_caching_allocator(cache_mb: int) -> bool:
     """Serve torch's CPU tensors from the native caching allocator (`csrc/cpu_allocator.cpp`),
     keeping up to `cache_mb` MiB of freed blocks for reuse (0: none; once installed it stays,
@@ -108,6 +97,9 @@ def install_caching_allocator(cache_mb: int) -> bool:
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    host_device = True  # no device index; ranks on one machine split its cores
+    worker_start_method = "forkserver"  # workers forked from a server that imported torch once
+    ray_resource = "CPU"
     dist_backend = select_dist_backend()  # "gloo", or "ccl" when oneCCL's bindings are installed
     priority = 0
     block_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -119,6 +111,7 @@ class CpuPlatform(Platform):
     # stage sat idle ~1.7 s of a 6.5 s run (ci/bench/parallel.py --what pp)
     pipeline_micro_batch_tokens = 256
     eager_options: ClassVar[dict[str, str] | None] = {"cpu_graph": "eager"}  # --enforce-eager
+    backend_options: ClassVar[tuple[BackendOption, ...]] = BACKEND_OPTIONS  # docs/cpu.md
     kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # 8-bit: the torch and native paths, not IPEX
     attention_name = "native-paged|torch-sdpa|ipex-paged"
     graph_name = "eager|inductor|openvino"
@@ -154,12 +147,8 @@ class CpuPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, config):
-        unknown = sorted({k for k, _ in config.platform_options} - set(OPTIONS))
-        if unknown:  # a misspelt option would otherwise be ignored without a word
-            raise ValueError(f"unknown cpu platform option(s) {unknown}; known: {list(OPTIONS)}")
+        config = super().check_and_update_config(config)  # the options' keys and choices, the block size, dtypes
         mode = config.option("cpu_graph", DEFAULT_GRAPH_MODE)
-        if mode not in GRAPH_MODES:
-            raise ValueError(f"unknown cpu graph mode {mode!r}; use one of {list(GRAPH_MODES)}")
         if mode == "openvino":
             quantization = getattr(config.model, "quantization", None)
             if quantization is not None:  # the quantized linears are opaque operators OpenVINO cannot convert
@@ -174,15 +163,7 @@ class CpuPlatform(Platform):
                 raise ValueError(f"--cpu-graph openvino: {reason}")
             if config.parallel.tensor_parallel_size > 1:
                 raise ValueError("--cpu-graph openvino runs at tensor_parallel_size 1; use inductor or eager for TP")
-        fused = config.option("cpu_fused_decode", "on")
-        if fused not in FUSED_DECODE_MODES:
-            raise ValueError(f"cpu_fused_decode={fused!r}: use one of {list(FUSED_DECODE_MODES)}")
-        prepack = config.option("cpu_prepack", "on")
-        if prepack not in PREPACK_MODES:
-            raise ValueError(f"cpu_prepack={prepack!r}: use one of {list(PREPACK_MODES)}")
         bf16_linears = config.option("cpu_bf16_linears", "auto")
-        if bf16_linears not in BF16_LINEAR_MODES:
-            raise ValueError(f"cpu_bf16_linears={bf16_linears!r}: use one of {list(BF16_LINEAR_MODES)}")
         if bf16_linears == "amx":
             from portside.backends.cpu.eager_linears import amx_unavailable_reason
 
@@ -193,8 +174,6 @@ class CpuPlatform(Platform):
             logger.warning("cpu: --cpu-graph inductor runs bf16 linears in torch's bf16 kernels, several times slower "
                            "on a CPU without AVX-512-BF16/AMX than the eager runner's (fp32 copies of the weights)")
         impl = config.option("cpu_attention", "auto")
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown cpu attention {impl!r}; use one of {list(ATTENTION_IMPLS)}")
         if impl == "ipex":
             from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
 
@@ -210,9 +189,6 @@ class CpuPlatform(Platform):
             reason = native_unavailable_reason()
             if reason:
                 raise ValueError(f"cpu_attention=native: the native kernels are unavailable: {reason}")
-        prefault = config.option("cpu_kv_prefault", "on")
-        if prefault not in KV_PREFAULT_MODES:
-            raise ValueError(f"cpu_kv_prefault={prefault!r}: use one of {list(KV_PREFAULT_MODES)}")
         cache_mb = config.option("cpu_allocator_cache_mb", DEFAULT_ALLOCATOR_CACHE_MB)
         if not str(cache_mb).isdigit():
             raise ValueError(f"cpu_allocator_cache_mb={cache_mb!r}: give a size in MiB (0 turns the caching allocator off)")
@@ -225,7 +201,7 @@ class CpuPlatform(Platform):
         from portside.backends.cpu import native_ops
 
         native_ops.start()  # not cached: built in the background while the torch paths answer
-        return super().check_and_update_config(config)
+        return config
 
     @classmethod
     def attention_backend(cls, config) -> AttentionBackend:

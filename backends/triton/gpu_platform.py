@@ -24,6 +24,7 @@ from portside.backends.triton.graphs import (
 from portside.contract import (
     AttentionBackend,
     Availability,
+    BackendOption,
     Communicator,
     DeviceInfo,
     GraphRunner,
@@ -38,10 +39,15 @@ from portside.contract import (
 if TYPE_CHECKING:
     from portside.config import EngineConfig
 
-__all__ = ["TorchGpuPlatform", "gpu_availability", "update_gpu_config", "KNOWN_OPTIONS"]
+__all__ = ["TorchGpuPlatform", "gpu_availability", "update_gpu_config", "BACKEND_OPTIONS"]
 
 ENFORCE_EAGER_OPTION = "enforce_eager"  # "1"/"true": no graphs
-KNOWN_OPTIONS = (GRAPH_SIZES_OPTION, ENFORCE_EAGER_OPTION)
+BACKEND_OPTIONS = (
+    BackendOption(GRAPH_SIZES_OPTION, "decode batch sizes captured as CUDA/HIP graphs, comma-separated (empty: none); "
+                  "default: powers of two up to max_num_seqs (at most 512)"),
+    BackendOption(ENFORCE_EAGER_OPTION, "1: capture no graphs (what --enforce-eager sets)", ("0", "1", "false", "true", "no", "yes"),
+                  "0"),
+)
 
 
 def gpu_availability(build_error: str | None, has_triton: bool, device_count: int, no_device: str) -> Availability:
@@ -58,13 +64,11 @@ def gpu_availability(build_error: str | None, has_triton: bool, device_count: in
 def update_gpu_config(config: EngineConfig, platform_name: str, bf16_supported: bool) -> EngineConfig:
     """The GPU-specific part of `check_and_update_config`, as a pure function.
 
-    Rejects unknown platform options, bf16 on devices without it, and records the decode-graph
-    buckets (option ``graph_sizes``; empty with ``enforce_eager=1``) in the returned config.
+    Rejects bf16 on devices without it, and records the decode-graph buckets (option
+    ``graph_sizes``; empty with ``enforce_eager=1``) in the returned config (the options' keys and
+    choices are checked before, against `BACKEND_OPTIONS`).
     """
     options = dict(config.platform_options)
-    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown {platform_name} platform option(s) {unknown}; known: {list(KNOWN_OPTIONS)}")
     if config.model.dtype == torch.bfloat16 and not bf16_supported:
         raise ValueError(f"this {platform_name} device does not support bfloat16; use dtype float16")
     max_seqs = config.scheduler.max_num_seqs
@@ -85,6 +89,9 @@ class TorchGpuPlatform(Platform):
     """Base of the cuda and rocm platforms (not registered itself)."""
 
     device_type = "cuda"
+    host_device = False
+    worker_start_method = "spawn"  # forking from a server is unverified with the CUDA/HIP runtimes
+    ray_resource = "GPU"
     dist_backend = "nccl"  # RCCL answers to this name on ROCm builds of torch
     block_sizes: ClassVar[tuple[int, ...]] = (16, 32, 64)
     default_block_size = 16
@@ -93,6 +100,7 @@ class TorchGpuPlatform(Platform):
     communicator_cls: ClassVar[type[TorchDistributedCommunicator]] = TorchDistributedCommunicator
     graph_runner_cls: ClassVar[type[DeviceGraphRunner]] = DeviceGraphRunner
     eager_options: ClassVar[dict[str, str] | None] = {ENFORCE_EAGER_OPTION: "1"}  # --enforce-eager: no CUDA/HIP graphs
+    backend_options: ClassVar[tuple[BackendOption, ...]] = BACKEND_OPTIONS
 
     @classmethod
     def device_info(cls) -> DeviceInfo:

@@ -23,6 +23,7 @@ import torch
 from portside.contract import (
     AttentionBackend,
     Availability,
+    BackendOption,
     Communicator,
     DeviceInfo,
     GraphRunner,
@@ -32,21 +33,29 @@ from portside.contract import (
     host_memory,
 )
 
-__all__ = ["XlaPlatform", "pjrt_device", "tpu_present", "version_mismatch", "OPTIONS"]
+__all__ = ["XlaPlatform", "pjrt_device", "tpu_present", "version_mismatch", "OPTIONS", "BACKEND_OPTIONS"]
 
 PJRT_ENV = "PJRT_DEVICE"
 TPU_ENV_VARS = ("TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_CHIPS_PER_HOST_BOUNDS")
 INSTALL_HINT = "pip install torch-xla==X.Y.* torch==X.Y.* (the two must share major.minor)"
 
-# platform_options keys this platform accepts (values are strings, like every platform option)
-OPTIONS = {
-    "xla_token_buckets": "comma-separated padded token counts (default: powers of two from 16 to the token budget)",
-    "xla_request_buckets": "comma-separated padded request counts (default: powers of two up to max_num_seqs)",
-    "xla_width_buckets": "comma-separated padded block-table widths (default: powers of two up to max_model_len / block_size)",
-    "xla_strict": "1: a compilation after warm-up raises (tests); 0 (default): it logs a warning with the shape",
-    "xla_attention": "auto (default: Pallas ragged paged attention on TPU when importable, else gather) | pallas | gather",
-    "xla_precompile": "1 (default): compile every bucket at startup; 0: compile lazily on first use",
-}
+# the backend options this platform takes (--backend-option KEY=VALUE; values are strings)
+FLAG_VALUES = ("0", "1", "false", "true", "no", "yes", "off", "on")  # `_flag`'s
+BACKEND_OPTIONS = (
+    BackendOption("xla_token_buckets", "comma-separated padded token counts; default: powers of two from 16 to the "
+                  "token budget"),
+    BackendOption("xla_request_buckets", "comma-separated padded request counts; default: powers of two up to "
+                  "max_num_seqs"),
+    BackendOption("xla_width_buckets", "comma-separated padded block-table widths; default: powers of two up to "
+                  "max_model_len / block_size"),
+    BackendOption("xla_strict", "1: a compilation after warm-up raises (tests); 0: it logs a warning with the shape",
+                  FLAG_VALUES, "0"),
+    BackendOption("xla_attention", "auto: Pallas ragged paged attention on TPU when importable, else gather",
+                  ("auto", "pallas", "gather"), "auto"),
+    BackendOption("xla_precompile", "1: compile every bucket at start-up; 0: compile lazily on first use",
+                  FLAG_VALUES, "1"),
+)
+OPTIONS = {o.name: o.help for o in BACKEND_OPTIONS}  # (the names and help texts, as before)
 
 
 def pjrt_device() -> str:
@@ -90,6 +99,7 @@ def _flag(config: Any, key: str, default: str) -> bool:
 class XlaPlatform(Platform):
     name = "tpu"
     device_type = "xla"
+    ray_resource = "TPU"
     dist_backend = "xla"
     priority = 90  # an accelerator: wins over cpu when present
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
@@ -106,6 +116,7 @@ class XlaPlatform(Platform):
     attention_name = "pallas|xla-gather"
     graph_name = "xla-buckets"
     collectives_name = "xla"
+    backend_options: ClassVar[tuple[BackendOption, ...]] = BACKEND_OPTIONS
 
     # ---- probe and device ------------------------------------------------------------------
 
@@ -193,16 +204,11 @@ class XlaPlatform(Platform):
     def check_and_update_config(cls, config):
         from portside.backends.xla.buckets import parse_buckets
 
-        unknown = sorted(k for k, _ in config.platform_options if k.startswith("xla_") and k not in OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown xla option(s) {unknown}; known: {sorted(OPTIONS)}")
         for key in ("xla_token_buckets", "xla_request_buckets", "xla_width_buckets"):
             value = config.option(key)
             if value is not None:
                 parse_buckets(value, key)
         mode = config.option("xla_attention", "auto")
-        if mode not in ("auto", "pallas", "gather"):
-            raise ValueError(f"xla_attention must be auto, pallas or gather, got {mode!r}")
         if mode == "pallas" and config.cache.kv_cache_dtype != "auto":
             raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype}: the Pallas kernel path reads only the "
                              "model's dtype here; use xla_attention=gather (or auto) or --kv-cache-dtype auto")

@@ -16,6 +16,7 @@ when the package knows at once that it cannot run here. Nothing here imports a v
 One module per part (each name is also importable from here):
 
 - `platform`: `Platform`, `Availability`, `DeviceInfo`;
+- `options`: `BackendOption` (what `Platform.backend_options` declares), `check_backend_options`;
 - `attention`: `AttentionBackend`, `AttentionMetadata`, `ForwardContext`, `KVCacheSpec`,
   `GraphCaptureSupport`, `ATTENTION_FEATURES`, `EncoderAttention`;
 - `kv_quant`: 8-bit KV caches, `KV_CACHE_DTYPES` and the reference formats (`quantize_kv`, ...);
@@ -61,6 +62,7 @@ from portside.contract.model_ops import (
     quantize_activation,
     unpack_int4,
 )
+from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.platform import Availability, DeviceInfo, Platform
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
@@ -69,6 +71,9 @@ __all__ = [
     "Platform",
     "Availability",
     "DeviceInfo",
+    # backend options
+    "BackendOption",
+    "check_backend_options",
     # attention
     "AttentionBackend",
     "AttentionMetadata",

@@ -228,7 +228,7 @@ class AttentionBackend(ABC):
         """A zeroed cache tensor for one layer. On host memory it comes from `host_zeros`: pages
         are mapped lazily as blocks are first written (or all now, `prefault_host_cache`), and
         huge where the kernel allows."""
-        if device.type == "cpu":
+        if torch.empty(0, device=device).is_cpu:  # the device's memory is the host's
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             return host_zeros(nbytes, prefault=self.prefault_host_cache).view(dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -20,12 +20,15 @@ from portside.contract.collectives import Communicator, SingleRankCommunicator, 
 from portside.contract.graph import EagerGraphRunner, GraphRunner, ModelFn
 from portside.contract.kv_quant import kv_cache_dtype_name
 from portside.contract.model_ops import ModelOps
+from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.sampling import Sampler
 
 if TYPE_CHECKING:  # config imports nothing from the contract; this only names the type
     from portside.config import EngineConfig
 
 __all__ = ["Availability", "DeviceInfo", "Platform"]
+
+_HOST = torch.device("cpu")  # torch's host device (`Platform.host_device`'s default)
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,34 @@ class Platform(ABC):
     device is still efficient; --pipeline-micro-batch-tokens overrides it); None: no cap, a
     micro-batch takes max_num_batched_tokens / pipeline_micro_batches."""
     eager_options: ClassVar[dict[str, str] | None] = None
-    """Platform options that --enforce-eager (EngineArgs.enforce_eager) sets: no graph capture or
-    compilation; None: the platform has no eager mode (the flag only warns)."""
+    """Backend options that --enforce-eager (EngineArgs.enforce_eager) sets: no graph capture or
+    compilation; None: the platform has no eager mode (the flag only warns). Each key must be one
+    of `backend_options`."""
+    backend_options: ClassVar[tuple[BackendOption, ...]] = ()
+    """The options only this platform understands (``--backend-option KEY=VALUE``,
+    ``platform_options={KEY: VALUE}``): core refuses any other key, and a value outside an
+    option's `choices`, before `check_and_update_config` runs; `portside devices` lists them."""
+
+    # ---- how the engine runs its ranks here (class data) ---------------------------------------
+
+    host_device: ClassVar[bool] = False
+    """The device is the host CPU itself: `device()` has no index, the ranks on one machine share
+    it (each takes its share of the machine's cores for torch's threads, and a world of any size
+    runs on one device), and its memory is the host's. Default: whether `device_type` is torch's
+    host device type, so that a plugin written before this attribute keeps its behaviour; declare it."""
+    worker_start_method: ClassVar[str | None] = None
+    """How multiprocess workers start unless $PORTSIDE_WORKER_MULTIPROC_METHOD says: "forkserver"
+    (each worker forked from one server process that imported torch and the model code once: faster,
+    but only where the device runtime survives a fork) or "spawn" (a fresh interpreter, safe with
+    any runtime). None: "forkserver" on a `host_device`, else "spawn"."""
+    ray_resource: ClassVar[str | None] = None
+    """The Ray resource one rank reserves under the Ray executor ("CPU", "GPU", "TPU", or a custom
+    resource your nodes advertise). None: "CPU" on a `host_device`, else "GPU"."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "device_type" in vars(cls) and "host_device" not in vars(cls):
+            cls.host_device = cls.device_type == _HOST.type
 
     # ---- names for `portside devices` (`describe`), read without building anything ------------
 
@@ -132,8 +161,18 @@ class Platform(ABC):
 
     @classmethod
     def device(cls, local_rank: int = 0) -> torch.device:
-        """The torch device of `local_rank` (the cpu device has no index)."""
-        return torch.device(cls.device_type, local_rank) if cls.device_type != "cpu" else torch.device("cpu")
+        """The torch device of `local_rank` (a `host_device` has no index)."""
+        return torch.device(cls.device_type) if cls.host_device else torch.device(cls.device_type, local_rank)
+
+    @classmethod
+    def start_method(cls) -> str:
+        """`worker_start_method`, or its default."""
+        return cls.worker_start_method or ("forkserver" if cls.host_device else "spawn")
+
+    @classmethod
+    def ray_resource_name(cls) -> str:
+        """`ray_resource`, or its default."""
+        return cls.ray_resource or ("CPU" if cls.host_device else "GPU")
 
     @classmethod
     def set_device(cls, local_rank: int) -> None:
@@ -164,8 +203,10 @@ class Platform(ABC):
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> EngineConfig:
         """Return a (new, frozen) config adjusted for this platform, or raise ValueError naming the
-        fix. Default: fill in the block size and check it, the dtype and the KV-cache dtype
+        fix. Default: check the backend options given against `backend_options` (core does so too,
+        before calling this), fill in the block size and check it, the dtype and the KV-cache dtype
         (naming "fp8" by its canonical name, "fp8_e4m3")."""
+        check_backend_options(cls, config.platform_options)
         cache = config.cache
         if cache.block_size is None:
             cache = dataclasses.replace(cache, block_size=cls.default_block_size)

@@ -139,8 +139,9 @@ def node_cluster(ray: Any) -> str | None:
 
 
 def bundle_resource(platform: type[Platform]) -> str:
-    """The Ray resource one rank reserves: a CPU, a GPU (cuda, rocm and other accelerators) or a TPU."""
-    return {"cpu": "CPU", "xla": "TPU"}.get(platform.device_type, "GPU")
+    """The Ray resource one rank reserves (`Platform.ray_resource`): a CPU, a GPU (cuda, rocm and
+    other accelerators), a TPU, or a plugin's own."""
+    return platform.ray_resource_name()
 
 
 def reserve(ray: Any, world_size: int, resource: str, timeout_s: float = PG_TIMEOUT_S) -> Any:

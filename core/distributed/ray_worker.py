@@ -69,9 +69,9 @@ class RayWorker:
         try:
             share_cores(setup.platform, setup.ranks_on_node, setup.num_threads)
             init_process_group(setup.platform, setup.rank, setup.world_size, setup.init_method)
-            # Ray makes only this actor's accelerator visible to it: its device is index 0 there.
-            device_index = setup.local_rank if setup.platform.device_type == "cpu" else 0
-            self.worker = Worker(setup.config, setup.platform, setup.eos_token_id, setup.rank, device_index)
+            # Ray makes only this actor's accelerator visible to it: its device is index 0 there
+            # (a host device has no index).
+            self.worker = Worker(setup.config, setup.platform, setup.eos_token_id, setup.rank, 0)
             return self.worker.ready()
         except BaseException as e:  # reported, never raised: the executor names the rank and stops every actor
             return self._error(e)
@@ -96,9 +96,10 @@ class RayWorker:
 
 
 def share_cores(platform: type[Platform], ranks_on_node: int, num_threads: int | None) -> None:
-    """On cpu, the node's cores shared between its ranks (as `limit_threads` does for local workers).
-    Explicit: Ray sets OMP_NUM_THREADS to the actor's CPU reservation, which says nothing about cores."""
-    if platform.device_type != "cpu":
+    """On a host device (`Platform.host_device`: cpu), the node's cores shared between its ranks (as
+    `limit_threads` does for local workers). Explicit: Ray sets OMP_NUM_THREADS to the actor's CPU
+    reservation, which says nothing about cores."""
+    if not platform.host_device:
         return
     import torch
 

@@ -73,9 +73,9 @@ def stage_communicator(platform: type[Platform], config: EngineConfig, rank: int
 
 
 def limit_threads(platform: type[Platform], ranks_on_this_machine: int) -> None:
-    """On cpu, share the machine's cores between the ranks instead of oversubscribing them
-    (unless OMP_NUM_THREADS already says how many)."""
-    if platform.device_type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+    """On a host device (`Platform.host_device`: cpu), share the machine's cores between the ranks
+    instead of oversubscribing them (unless OMP_NUM_THREADS already says how many)."""
+    if not platform.host_device or "OMP_NUM_THREADS" in os.environ:
         return
     import torch
 

@@ -24,7 +24,8 @@ from portside.config import (
     PoolerConfig,
     SchedulerConfig,
 )
-from portside.contract import Platform
+from portside.contract import Platform, check_backend_options
+from portside.engine.backend_options import add_backend_option_args, backend_options_from_args
 from portside.engine.unsupported_args import add_unsupported_args
 from portside.spec_decode.config import SpeculativeConfig
 
@@ -89,6 +90,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | str | None = None
     # image embedding rows encoded per step (vLLM's name); None: max_num_batched_tokens
     max_num_encoder_input_tokens: int | None = None
+    # options only the chosen platform understands (`Platform.backend_options`; --backend-option KEY=VALUE)
     platform_options: dict[str, str] = field(default_factory=dict)
 
     def resolve_model_path(self) -> str:
@@ -157,6 +159,7 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
                 "with chunked prefill disabled: a long prompt could never be scheduled; raise it or enable chunked prefill"
             )
+        check_backend_options(platform, config.platform_options)  # before the platform reads them
         return platform.check_and_update_config(config)
 
     def _resolve_parallel(self) -> ParallelConfig:
@@ -219,8 +222,8 @@ class EngineArgs:
             return options
         for key, value in eager.items():
             if options.get(key, value) != value:
-                raise ValueError(f"--enforce-eager conflicts with the platform option {key}={options[key]} "
-                                 f"(--{key.replace('_', '-')}); drop one")
+                raise ValueError(f"--enforce-eager conflicts with the backend option {key}={options[key]} "
+                                 f"(--backend-option {key}={options[key]}); drop one")
             options[key] = value
         return options
 
@@ -380,7 +383,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split long prompts over engine steps of --max-num-batched-tokens, batched with decodes; without it a "
                         "prompt runs whole (--max-num-batched-tokens must then hold --max-model-len)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never capture graphs or compile: cpu runs --cpu-graph eager, cuda/rocm run without CUDA/HIP graphs")
+                   help="never capture graphs or compile: cpu runs --backend-option cpu_graph=eager, cuda/rocm run without "
+                        "CUDA/HIP graphs")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs (completions) / top_logprobs (chat) a request may ask for; more is a 400 (-1: no limit)")
     g.add_argument("--trust-remote-code", action="store_true",
@@ -420,7 +424,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own tokens) or '
                         '\'{"model": DRAFT_FOLDER, "num_speculative_tokens": 4}\' (a smaller model with the same '
                         'vocabulary); verified in one forward, greedy output unchanged')
-    g.add_argument("--cpu-graph", choices=["eager", "inductor", "openvino"], default=None, help="cpu only: how the model step runs")
+    add_backend_option_args(g)
     g.add_argument("--limit-mm-per-prompt", type=_limit_mm_arg, default=None, metavar="JSON",
                    help='vision-language models: most images in one prompt, as vLLM\'s: \'{"image": N}\' (default 4; 0: '
                         "no images); more is a 400")
@@ -439,8 +443,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs keyword arguments from parsed CLI flags."""
     names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "platform_options"}
     kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
-    options = {}
-    if getattr(args, "cpu_graph", None):
-        options["cpu_graph"] = args.cpu_graph
-    kwargs["platform_options"] = options
+    kwargs["platform_options"] = backend_options_from_args(args)
     return kwargs

@@ -17,7 +17,7 @@ from typing import Any
 _HUB = "portside never contacts a model hub: pass a local folder (or .gguf file) checked out at the revision you want"
 _SCHEDULER = ("each step's token budget (--max-num-batched-tokens) goes to running requests, then to waiting ones in "
               "order; there is no separate limit on partial prefills")
-_GRAPHS = "graph capture and compilation are the platform's: --enforce-eager turns them off, --cpu-graph picks the cpu mode"
+_GRAPHS = "graph capture and compilation are the platform's: --enforce-eager turns them off, --backend-option cpu_graph=MODE picks the cpu mode"
 
 # flag (aliases) -> (values that are fine as they are, why not / what instead); () : any use fails
 UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {

@@ -198,14 +198,13 @@ _forkserver_env: dict[str, str] | None = None  # the environment the fork server
 
 def worker_context(platform: type[Platform]) -> SpawnContext | ForkServerContext:
     """How the workers start: `PORTSIDE_WORKER_MULTIPROC_METHOD` (forkserver or spawn), by default
-    the fork server on cpu and spawn on accelerators (forking from a server is unverified with
-    their runtimes). The fork server starts on first use with `_PRELOAD` imported. A worker takes
+    the platform's `worker_start_method` (the fork server on cpu, spawn on accelerators: forking
+    from a server is unverified with their runtimes). The fork server starts on first use with `_PRELOAD` imported. A worker takes
     the engine's environment as it is when the worker starts (`run_pipe_worker`), but what was
     read on import stays as the fork server saw it: once a `_READ_ON_IMPORT` variable changed,
     the workers are spawned."""
     global _forkserver_env
-    default = "forkserver" if platform.device_type == "cpu" else "spawn"
-    method = os.environ.get("PORTSIDE_WORKER_MULTIPROC_METHOD", default)
+    method = os.environ.get("PORTSIDE_WORKER_MULTIPROC_METHOD", platform.start_method())
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"PORTSIDE_WORKER_MULTIPROC_METHOD={method!r}: use forkserver or spawn")
     if method == "spawn":

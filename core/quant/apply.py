@@ -100,5 +100,5 @@ def _prepared(weights: list[QuantWeight], ops: ModelOps) -> QuantWeight | QuantP
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer of `model` (a tied tensor counted once)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
     return sum(t.numel() * t.element_size() for t in tensors.values())

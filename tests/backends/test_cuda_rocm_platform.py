@@ -132,8 +132,11 @@ def test_config_graph_options_and_rejections() -> None:
     assert update_gpu_config(make_config(enforce_eager="1"), "cuda", True).option("graph_sizes") == ""
     custom = update_gpu_config(make_config(max_num_seqs=8, graph_sizes="4,1,16,2"), "cuda", True)
     assert custom.option("graph_sizes") == "1,2,4"  # sorted, above max_num_seqs dropped
-    with pytest.raises(ValueError, match="unknown cuda platform option"):
-        update_gpu_config(make_config(cpu_graph="inductor"), "cuda", True)
+    with pytest.raises(ValueError, match=r"unknown cuda backend option\(s\) \['cpu_graph'\]; it takes graph_sizes, "
+                                         "enforce_eager"):
+        CudaPlatform.check_and_update_config(make_config(cpu_graph="inductor"))
+    with pytest.raises(ValueError, match=r"cuda backend option enforce_eager='on': use one of \['0', '1', 'false', "):
+        CudaPlatform.check_and_update_config(make_config(enforce_eager="on"))
     with pytest.raises(ValueError, match="does not support bfloat16; use dtype float16"):
         update_gpu_config(make_config(dtype=torch.bfloat16), "rocm", bf16_supported=False)
     assert update_gpu_config(make_config(dtype=torch.bfloat16), "cuda", bf16_supported=True).model.dtype == torch.bfloat16
