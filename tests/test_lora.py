@@ -177,6 +177,32 @@ def test_host_cache_is_lru_bounded_by_max_cpu_loras(base: Path, adapters: list[L
         llm.shutdown()
 
 
+def test_an_adapter_that_fails_to_load_leaves_the_slots_consistent(base: Path, adapters: list[LoRARequest],
+                                                                     tmp_path: Path) -> None:
+    """An adapter whose folder is gone when it must be read again (it had left the host cache)
+    fails its step; the device slots other adapters hold stay theirs, so the engine's later
+    batches still equal peft (the slot the failed load would have taken was once handed out
+    again while still holding another adapter's weights)."""
+    import shutil
+
+    llm = LLM(model=str(base), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=32, enable_lora=True,
+              max_loras=2, max_cpu_loras=2, max_lora_rank=16)
+    try:
+        gone = LoRARequest("gone", 21, shutil.copytree(adapters[0].lora_path, tmp_path / "gone"))
+        a0, a1, a2 = adapters
+        p, q = prompts_for(llm, [7, 10])
+        for lora in (gone, a1, a0, a1):  # slots: gone, a1; a0 takes gone's; a1 used last
+            check(llm, base, [p], [lora])
+        shutil.rmtree(gone.lora_path)  # out of the host cache (two kept) since a0 came in
+        with pytest.raises(ValueError, match="no such folder"):
+            llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False, lora_request=gone)
+        llm.engine.abort_request(list(llm.engine.outputs.groups))  # the failed step's request is left running
+        check(llm, base, [p, q], [a1, a2])  # a1 keeps its slot; a2 takes a0's
+        assert llm.engine.stats().num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
 def test_parse_lora_modules() -> None:
     from portside.server.lora import LoRAModule, parse_lora_modules
 

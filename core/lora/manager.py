@@ -1,6 +1,6 @@
 """The model runner's adapters: loaded on first use into a host cache (LRU, `max_cpu_loras`),
-copied into one of `max_loras` device slots when a batch needs them (the least recently used
-slot not needed by the batch is reused), and turned into the step's token -> slot mapping.
+copied into one of `max_loras` device slots when a batch needs them (a free slot, else the least
+recently used one the batch does not need), and turned into the step's token -> slot mapping.
 
 Every tensor-parallel rank runs the same steps on the same scheduler output, so every rank
 makes the same slot choices without talking to the others.
@@ -76,14 +76,17 @@ class LoRAModelManager:
         if lid in self._slots:
             self._slots.move_to_end(lid)
             return self._slots[lid]
-        if len(self._slots) < self.config.max_loras:
-            slot = len(self._slots)
+        # read first: an adapter that cannot be read (its folder gone since it left the host
+        # cache) fails the step with the slot table as it was, every listed slot still filled
+        weights = self._host_weights(lora_request)
+        free = sorted(set(range(self.config.max_loras)) - set(self._slots.values()))
+        if free:
+            slot = free[0]
         else:
             victim = next((v for v in self._slots if v not in needed), None)
             if victim is None:
                 raise RuntimeError(f"a batch needs more than max_loras={self.config.max_loras} adapters")
             slot = self._slots.pop(victim)
-        weights = self._host_weights(lora_request)
         for name, layer in self.layers.items():
             layer.write_slot(slot, weights.get(name, {}))
         self._slots[lid] = slot
