@@ -96,8 +96,8 @@ def test_llm_bad_generation_config_path_fails_before_loading(gen_model, tmp_path
 
 
 def test_sampling_params_from_a_request_use_defaults_only_for_unset_fields():
+    from portside.server.pipeline import sampling_params
     from portside.server.protocol import ChatCompletionRequest, CompletionRequest
-    from portside.server.serving_base import sampling_params
 
     defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 7, "max_tokens": 50}
     msgs = [{"role": "user", "content": "hi"}]

@@ -1,46 +1,37 @@
-"""The FastAPI app: routes, API-key and body-size guards, error handlers, engine lifespan."""
+"""The FastAPI app: the engine front and its observers, the lifespan that starts and stops them,
+the guards and error handlers, and the routes of `portside.server.endpoints.ENDPOINTS`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from portside.engine.async_engine import AsyncLLMEngine, RequestRecord, SyncEngine
+from portside.engine.async_engine import AsyncLLMEngine, SyncEngine
+from portside.engine.stats import RequestRecord
+from portside.server.context import Route, ServingContext
+from portside.server.endpoints import ENDPOINTS
 from portside.server.errors import (
     APIError,
     api_error_handler,
     http_exception_handler,
     unhandled_exception_handler,
 )
-from portside.server.metrics import CONTENT_TYPE, ServerMetrics
+from portside.server.lora import ServedAdapters
+from portside.server.metrics import ServerMetrics
+from portside.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from portside.server.pipeline import counted
 from portside.server.request_log import RequestLogger, StatsLogger
-from portside.server.serving_base import ServingContext
-from portside.server.serving_chat import create_chat_completion
-from portside.server.serving_completion import create_completion
-from portside.server.serving_embedding import create_embedding, require_task
-from portside.server.serving_tokenize import detokenize, model_card, model_cards, tokenize, version
 
 logger = logging.getLogger(__name__)
-
-OPEN_PATHS = frozenset({"/health"})
-
-
-def _route_path(scope: Scope) -> str:
-    """The request path without the --root-path prefix a proxy may have left on it."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root + "/") else path
 
 
 @dataclass
@@ -79,30 +70,12 @@ class ServerConfig:
 def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> FastAPI:
     """An app serving `engine`, or a list of data-parallel replicas of it
     (`portside.engine.data_parallel`); the step loops start with the app's lifespan."""
-    holder: dict[str, Any] = {}
     replicas = engine if isinstance(engine, list) else [engine]
-    engine = replicas[0]
-    async_engine: Any  # AsyncLLMEngine, or the DataParallelEngine front with its interface
-    if len(replicas) == 1:
-        async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
-    else:
-        from portside.engine.data_parallel import DataParallelEngine
-
-        async_engine = DataParallelEngine(replicas, block_size=engine.config.cache.block_size,  # type: ignore[attr-defined]
-                                          max_waiting_requests=config.max_waiting_requests)
-    model = config.served_model_names[0]
-    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting, model, engine.max_model_len,
-                            engine_stats=async_engine.engine_stats, num_engines=len(replicas))
-    on_done: list[Callable[[RequestRecord], None]] = [metrics.observe]
-    if config.log_requests:
-        on_done.append(RequestLogger(model))
-    tracer = None
-    if config.otlp_traces_endpoint or config.span_exporter is not None:
-        from portside.server.tracing import RequestTracer
-
-        on_done.append(tracer := RequestTracer(model, config.otlp_traces_endpoint, config.span_exporter))
-    async_engine.on_request_done = functools.partial(_each, on_done)
-    async_engine.on_step = metrics.observe_step
+    async_engine = _engine_front(replicas, config)
+    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.num_waiting, config.served_model_names[0],
+                            replicas[0].max_model_len, engine_stats=async_engine.engine_stats, num_engines=len(replicas))
+    tracer = _observe(async_engine, metrics, config)
+    holder: dict[str, ServingContext] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,21 +83,7 @@ def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> Fa
         stats_task = None
         if config.log_stats:
             stats_task = asyncio.create_task(StatsLogger(async_engine.stats, config.log_stats_interval).run())
-        holder["ctx"] = c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template,
-                                                   config.tool_parser, config.trust_request_chat_template)
-        c.response_role = config.response_role
-        if config.media is not None:
-            c.media = config.media
-        engine_config = getattr(engine, "config", None)
-        if engine_config is not None:
-            c.max_logprobs = engine_config.model.max_logprobs
-        if getattr(engine, "config", None) is not None and engine.config.lora is not None:  # type: ignore[attr-defined]
-            from portside.server.lora import ServedAdapters
-
-            c.adapters = ServedAdapters(config.served_model_names[0])
-            for module in config.lora_modules:
-                lora = c.adapters.add(module)
-                await c.offload.run(engine.loras.check, lora, large=True)  # type: ignore[attr-defined]
+        holder["ctx"] = await _serving_context(async_engine, replicas[0], metrics, config)
         try:
             yield
         finally:
@@ -139,6 +98,61 @@ def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> Fa
                   root_path=config.root_path or "")
     app.state.engine = async_engine
     app.state.metrics = metrics
+    _guard(app, config)
+    for module in ENDPOINTS:
+        for route in module.ROUTES:
+            app.add_api_route(route.path, _endpoint(route, holder), methods=[route.method])
+    return app
+
+
+def _engine_front(replicas: list[SyncEngine], config: ServerConfig) -> Any:
+    """The async engine over one engine, or the DataParallelEngine front (its interface) over replicas."""
+    if len(replicas) == 1:
+        return AsyncLLMEngine(replicas[0], max_waiting_requests=config.max_waiting_requests)
+    from portside.engine.data_parallel import DataParallelEngine
+
+    return DataParallelEngine(replicas, block_size=replicas[0].config.cache.block_size,  # type: ignore[attr-defined]
+                              max_waiting_requests=config.max_waiting_requests)
+
+
+def _observe(async_engine: Any, metrics: ServerMetrics, config: ServerConfig) -> Any:
+    """Hand each ended request to the metrics, the request log and the tracer, and each step to
+    the metrics; returns the tracer (None without tracing)."""
+    model = config.served_model_names[0]
+    on_done: list[Callable[[RequestRecord], None]] = [metrics.observe]
+    if config.log_requests:
+        on_done.append(RequestLogger(model))
+    tracer = None
+    if config.otlp_traces_endpoint or config.span_exporter is not None:
+        from portside.server.tracing import RequestTracer
+
+        on_done.append(tracer := RequestTracer(model, config.otlp_traces_endpoint, config.span_exporter))
+    async_engine.on_request_done = functools.partial(_each, on_done)
+    async_engine.on_step = metrics.observe_step
+    return tracer
+
+
+async def _serving_context(async_engine: Any, engine: SyncEngine, metrics: ServerMetrics, config: ServerConfig) -> ServingContext:
+    """The handlers' context, once the engine runs; the --lora-modules adapters checked and served."""
+    c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template, config.tool_parser,
+                              config.trust_request_chat_template)
+    c.response_role = config.response_role
+    c.allow_runtime_lora_updating = config.allow_runtime_lora_updating
+    if config.media is not None:
+        c.media = config.media
+    engine_config = getattr(engine, "config", None)
+    if engine_config is not None:
+        c.max_logprobs = engine_config.model.max_logprobs
+    if engine_config is not None and engine_config.lora is not None:
+        c.adapters = ServedAdapters(config.served_model_names[0])
+        for module in config.lora_modules:
+            lora = c.adapters.add(module)
+            await c.offload.run(engine.loras.check, lora, large=True)  # type: ignore[attr-defined]
+    return c
+
+
+def _guard(app: FastAPI, config: ServerConfig) -> None:
+    """Error handlers, the body limit, the API key and CORS."""
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)
     app.add_exception_handler(Exception, unhandled_exception_handler)
@@ -151,91 +165,18 @@ def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> Fa
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                            allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
-    def ctx() -> ServingContext:
-        return holder["ctx"]
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not async_engine.is_running:
-            reason = getattr(async_engine, "stopped_reason", None)  # data parallelism: which replica failed
-            return APIError(503, reason() if reason is not None else "the engine is not running").response()
-        return JSONResponse({"status": "ok"})
+def _endpoint(route: Route, holder: dict[str, ServingContext]) -> Callable[[Request], Any]:
+    """The FastAPI endpoint of `route`: its handler with the app's context (counted, when the engine serves it)."""
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse({"object": "list", "data": model_cards(ctx())})
+    async def endpoint(request: Request) -> Response:
+        ctx = holder["ctx"]
+        if route.counted:
+            return await counted(ctx, route.handler(ctx, request))
+        return await route.handler(ctx, request)
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> Response:
-        return JSONResponse(model_card(ctx(), model_id))
-
-    @app.get("/version")
-    async def get_version() -> Response:
-        return JSONResponse(version())
-
-    @app.post("/tokenize")
-    async def post_tokenize(request: Request) -> Response:
-        return JSONResponse(await tokenize(ctx(), request))
-
-    @app.post("/detokenize")
-    async def post_detokenize(request: Request) -> Response:
-        return JSONResponse(await detokenize(ctx(), request))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Any:
-        return await _counted(create_embedding(ctx(), request))
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        from portside.server.lora import load_adapter
-
-        c = _lora_updates(ctx())
-        return PlainTextResponse(await load_adapter(c.adapters, async_engine, c.offload, await _json(request), c.served_model_names))
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        from portside.server.lora import unload_adapter
-
-        c = _lora_updates(ctx())
-        return PlainTextResponse(await unload_adapter(c.adapters, async_engine, await _json(request)))
-
-    def _lora_updates(c: ServingContext) -> ServingContext:
-        if c.adapters is None:
-            raise APIError(400, "LoRA adapters are not enabled on this server (--enable-lora)", code="lora_disabled")
-        if not config.allow_runtime_lora_updating:
-            raise APIError(400, "loading and unloading adapters while serving is off; start the server with "
-                           "--allow-runtime-lora-updating", code="runtime_lora_updating_disabled")
-        return c
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await _counted(_generation(create_completion, "Completions", request))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await _counted(_generation(create_chat_completion, "Chat Completions", request))
-
-    async def _generation(handler: Any, api: str, request: Request) -> Any:
-        require_task(ctx(), "generate", api)  # a --task embed server only embeds
-        return await handler(ctx(), request)
-
-    async def _counted(handler: Awaitable[Any]) -> Any:
-        try:
-            return await handler
-        except APIError as e:  # refused before or by the engine: bad input, unknown model, queue full
-            if e.status != 499:  # a client that left mid-request is counted as an abort
-                metrics.rejected()
-            raise
-        except Exception:
-            logger.exception("error serving a generation request")
-            metrics.requests.labels("error").inc()
-            raise APIError(500, "internal server error; see the server log") from None
-
-    return app
+    endpoint.__name__ = route.handler.__name__ if hasattr(route.handler, "__name__") else route.path
+    return endpoint
 
 
 def _each(callbacks: list[Callable[[RequestRecord], None]], record: RequestRecord) -> None:
@@ -245,69 +186,3 @@ def _each(callbacks: list[Callable[[RequestRecord], None]], record: RequestRecor
             callback(record)
         except Exception:
             logger.exception("request observer %r failed", callback)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    import json
-
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-class APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on every route but /health (constant-time compare)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        # compare_digest runs in time independent of where the strings differ
-        ok = hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
-        if not ok:
-            message = "Incorrect API key provided" if auth else "Missing API key: send 'Authorization: Bearer <key>'"
-            response = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """413 for request bodies over `max_bytes`, by Content-Length or by counting as they arrive."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large").response()
-        await response(scope, receive, send)

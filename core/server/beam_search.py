@@ -13,8 +13,9 @@ from fastapi import Request
 from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.outputs import CompletionOutput, RequestOutput
 from portside.sampling_params import BeamSearchParams
+from portside.server.context import ServingContext
 from portside.server.errors import bad_request
-from portside.server.serving_base import ServingContext, collect, merged, submit_all, until_disconnected
+from portside.server.streams import collect, merged, submit_all, until_disconnected
 
 
 async def beam_search(ctx: ServingContext, request: Request, request_id: str, prompts: list[list[int]],

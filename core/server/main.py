@@ -33,6 +33,11 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
+# flags ServerConfig takes as they are, under their own names
+_AS_IS = ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout", "trust_request_chat_template", "read_timeout",
+          "stream_stall_timeout", "allow_runtime_lora_updating", "otlp_traces_endpoint")
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or [args.model if args.model else DEFAULT_MODEL_NAME]
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
@@ -60,22 +65,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_parser=tool_parser,
         chat_template=read_chat_template(args.chat_template),
         api_key=args.api_key or None,
-        max_waiting_requests=args.max_waiting_requests,
-        max_request_body_bytes=args.max_request_body_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        trust_request_chat_template=args.trust_request_chat_template,
-        read_timeout=args.read_timeout,
-        stream_stall_timeout=args.stream_stall_timeout,
         max_connections=args.max_connections if args.max_connections is not None else default_max_connections(),
         lora_modules=_lora_modules(args),
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
         log_stats_interval=float(os.environ.get("PORTSIDE_LOG_STATS_INTERVAL", "10")),  # internal: tests shorten it
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
         root_path=_root_path(args.root_path),
         response_role=_response_role(args.response_role),
         media=_media(args),
+        **{name: getattr(args, name) for name in _AS_IS},
         **_cors(args),
     )
 

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from portside.server.errors import APIError, bad_request
-from portside.server.protocol import SamplingFields
+from portside.server.protocol.common import SamplingFields
 from portside.structured.params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portside.server.errors import bad_request
-from portside.server.protocol import ChatCompletionRequest, NamedToolChoice
+from portside.server.protocol.bodies import ChatCompletionRequest
+from portside.server.protocol.messages import NamedToolChoice
 from portside.structured.params import StructuredOutputsParams
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}

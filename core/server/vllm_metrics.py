@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from portside.engine.async_engine import RequestRecord
+from portside.engine.stats import RequestRecord
 
 LABELS = ["model_name", "engine"]
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
@@ -117,6 +117,23 @@ class VllmMetrics:
             self.tpot[e].observe(interval)
 
 
+# the series read from each replica's latest EngineStats: (family, name, help, EngineStats field)
+_ENGINE_SERIES = (
+    (GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    (GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
+     "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", "kv_cache_usage"),
+    (CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     "prefix_cache_hits"),
+    (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+    (CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+    (CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"),
+)
+
+
 class _EngineCollector(Collector):
     """Gauges and engine-wide counters from each replica's latest `EngineStats` (or zeros before
     the first), one sample per `engine` label."""
@@ -129,32 +146,11 @@ class _EngineCollector(Collector):
         stats = list(self._engine_stats())
         stats += [None] * (len(self._labels) - len(stats))
 
-        def family(kind: type, name: str, doc: str, attr: str) -> Any:
-            """`attr`: the EngineStats field, one sample per replica."""
+        for kind, name, doc, attr in _ENGINE_SERIES:  # one sample per replica
             f = kind(name, doc, labels=LABELS)
             for labels, s in zip(self._labels, stats):
                 f.add_metric(labels, float(getattr(s, attr, 0) or 0) if s is not None else 0.0)
-            return f
-
-        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
-                     "num_running")
-        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                     "num_waiting")
-        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                     "kv_cache_usage")
-        yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
-                     "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-                     "kv_cache_usage")
-        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
-                     "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries")
-        yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
-                     "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits")
-        yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                     "num_preemptions")
-        yield family(CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.",
-                     "prompt_tokens_total")
-        yield family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
-                     "generation_tokens_total")
+            yield f
         yield from self._spec_decode([getattr(s, "spec_decode", None) for s in stats])
 
     def _spec_decode(self, specs: list[Any]) -> Iterator[Any]:

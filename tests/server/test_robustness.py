@@ -271,7 +271,7 @@ def test_large_bodies_are_encoded_in_pieces_to_the_same_bytes() -> None:
     of at most ~2048 values; `release` empties what it encoded a slice at a time."""
     from fastapi.responses import JSONResponse
 
-    from portside.server import serving_base
+    from portside.server import json_body
 
     top = [{f"t\"{j}é": -j / 7 for j in range(20)} for _ in range(480)]
     choice = {"text": "héllo" * 100, "logprobs": {"tokens": ["a", "é"] * 240, "token_logprobs": [-0.5] * 480, "top_logprobs": top},
@@ -279,16 +279,16 @@ def test_large_bodies_are_encoded_in_pieces_to_the_same_bytes() -> None:
     bodies = [{"id": "x", "choices": [dict(choice, index=i) for i in range(16)], "usage": {"total_tokens": 1}},
               {"a": []}, {"a": [[]] * 5000}, [1] * 10000, {"x": None}, "plain"]  # fmt: skip
     calls: list[int] = []
-    dumps = serving_base._dumps
-    serving_base._dumps = lambda obj: (calls.append(serving_base._weight(obj)), dumps(obj))[1]  # type: ignore[assignment]
+    dumps = json_body._dumps
+    json_body._dumps = lambda obj: (calls.append(json_body._weight(obj)), dumps(obj))[1]  # type: ignore[assignment]
     try:
         for body in bodies:
-            assert serving_base.encode_json(body) == JSONResponse(body).body
+            assert json_body.encode_json(body) == JSONResponse(body).body
     finally:
-        serving_base._dumps = dumps  # type: ignore[assignment]
-    assert len(calls) > 100 and max(calls) <= 2 * serving_base._JSON_PIECE_VALUES
+        json_body._dumps = dumps  # type: ignore[assignment]
+    assert len(calls) > 100 and max(calls) <= 2 * json_body._JSON_PIECE_VALUES
     big, top_copy = bodies[0], list(top)
-    serving_base.release(big)
+    json_body.release(big)
     assert big == {} and top == [] and len(top_copy) == 480  # emptied, large containers within too
 
 

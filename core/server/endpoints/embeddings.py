@@ -1,5 +1,6 @@
 """POST /v1/embeddings (a server started with --task embed): one pooled, L2-normalised vector per
-input, as float lists or base64 (little-endian float32, as OpenAI's)."""
+input, as float lists or base64 (little-endian float32, as OpenAI's). Inputs are texts, token ids,
+or one conversation through the chat template (`portside.server.rendering`)."""
 
 from __future__ import annotations
 
@@ -9,40 +10,17 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from portside.sampling_params import RequestOutputKind, SamplingParams
-from portside.server.errors import APIError, bad_request
-from portside.server.protocol import EmbeddingRequest
-from portside.server.serving_base import (
-    ServingContext,
-    collect,
-    merged,
-    new_id,
-    parse_body,
-    submit_all,
-    until_disconnected,
-)
-from portside.server.serving_chat import check_template_fields
-from portside.server.serving_tokenize import render_messages
+from portside.server.context import Route, ServingContext, parse_body
+from portside.server.errors import bad_request
+from portside.server.pipeline import new_id, pool
+from portside.server.protocol.bodies import EmbeddingRequest
+from portside.server.rendering import check_template_fields, render_ids
 
 
-def engine_task(ctx: ServingContext) -> str:
-    return str(getattr(ctx.engine.engine, "task", "generate"))
-
-
-def require_task(ctx: ServingContext, task: str, api: str) -> None:
-    """400 when the engine runs another task than the endpoint needs."""
-    running = engine_task(ctx)
-    if running == task:
-        return
-    how = "--task embed (or --runner pooling)" if task == "embed" else "--task generate (the default)"
-    raise APIError(400, f"The model does not support the {api} API: this server runs task {running!r}; start it with {how}",
-                   code="task_not_supported")
-
-
-async def create_embedding(ctx: ServingContext, request: Request) -> Any:
-    require_task(ctx, "embed", "Embeddings")
+async def create_embedding(ctx: ServingContext, request: Request) -> Response:
+    ctx.require_task("embed", "Embeddings")
     req, large = await parse_body(ctx, request, EmbeddingRequest)
     lora = ctx.check_model(req.model) if req.model is not None else None
     if req.messages is not None:
@@ -51,10 +29,8 @@ async def create_embedding(ctx: ServingContext, request: Request) -> Any:
         raise bad_request("dimensions: this model does not support matryoshka representations (a smaller output size); "
                           "leave dimensions unset", "dimensions")
     prompts = await ctx.offload.run(_tokenize, ctx, req, large=large or req.chat_template is not None)
-    params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * len(prompts)
     request_id = new_id("embd")
-    streams = await submit_all(ctx, request_id, prompts, params, req.priority, "input", lora)
-    finals = await until_disconnected(request, collect(merged(streams), len(streams)))
+    finals = await pool(ctx, request, request_id, list(prompts), req.priority, "input", lora)
     data = []
     for i, out in enumerate(finals):
         assert out.pooled is not None, f"{out.request_id}: a finished embedding request without its vector"
@@ -79,7 +55,7 @@ def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
         raise bad_request(f"truncate_prompt_tokens: {keep} is more than max_model_len {ctx.max_model_len}", "truncate_prompt_tokens")
     tok = ctx.offload.tokenizer()
     out = []
-    items = req.input if req.messages is None else [render_messages(ctx, tok, req)]
+    items = req.input if req.messages is None else [render_ids(ctx, req)]
     for i, item in enumerate(items):
         param = ("input" if len(items) == 1 else f"input[{i}]") if req.messages is None else "messages"
         if isinstance(item, str):
@@ -104,3 +80,6 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
+
+
+ROUTES = (Route("POST", "/v1/embeddings", create_embedding, counted=True),)

@@ -1,0 +1,22 @@
+"""The server's endpoints, one module per family; `ENDPOINTS` is the route table `build_app`
+registers, in order.
+
+Each module exports `ROUTES`, a tuple of `portside.server.context.Route`s whose handlers take the
+app's `ServingContext` and the request. A generate endpoint is a `pipeline.GenerateAPI` adapter
+served by `pipeline.generate_route(path, Adapter)`: the shared stages (validation, output length,
+structured output and tool constraints, sampling parameters with the generation config's
+defaults, submission, SSE or one JSON body, usage, error mapping) are the pipeline's, so a new
+API is its request body, `prepare`, `response` and `events`: one file, and one line below.
+"""
+
+from portside.server.endpoints import chat, completions, embeddings, lora_admin, models, ops, tokenize
+
+ENDPOINTS = (
+    ops,  # /health, /metrics, /version
+    models,  # /v1/models, /v1/models/{model_id}
+    tokenize,  # /tokenize, /detokenize
+    embeddings,  # /v1/embeddings (--task embed)
+    lora_admin,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    completions,  # /v1/completions
+    chat,  # /v1/chat/completions
+)
