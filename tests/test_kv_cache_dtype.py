@@ -266,16 +266,16 @@ def test_fp8_is_named_canonically_by_the_platform():
 
 
 def test_the_runner_refuses_a_backend_that_does_not_list_the_dtype():
-    from portside.runner.model_runner import _check_kv_cache_dtype
+    from portside.runner.kv_cache import check_kv_cache_dtype
 
     class OldBackend(CpuAttentionBackend):  # as a plugin's backend written before 8-bit caches
         name = "old"
         kv_cache_dtypes = frozenset({"auto"})
 
     with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8_e4m3: .* 'old' stores only \['auto'\]"):
-        _check_kv_cache_dtype("fp8", _PlainPlatform, OldBackend())
-    _check_kv_cache_dtype("auto", _PlainPlatform, OldBackend())
-    _check_kv_cache_dtype("int8", _PlainPlatform, CpuAttentionBackend())
+        check_kv_cache_dtype("fp8", _PlainPlatform, OldBackend())
+    check_kv_cache_dtype("auto", _PlainPlatform, OldBackend())
+    check_kv_cache_dtype("int8", _PlainPlatform, CpuAttentionBackend())
 
 
 def test_cpu_picks_an_8bit_capable_attention_and_refuses_ipex():

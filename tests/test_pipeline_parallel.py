@@ -65,8 +65,9 @@ def test_stage_models_hold_only_their_layers(model):
     ids = torch.tensor([3, 5, 7])
     h, _ = last.embed(ids, torch.arange(3))
     assert torch.equal(h, torch.zeros(3, 64))  # no stage input (a warm-up on dummy inputs): zeros
-    last.stage_input = torch.ones(3, 64)
-    assert torch.equal(last.embed(ids, torch.arange(3))[0], last.stage_input)
+    given = torch.ones(3, 64)  # the previous stage's output (`ForwardContext.inputs_embeds`)
+    assert torch.equal(last.embed(ids, torch.arange(3), given)[0], given)
+    assert not hasattr(last, "stage_input")  # the stage's input is an argument, never state on the model
 
 
 @pytest.mark.slow  # spawns the stage workers: CI's legs run it

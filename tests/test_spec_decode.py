@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from portside import LLM, SamplingParams
-from portside.runner.model_runner import accepted_tokens
+from portside.runner.sampling import accepted_tokens
 from portside.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from portside.spec_decode.ngram import NgramProposer
 from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model

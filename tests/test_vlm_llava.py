@@ -121,11 +121,7 @@ def test_prompt_logits_match_transformers(llava: Path, num_images: int) -> None:
         for i, (a, b) in enumerate(runs):
             h[a:b] = model.embed_image(_per_image(out, i), encoder_attention)
     seq = PagedSequence(model, ReferenceAttentionBackend(), block_size=4)
-    model.stage_input = h
-    try:
-        logits = seq.forward(ids.tolist())
-    finally:
-        model.stage_input = None
+    logits = seq.forward(ids.tolist(), inputs_embeds=h)
     assert logits.shape == expected.shape
     torch.testing.assert_close(logits, expected, **TOL)
     # a decode step after the images (token embeddings again, the images' keys in the cache)

@@ -292,12 +292,8 @@ class _Paged:
     def forward(self, ids: list[int], positions: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         n, seq = len(ids), self.seq
         meta = self.backend.prepare(single_sequence_metadata(seq.num_cached, n, seq.block_table, seq.block_size))
-        ctx = ForwardContext(backend=self.backend, kv_caches=seq.kv_caches, metadata=meta)
-        self.model.stage_input = embeds
-        try:
-            hidden = self.model(torch.tensor(ids), positions, ctx)
-        finally:
-            self.model.stage_input = None
+        ctx = ForwardContext(backend=self.backend, kv_caches=seq.kv_caches, metadata=meta, inputs_embeds=embeds)
+        hidden = self.model(torch.tensor(ids), positions, ctx)
         seq.num_cached += n
         return self.model.compute_logits(hidden)
 

@@ -244,7 +244,9 @@ class AttentionBackend(ABC):
 
 @dataclass
 class ForwardContext:
-    """Everything attention layers need for one forward pass, passed explicitly (no globals)."""
+    """Everything one forward pass needs besides the token ids and positions, passed explicitly
+    (no globals, nothing set on the model): what its attention layers need, and the step's input
+    embeddings where the model does not embed the ids itself."""
 
     backend: AttentionBackend
     """The platform's attention backend."""
@@ -252,6 +254,14 @@ class ForwardContext:
     """One cache per layer (may be empty for a cache-less forward)."""
     metadata: AttentionMetadata
     """This step's metadata, after `AttentionBackend.prepare`."""
+    inputs_embeds: torch.Tensor | None = None
+    """This step's input [T, hidden] in place of the token embeddings, or None (the model embeds
+    `input_ids`). Set per step by the runner: on a later pipeline stage the previous stage's hidden
+    states; on a vision-language model's first stage, in a step with image rows, the tokens'
+    embeddings with the images' rows merged in. Only a graph runner with
+    `GraphRunner.supports_pipeline_stages` is handed a step with it set; it passes the context on
+    to the model (``model_fn(input_ids, positions, ctx)``), or, calling `PiecewiseModel.embed`
+    itself, passes this as its `inputs_embeds`."""
 
     def attention(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **features: Any

@@ -21,7 +21,9 @@ __all__ = ["EagerGraphRunner", "GraphRunner", "ModelFn", "PiecewiseModel"]
 ModelFn = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
 """model_fn(input_ids [T], positions [T], ctx) -> hidden states [T, hidden] (before the LM head).
 The runner passes the model itself, which also has ``compute_logits(hidden) -> logits`` (the LM
-head, `GraphRunner.compute_logits`) and is a `PiecewiseModel` where its architecture allows."""
+head, `GraphRunner.compute_logits`) and is a `PiecewiseModel` where its architecture allows. A
+step's input embeddings, where the model does not embed the ids itself (a later pipeline stage,
+image rows), travel in the context: `ForwardContext.inputs_embeds`."""
 
 
 @runtime_checkable
@@ -30,7 +32,7 @@ class PiecewiseModel(Protocol):
     `model_fn`; one that compiles only the dense parts (OpenVINO segments, piecewise graphs)
     checks ``isinstance(model_fn, PiecewiseModel)`` and runs paged attention between the pieces:
 
-        h, aux = embed(input_ids, positions)          # aux: per-token tensors every layer uses (rotary)
+        h, aux = embed(input_ids, positions, ctx.inputs_embeds)  # aux: what every layer uses (rotary)
         for i in range(num_layers):
             q, k, v = pre_attention(i, h, aux)        # q [T, H, D]; k, v [T, KVH, D]
             o = ctx.attention(i, q, k, v, attention_scale(i), **attention_features(i))
@@ -47,8 +49,13 @@ class PiecewiseModel(Protocol):
         """Decoder layers of this model (of its pipeline stage)."""
         ...
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(h [T, hidden], aux): the embeddings and the per-token tensors every layer uses."""
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(h [T, hidden], aux): the embeddings and the per-token tensors every layer uses. h is
+        `inputs_embeds` where given (`ForwardContext.inputs_embeds`: a later pipeline stage's
+        input, or token embeddings with images merged in); a runner that never runs such steps
+        (`GraphRunner.supports_pipeline_stages` False) may call ``embed(input_ids, positions)``."""
         ...
 
     def pre_attention(self, i: int, h: torch.Tensor, aux: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -82,13 +89,14 @@ class GraphRunner(ABC):
     name: ClassVar[str] = "abstract"
     """The implementation's name, in logs."""
     supports_pipeline_stages: ClassVar[bool] = False
-    """Pipeline parallelism: whether it can run one stage of a model, whose `embed` returns the
-    previous stage's hidden states (the model's `stage_input`, set by the runner before each
-    call; zeros in a call without one, such as a warm-up on dummy inputs), and which has no LM
-    head unless it is the last stage. A runner that captures or compiles the embedding leaves
-    this False; the engine then runs such stages with `EagerGraphRunner`. The same goes for a
-    vision-language model's steps with image rows: `stage_input` then holds the step's token
-    embeddings with the images' merged in."""
+    """Pipeline parallelism: whether it can run one stage of a model, whose input is the previous
+    stage's hidden states (the step's `ForwardContext.inputs_embeds`, which the model's `embed`
+    returns as h; zeros in a call without one, such as a warm-up on dummy inputs), and which has
+    no LM head unless it is the last stage. Such a runner hands the model each step's context as
+    it got it (or calls ``embed(input_ids, positions, ctx.inputs_embeds)`` itself). A runner that
+    captures or compiles the embedding leaves this False; the engine then runs such stages with
+    `EagerGraphRunner`. The same goes for a vision-language model's steps with image rows:
+    `inputs_embeds` then holds the step's token embeddings with the images' merged in."""
 
     def __init__(self, model_fn: ModelFn, config: EngineConfig) -> None:
         self.model_fn = model_fn

@@ -69,7 +69,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class PipelineStage:
     """The decoder layers [start, end) one pipeline-parallel stage holds, of `num_stages`. The
     first stage embeds the tokens, the last holds the final norm and the LM head; every other
-    stage's input is the hidden state the previous one computed (`DecoderForCausalLM.stage_input`)
+    stage's input is the hidden state the previous one computed (`ForwardContext.inputs_embeds`)
     and a non-last stage returns its residual stream un-normalised, for the next."""
 
     index: int
@@ -307,10 +307,6 @@ class DecoderForCausalLM(nn.Module):
         if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = math.sqrt(args.hidden_size) if self.scale_embeddings else None
-        # pipeline parallelism: the previous stage's hidden states [T, hidden], set by the runner
-        # before each forward of a stage that is not the first (what `embed` returns as h); a
-        # vision-language model's first stage: the step's embeddings with image rows merged in
-        self.stage_input: torch.Tensor | None = None
 
     @classmethod
     def make_mlp(cls, args: ModelArgs, i: int, tp: TP, dtype: torch.dtype) -> nn.Module:
@@ -326,7 +322,7 @@ class DecoderForCausalLM(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h, rope = self.embed(input_ids, positions)
+        h, rope = self.embed(input_ids, positions, ctx.inputs_embeds)
         for i in range(self.num_layers):
             q, k, v = self.pre_attention(i, h, rope)
             o = ctx.attention(i, q, k, v, self.attention_scale(i), **self.attention_features(i))  # [T, H, D]
@@ -343,12 +339,15 @@ class DecoderForCausalLM(nn.Module):
     def _layer(self, i: int) -> DecoderLayer:
         return cast(DecoderLayer, self.model.layers[self.stage.start + i])  # nn.ModuleList items are typed as Module
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """-> (h [T, hidden], rope: cos, sin [T, rotary_dim/2] shared by every layer, then the
-        sliding layers' own cos, sin where they have their own base). A later pipeline stage's
-        h is the previous stage's output (`stage_input`)."""
-        if self.stage_input is not None:  # a later pipeline stage, or a prompt's rows merged with images
-            h = self.stage_input
+        sliding layers' own cos, sin where they have their own base). h is `inputs_embeds` where
+        given (`ForwardContext.inputs_embeds`): on a later pipeline stage the previous stage's
+        output, on a vision-language model's first stage the tokens' embeddings with images merged in."""
+        if inputs_embeds is not None:  # a later pipeline stage, or a prompt's rows merged with images
+            h = inputs_embeds
         elif self.model.embed_tokens is None:  # a later pipeline stage: zeros in a warm-up on dummy inputs
             h = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
         else:

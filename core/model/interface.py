@@ -21,9 +21,16 @@ class CausalLM(Protocol):
     """A causal language model as `load_model` returns it: an `nn.Module` (the nn.Module
     members the callers use are listed here) with its `ModelArgs` as `config`.
 
-    `model(input_ids [T], positions [T], ctx) -> hidden [T, hidden]` (after the final norm);
+    `model(input_ids [T], positions [T], ctx) -> hidden [T, hidden]` (after the final norm;
+    on a pipeline stage that is not the last, the residual stream for the next);
     `compute_logits(hidden [N, hidden]) -> fp32 logits [N, vocab]` on every rank;
     `kv_cache_spec()` describes this rank's share of the KV cache.
+
+    Everything a step gives the model is an argument: where `ctx.inputs_embeds`
+    (`ForwardContext.inputs_embeds`) is set, it is the step's input [T, hidden] in place of the
+    token embeddings (a later pipeline stage's: the previous stage's output; a vision-language
+    model's first stage: its token embeddings with the images merged in). The model keeps no
+    per-step state of its own.
     """
 
     config: ModelArgs
@@ -47,7 +54,8 @@ class SupportsMultiModal(Protocol):
 
     The runner embeds a step's tokens with `embed_input_ids`, overwrites the rows of image
     placeholder tokens with the image's `embed_image` rows, and hands the result to the forward
-    pass as `stage_input` (what `DecoderForCausalLM.embed` then uses instead of embedding ids).
+    pass as `ForwardContext.inputs_embeds` (what `DecoderForCausalLM.embed` then uses instead of
+    embedding the ids).
     `embed_image(data, attention)`: `data` is one image's processor output
     (`portside.multimodal.inputs.MultiModalFeature.data`), `attention` the platform's
     non-causal `AttentionBackend.encoder_attention`; returns [placeholder length, hidden] in the

@@ -24,14 +24,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import torch
 
 from portside.contract import ForwardContext, KVCacheSpec, Platform
+from portside.model.registry import load_model
+from portside.runner.inputs import CachedRequestState, attention_metadata, slot_mapping
+from portside.runner.kv_cache import allocate_kv_caches, check_attention_features, dummy_decode_context
 
 if TYPE_CHECKING:
     from portside.config import EngineConfig
-    from portside.runner.model_runner import CachedRequestState
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,6 @@ class _Draft:
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, platform: type[Platform], comm: Any, device: torch.device, rank: int,
                  attn_backend: Any, block_size: int, target_vocab_size: int) -> None:
-        from portside.model.registry import load_model
-        from portside.runner.model_runner import _check_attention_features
-
         spec = config.speculative
         assert spec is not None and spec.draft is not None
         self.k = spec.num_speculative_tokens
@@ -64,7 +62,7 @@ class DraftModelProposer:
         if self.model.config.vocab_size != target_vocab_size:  # a .gguf's vocabulary is only known once loaded
             raise ValueError(f"speculative_config: the draft model's vocabulary ({self.model.config.vocab_size} tokens) "
                              f"is not the target's ({target_vocab_size}); a draft must share the target's tokenizer")
-        _check_attention_features(self.model, platform, attn_backend)
+        check_attention_features(self.model, platform, attn_backend)
         self.graph_runner = platform.graph_runner(self.model, draft_config)
         self.kv_caches: list[torch.Tensor] = []
         self.scratch_block = -1
@@ -78,8 +76,6 @@ class DraftModelProposer:
         return self.model.kv_cache_spec()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        from portside.runner.model_runner import allocate_kv_caches, dummy_decode_context
-
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
         self.scratch_block = num_blocks
         with self.platform.inference_mode():
@@ -148,8 +144,6 @@ class DraftModelProposer:
     def _forward(self, rows: list[tuple[CachedRequestState, int, list[int]]]) -> list[int | None]:
         """Run the draft over each row's tokens (written from position `start`); the greedy next
         token of each row that ends at or past its sequence's last token, else None."""
-        from portside.runner.model_runner import attention_metadata
-
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][2]) != 1)  # one-token queries first
         bs, d = self.block_size, self.device
         ids: list[int] = []
@@ -161,11 +155,9 @@ class DraftModelProposer:
         for j, i in enumerate(order):
             state, start, tokens = rows[i]
             end = start + len(tokens)
-            pos = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(state.block_ids, dtype=np.int64)
             ids.extend(tokens)
             positions.extend(range(start, end))
-            slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
+            slots.extend(slot_mapping(state.block_ids, start, end, bs))
             seq_lens.append(end)
             qsl.append(qsl[-1] + len(tokens))
             if end >= state.num_tokens:

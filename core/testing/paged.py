@@ -61,13 +61,15 @@ class PagedSequence:
         self.num_cached = 0
 
     @torch.no_grad()
-    def forward(self, token_ids: list[int]) -> torch.Tensor:
-        """Compute `token_ids` after the cached ones; return fp32 logits [len(token_ids), vocab]."""
+    def forward(self, token_ids: list[int], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute `token_ids` after the cached ones; return fp32 logits [len(token_ids), vocab].
+        `inputs_embeds` [len(token_ids), hidden]: the step's input in place of the token
+        embeddings (`ForwardContext.inputs_embeds`)."""
         n = len(token_ids)
         meta = self.backend.prepare(
             single_sequence_metadata(self.num_cached, n, self.block_table, self.block_size, self.device)
         )
-        ctx = ForwardContext(backend=self.backend, kv_caches=self.kv_caches, metadata=meta)
+        ctx = ForwardContext(backend=self.backend, kv_caches=self.kv_caches, metadata=meta, inputs_embeds=inputs_embeds)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         positions = torch.arange(self.num_cached, self.num_cached + n, device=self.device)
         hidden = self.model(ids, positions, ctx)  # [n, hidden]

@@ -30,7 +30,7 @@ STEPS: tuple[dict[int, int], ...] = (
 
 def _dummy_context_factory(backend, caches: list[torch.Tensor], scratch_block: int, block_size: int, device):
     """What the model runner hands `capture`: decode-only batches writing into a scratch block."""
-    from portside.runner.model_runner import dummy_decode_context
+    from portside.runner.kv_cache import dummy_decode_context
 
     return functools.partial(dummy_decode_context, backend, caches, scratch_block, block_size, device)
 
