@@ -12,41 +12,10 @@ from typing import Any
 
 import portside.contract as _contract
 
-__all__ = [
-    "HUGE_PAGE",
-    "Availability",
-    "DeviceInfo",
-    "host_memory",
-    "host_zeros",
-    "KV_CACHE_DTYPES",
-    "QUANTIZED_KV_CACHE_DTYPES",
-    "KV_SCALE_BYTES",
-    "kv_cache_dtype_name",
-    "kv_cache_torch_dtype",
-    "is_quantized_kv",
-    "kv_row_bytes",
-    "quantize_kv",
-    "dequantize_kv",
-    "KVCacheSpec",
-    "AttentionMetadata",
-    "ForwardContext",
-    "GraphCaptureSupport",
-    "ATTENTION_FEATURES",
-    "AttentionBackend",
-    "ModelOps",
-    "LoRAMapping",
-    "GraphRunner",
-    "EagerGraphRunner",
-    "ModelFn",
-    "PiecewiseModel",
-    "Communicator",
-    "SingleRankCommunicator",
-    "TorchDistributedCommunicator",
-    "Sampler",
-    "TokenBitmask",
-    "apply_token_bitmask",
-    "Platform",
-]
+# the names the old module had: the contract's, less those added with the split
+_ADDED = ("BackendOption", "check_backend_options", "EncoderAttention", "QuantWeight", "QuantParts", "pack_int4",
+          "unpack_int4", "quantize_activation", "release_free_memory")
+__all__ = [name for name in _contract.__all__ if name not in _ADDED]
 
 # importable from the old module though not in its `__all__`
 _ALSO = ("EncoderAttention",)

@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md's dependency rules, enforced on the source tree."""
+"""The dependency rules of docs/architecture.md ("Imports"), enforced on the source tree."""
 
 from __future__ import annotations
 

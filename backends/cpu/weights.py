@@ -10,15 +10,12 @@ huge-page buffer at 33.1 GB/s).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-from typing import Any
 
 import torch
 from torch import nn
 
-from portside.contract import HUGE_PAGE, host_zeros
+from portside.contract import HUGE_PAGE, host_zeros, release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +42,7 @@ def pack_weights(model: nn.Module) -> int:
         view = flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t.detach())
         t.data = view
-    release_free_pages()  # of the tensors the weights were loaded into, freed just now
+    release_free_memory()  # of the tensors the weights were loaded into, freed just now
     logger.info(
         "cpu: %d weight tensors packed into one %.0f MiB buffer (huge pages of %d MiB where the kernel allows)",
         len(tensors),
@@ -55,20 +52,3 @@ def pack_weights(model: nn.Module) -> int:
     return total
 
 
-def release_free_pages() -> None:
-    """Hand glibc's free pages back to the OS (`malloc_trim`; a no-op elsewhere). The packing
-    frees the tensors the weights were loaded into, but glibc keeps their pages resident: once
-    a large block has been freed it serves blocks of up to 32 MiB from its heap, and freed heap
-    pages stay (a 58 MiB Q8_0 file: 16 MiB of them, with a GGUF conversion's buffers on first use
-    more). The engine trims again whenever it goes idle (`portside.engine.memory_hygiene`)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None

@@ -30,6 +30,18 @@ One module per part (each name is also importable from here):
 (with a `DeprecationWarning`) for one release.
 """
 
+# ruff: noqa: F401  (the names below are re-exported: `__all__` is computed from the parts' own)
+from portside.contract import (
+    attention,
+    collectives,
+    graph,
+    kv_quant,
+    memory,
+    model_ops,
+    options,
+    platform,
+    sampling,
+)
 from portside.contract.attention import (
     ATTENTION_FEATURES,
     AttentionBackend,
@@ -52,7 +64,7 @@ from portside.contract.kv_quant import (
     kv_row_bytes,
     quantize_kv,
 )
-from portside.contract.memory import HUGE_PAGE, host_memory, host_zeros
+from portside.contract.memory import HUGE_PAGE, host_memory, host_zeros, release_free_memory
 from portside.contract.model_ops import (
     LoRAMapping,
     ModelOps,
@@ -66,55 +78,6 @@ from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.platform import Availability, DeviceInfo, Platform
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
-__all__ = [
-    # platform
-    "Platform",
-    "Availability",
-    "DeviceInfo",
-    # backend options
-    "BackendOption",
-    "check_backend_options",
-    # attention
-    "AttentionBackend",
-    "AttentionMetadata",
-    "ForwardContext",
-    "KVCacheSpec",
-    "GraphCaptureSupport",
-    "ATTENTION_FEATURES",
-    "EncoderAttention",
-    # 8-bit KV caches
-    "KV_CACHE_DTYPES",
-    "QUANTIZED_KV_CACHE_DTYPES",
-    "KV_SCALE_BYTES",
-    "kv_cache_dtype_name",
-    "kv_cache_torch_dtype",
-    "is_quantized_kv",
-    "kv_row_bytes",
-    "quantize_kv",
-    "dequantize_kv",
-    # graph capture
-    "GraphRunner",
-    "EagerGraphRunner",
-    "ModelFn",
-    "PiecewiseModel",
-    # collectives
-    "Communicator",
-    "SingleRankCommunicator",
-    "TorchDistributedCommunicator",
-    # model ops
-    "ModelOps",
-    "LoRAMapping",
-    "QuantWeight",
-    "QuantParts",
-    "pack_int4",
-    "unpack_int4",
-    "quantize_activation",
-    # sampling
-    "Sampler",
-    "TokenBitmask",
-    "apply_token_bitmask",
-    # host memory
-    "HUGE_PAGE",
-    "host_memory",
-    "host_zeros",
-]
+# every part's public names, in the order of the module map above
+__all__ = [name for part in (platform, options, attention, kv_quant, graph, collectives, model_ops, sampling, memory)
+           for name in part.__all__]

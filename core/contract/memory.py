@@ -4,11 +4,14 @@ what is free, and large zeroed buffers mapped lazily on huge pages (KV caches, p
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
+from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE", "host_memory", "host_zeros"]
+__all__ = ["HUGE_PAGE", "host_memory", "host_zeros", "release_free_memory"]
 
 HUGE_PAGE = 2 * 2**20
 """The x86-64 and aarch64 transparent huge page size (bytes); `host_zeros` aligns to it."""
@@ -45,3 +48,21 @@ def host_zeros(nbytes: int, prefault: bool = False) -> torch.Tensor:
     if prefault:
         out.zero_()
     return out
+
+
+def release_free_memory() -> None:
+    """Hand the C allocator's free pages back to the OS (glibc's `malloc_trim`; a no-op
+    elsewhere). glibc keeps freed heap pages resident: the buffers weights were loaded into
+    before packing, a busy period's largest activations in every thread's arena. The engine
+    calls it when it goes idle (`portside.engine.memory_hygiene`), a backend after packing."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None

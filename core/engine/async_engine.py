@@ -23,7 +23,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from portside.engine.memory_hygiene import IDLE_GC_S, FullCollections, release_free_memory
+from portside.contract.memory import release_free_memory
+from portside.engine.memory_hygiene import IDLE_GC_S, FullCollections
 from portside.engine.stats import RequestRecord, RequestTimings
 from portside.outputs import RequestOutput
 from portside.sampling_params import RequestOutputKind, SamplingParams

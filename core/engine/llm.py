@@ -9,10 +9,10 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from portside.contract.memory import release_free_memory
 from portside.engine.args import EngineArgs
 from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.engine.llm_engine import LLMEngine
-from portside.engine.memory_hygiene import release_free_memory
 from portside.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 

@@ -1,6 +1,6 @@
 """Process memory hygiene while an engine serves: full garbage collections moved off the request
 path (`FullCollections`) and the allocator's free pages handed back to the OS when the engine goes
-idle (`release_free_memory`).
+idle (`portside.contract.memory.release_free_memory`, which backends call too).
 
 A full collection holds the GIL for as long as it scans, and the live heap of a request with
 logprobs is large (n=128 x 160 tokens x 21 `Logprob`s: 0.3-0.5 s pauses every few seconds of it,
@@ -11,36 +11,17 @@ every thread's arena) resident unless asked to trim.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import gc
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from portside.outputs import RequestOutput
 
 IDLE_GC_S = 1.0  # a full garbage collection once the engine has been idle this long after working
 BUSY_GC_INTERVAL_S = 120.0  # and one at least this often while it never goes idle
-
-
-def release_free_memory() -> None:
-    """Hand the allocator's free pages back to the OS (glibc's `malloc_trim`), when the engine
-    goes idle: the peaks of a busy period (activations of the largest batches, in every
-    thread's arena) would otherwise stay resident for good. A no-op elsewhere."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 class FullCollections:

@@ -141,7 +141,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         cached = int(torch.ops.portside_cpu_native.caching_allocator_stats()[1])
     except (AttributeError, RuntimeError):  # no native library: no caching allocator
         pass
-    from portside.engine.memory_hygiene import release_free_memory
+    from portside.contract.memory import release_free_memory
 
     release_free_memory()  # what glibc keeps of freed memory: "end" less "end_trimmed"
     return {"base": base, "loaded": loaded, "generated": generated, "end": end, "end_trimmed": _status(),
