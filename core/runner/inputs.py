@@ -182,8 +182,12 @@ class _StepRows:
             a, b = max(start, f.placeholder.offset), min(end, f.placeholder.end)
             if a < b:
                 self.mm_rows.append((first + a - start, f, a - f.placeholder.offset, b - f.placeholder.offset))
-        self.slots.extend(slot_mapping(state.block_ids, start, end, self.block_size))
-        self.num_decodes += n == 1
+        if n == 1:  # (inline: the common decode row)
+            bs = self.block_size
+            self.slots.append(state.block_ids[start // bs] * bs + start % bs)
+            self.num_decodes += 1
+        else:
+            self.slots.extend(slot_mapping(state.block_ids, start, end, self.block_size))
         self.seq_lens.append(end)
         self.qsl.append(first + n)
         self.tables.append(state.block_ids)
@@ -191,7 +195,8 @@ class _StepRows:
             self.logits_rows.extend(range(first + n - 1 - len(spec), first + n))
             self.sampled.append(state.req_id)
             self.spec.append(spec)
-        self._add_prompt_logprobs(state, start, end, first)
+        if state.sampling_params.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, start, end, first)
 
     def _add_prompt_logprobs(self, state: CachedRequestState, start: int, end: int, first: int) -> None:
         k = state.sampling_params.prompt_logprobs
