@@ -8,6 +8,8 @@ A kernel library, not a platform. Modules:
   sliding windows and logit softcaps;
 - `moe`: fused mixture-of-experts (grouped GEMMs over expert-sorted tokens), `TritonModelOps`;
 - `lora`: batched multi-LoRA shrink and expand (grouped GEMMs over slot-sorted tokens);
+- `quant`: quantized linear layers (`TritonQuantOps`, the kernel chosen per weight) on
+  `dequant_gemm` (weight-only) and `scaled_mm` (W8A8), which share `quant_gemm`;
 - `attention`: `TritonAttentionBackend`, the kernels behind the `AttentionBackend` contract;
 - `graphs`: the device-graph runner (CUDA and HIP graphs) shared by cuda and rocm; no triton;
 - `gpu_platform`: `TorchGpuPlatform`, the base of the cuda and rocm platforms; no triton.

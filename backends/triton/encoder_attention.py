@@ -7,7 +7,7 @@ many K/V heads as query heads).
 
 Grid: ``(T // BLOCK_M + S, H)``. A program owns ``BLOCK_M`` consecutive query rows of one
 sequence and one head; sequence s's programs start at index ``cu_seqlens[s] // BLOCK_M + s``
-(a binary search over cu_seqlens finds a program's sequence, as in `paged_attention`), so the
+(`paged_attention.locate_program` finds a program's sequence, as for paged attention), so the
 grid depends only on tensor shapes and nothing is read back to the host. A program walks its
 sequence's keys ``BLOCK_N`` at a time, from the sequence's first key to its last (the bound is
 the sequence's, not ``max_seqlen``), with an online softmax in base 2; a program past its
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from portside.backends.triton.launch import MIN_TILE, ArchInfo, detect_arch, next_power_of_2
-from portside.backends.triton.paged_attention import _find_request
+from portside.backends.triton.paged_attention import locate_program
 
 __all__ = ["EncoderLaunch", "choose_encoder_launch", "encoder_attention"]
 
@@ -93,10 +93,7 @@ def _encoder_attention_kernel(
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_request(cu_seqlens_ptr, pid, num_seqs, BLOCK_M)
-    start = tl.load(cu_seqlens_ptr + seq)
-    seq_len = tl.load(cu_seqlens_ptr + seq + 1) - start
-    q_block = pid - (start // BLOCK_M + seq)
+    _, start, seq_len, q_block = locate_program(cu_seqlens_ptr, pid, num_seqs, BLOCK_M)
     if q_block * BLOCK_M >= seq_len:
         return
 

@@ -2,7 +2,8 @@
 
 Pure functions over small dataclasses, so the choices are unit-testable without a GPU. Every
 `tl.dot` tile the kernels use is at least 16 on each side (the interpreter accepts smaller
-tiles; GPUs do not).
+tiles; GPUs do not). Importing it does not import triton (the cuda and rocm probes read it);
+only `interpreter_int8_dot`, asked for interpreter launches, does.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ __all__ = [
     "choose_moe_launch",
     "LoRALaunch",
     "choose_lora_launch",
+    "QuantLaunch",
+    "choose_quant_launch",
+    "interpreter_int8_dot",
 ]
 
 MIN_TILE = 16  # smallest tl.dot tile side a GPU accepts
 MAX_SPLITS = 16  # split-KV partitions at most (scratch is num_tokens * num_heads * MAX_SPLITS * head)
 SPLIT_MIN_CONTEXT = 512  # below this many keys, one partition is always enough
 TILES_PER_SPLIT_MIN = 4  # a partition covers at least this many KV blocks
+MAX_SPLIT_K = 8  # quantized GEMMs: K slices at most
+MIN_K_TILES_PER_SPLIT = 2  # a K slice covers at least this many K tiles
 
 
 @dataclass(frozen=True)
@@ -191,3 +197,84 @@ def choose_lora_launch(arch: ArchInfo, num_tokens: int, num_slots: int, n: int, 
         return LoRALaunch(block_m, min(block_n, 32), min(block_k, 32), 4, 1, precision, upcast=True)
     num_stages = 2 if arch.is_amd else 3 if arch.capability >= (8, 0) else 2
     return LoRALaunch(block_m, block_n, block_k, 4, num_stages, precision, upcast=False)
+
+
+@dataclass(frozen=True)
+class QuantLaunch:
+    """Tiles, split-K and compiler hints for one quantized GEMM launch (`dequant_gemm`, `scaled_mm`)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # K slices; > 1 sums fp32 partials after the launch
+    num_warps: int
+    num_stages: int
+    input_precision: str  # tl.dot precision for fp32 operands: "ieee" or "tf32"
+    upcast: bool  # interpreter: half-precision x loaded as fp32, bf16 rounding done in fp32
+    operand: str = "native"  # scaled path: "native" MMA on the codes, else "fp16" / "fp32" upcast
+    fp8_bytes: bool = False  # FP8 tensors read as bytes and decoded in integer ops (NVIDIA < sm89)
+
+    def kernel_options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def interpreter_int8_dot() -> bool:
+    """Whether the installed Triton's interpreter runs an int8 x int8 -> int32 `tl.dot`: before
+    3.8 it asserts on one (the CI leg's pinned 3.7.1 does; 3.9 runs it), and there the int8
+    scaled path upcasts to fp32, which is exact for the tested K (127 * 127 * K < 2^24)."""
+    import triton  # only asked for interpreter launches, which have triton
+
+    return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 8)
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def choose_quant_launch(
+    arch: ArchInfo,
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    *,
+    group_size: int | None = None,
+    scaled: str | None = None,
+) -> QuantLaunch:
+    """Pick tiles for an [m, k] x [k, n] quantized GEMM.
+
+    `group_size`: the K groups of a weight-only weight without g_idx (None: one group per row, or
+    act order), so a K tile can be kept inside one group. `scaled`: "int8" / "fp8" for the W8A8
+    path. Small M is weight-bandwidth bound: 16-row tiles, the widest K step, and split-K when
+    the (M, N) tiles cannot fill the device (twice its SMs). Depends on shapes only.
+    """
+    precision = "ieee" if dtype == torch.float32 or arch.is_amd else "tf32"
+    if arch.vendor == "interpreter":
+        bm, bn, bk, warps, stages = (16 if m <= 16 else 32), 32, 32, 4, 1
+    elif m <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif m <= 64:
+        bm, bn, bk, warps, stages = (32 if m <= 32 else 64), 64, 64, 4, 4
+    elif m <= 256:
+        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    if arch.is_amd or (arch.vendor == "nvidia" and arch.capability < (8, 0)):
+        stages = 2
+    if group_size is not None and group_size < k and group_size % bk:
+        step = _pow2_divisor(group_size)  # a K step inside one group keeps the scale per tile
+        if step >= 16:
+            bk = min(bk, step)
+    split = 1
+    tiles = -(-m // bm) * -(-n // bn)
+    k_tiles = -(-k // bk)
+    if m <= 64 and tiles < 2 * arch.num_sms:
+        split = max(1, min(MAX_SPLIT_K, -(-2 * arch.num_sms // tiles), k_tiles // MIN_K_TILES_PER_SPLIT))
+    fp8_bytes = arch.vendor == "nvidia" and arch.capability < (8, 9)  # triton has no e4m3 type there
+    operand = "native"
+    if scaled == "fp8" and not (arch.vendor == "nvidia" and arch.capability >= (8, 9)):
+        operand = "fp32" if arch.vendor == "interpreter" else "fp16"  # no fp8 MMA (AMD: e4m3fnuz only)
+    if scaled == "int8" and arch.vendor == "interpreter" and not interpreter_int8_dot():
+        operand = "fp32"
+    upcast = arch.vendor == "interpreter" and dtype != torch.float32
+    return QuantLaunch(bm, bn, bk, split, warps, stages, precision, upcast, operand, fp8_bytes)

@@ -58,6 +58,18 @@ def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def locate_program(starts_ptr, pid, num_seqs, BLOCK: tl.constexpr):
+    """Program `pid` of a grid that gives sequence i the programs from ``starts[i] // BLOCK + i``
+    on (`starts_ptr`: [num_seqs + 1] cumulative row counts): its sequence, that sequence's first
+    row and length, and which BLOCK-row block of the sequence it owns (past the sequence's end
+    for at most one program per sequence, which then has nothing to do)."""
+    seq = _find_request(starts_ptr, pid, num_seqs, BLOCK)
+    start = tl.load(starts_ptr + seq)
+    length = tl.load(starts_ptr + seq + 1) - start
+    return seq, start, length, pid - (start // BLOCK + seq)
+
+
+@triton.jit
 def _kv_values(x, KV_FP8: tl.constexpr):
     """Cached K or V as fp32: `x` as loaded, or its fp8 bits (uint8) decoded exactly. e5m2 is the
     high byte of an fp16; e4m3fn's sign stays at the top and its exponent and mantissa sit one
@@ -119,10 +131,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    req = _find_request(query_start_loc_ptr, pid_q, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block = pid_q - (q_start // BLOCK_Q + req)
+    req, q_start, q_len, q_block = locate_program(query_start_loc_ptr, pid_q, num_reqs, BLOCK_Q)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)

@@ -177,9 +177,9 @@ def test_scaled_operand_modes(method: str, operand: str, split: int, kernel_devi
         pytest.skip("Triton has no e4m3 type before sm89 (the byte path is tested below)")
     import triton
 
-    from portside.backends.triton.quant import INTERPRETER_INT8_DOT
+    from portside.backends.triton.launch import interpreter_int8_dot
 
-    if (method, operand) == ("int8", "native") and torch.device(kernel_device).type == "cpu" and not INTERPRETER_INT8_DOT:
+    if (method, operand) == ("int8", "native") and torch.device(kernel_device).type == "cpu" and not interpreter_int8_dot():
         pytest.skip(f"the interpreter of Triton {triton.__version__} cannot run an int8 dot (3.8+ can)")
     w = quantize_per_channel(dense(seed=11), method, act=method).to(kernel_device)
     x, bias = inputs(5, torch.float32, seed=12, bias=True)
