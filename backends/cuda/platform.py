@@ -8,8 +8,7 @@ import torch
 
 from portside.backends.cuda.communicator import NcclCommunicator
 from portside.backends.cuda.graph import CudaGraphRunner
-from portside.backends.triton.gpu_platform import TorchGpuPlatform, gpu_availability, has_triton
-from portside.contract import Availability
+from portside.backends.triton.gpu_platform import TorchGpuPlatform
 
 __all__ = ["CudaPlatform", "cuda_build_error", "visible_cuda_devices"]
 
@@ -39,18 +38,16 @@ def visible_cuda_devices() -> int:
 
 class CudaPlatform(TorchGpuPlatform):
     name = "cuda"
-    priority = 100
     graph_name = "cuda-graphs"
     collectives_name = "nccl"
     communicator_cls: ClassVar[type[NcclCommunicator]] = NcclCommunicator
     graph_runner_cls: ClassVar[type[CudaGraphRunner]] = CudaGraphRunner
+    no_device = "no NVIDIA GPU visible (check the driver with nvidia-smi and CUDA_VISIBLE_DEVICES)"
 
     @classmethod
-    def is_available(cls) -> Availability:
-        build_error = cuda_build_error(torch.version.cuda, torch.version.hip)
-        return gpu_availability(
-            build_error,
-            has_triton=build_error is not None or has_triton(),
-            device_count=0 if build_error else visible_cuda_devices(),
-            no_device="no NVIDIA GPU visible (check the driver with nvidia-smi and CUDA_VISIBLE_DEVICES)",
-        )
+    def build_error(cls) -> str | None:
+        return cuda_build_error(torch.version.cuda, torch.version.hip)
+
+    @classmethod
+    def visible_devices(cls) -> int:
+        return visible_cuda_devices()

@@ -101,6 +101,30 @@ class TorchGpuPlatform(Platform):
     graph_runner_cls: ClassVar[type[DeviceGraphRunner]] = DeviceGraphRunner
     eager_options: ClassVar[dict[str, str] | None] = {ENFORCE_EAGER_OPTION: "1"}  # --enforce-eager: no CUDA/HIP graphs
     backend_options: ClassVar[tuple[BackendOption, ...]] = BACKEND_OPTIONS
+    priority = 100
+    no_device: ClassVar[str] = "no GPU visible"
+    """`is_available`'s reason when the build is right but no device is visible: what to check."""
+
+    @classmethod
+    def build_error(cls) -> str | None:
+        """Why this torch build cannot drive the platform's GPUs, or None (each subclass's check)."""
+        raise NotImplementedError
+
+    @classmethod
+    def visible_devices(cls) -> int:
+        """Devices visible to this process: the runtime's count (the HIP runtime's on ROCm)."""
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        """The build, then triton, then a visible device (`gpu_availability`); never creates a context."""
+        build_error = cls.build_error()
+        return gpu_availability(
+            build_error,
+            has_triton=build_error is not None or has_triton(),
+            device_count=0 if build_error else cls.visible_devices(),
+            no_device=cls.no_device,
+        )
 
     @classmethod
     def device_info(cls) -> DeviceInfo:
