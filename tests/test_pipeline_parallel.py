@@ -13,7 +13,7 @@ import pytest
 from test_tensor_parallel import alive, spawned_workers, wait_gone
 
 from portside import LLM, SamplingParams
-from portside.model.decoder import pipeline_stages
+from portside.model.pipeline import pipeline_stages
 from portside.testing.tiny import hf_greedy, make_tiny_model
 
 ENGINE = {"device": "cpu", "max_model_len": 96, "block_size": 4}

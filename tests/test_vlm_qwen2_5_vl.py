@@ -202,8 +202,8 @@ def test_mrope_rotary_is_transformers_bit_for_bit(folder: Path, model: Any) -> N
 
 
 def test_vision_tower_on_first_pipeline_stage_only(folder: Path) -> None:
-    from portside.model.decoder import pipeline_stages
     from portside.model.loader import load_checkpoint
+    from portside.model.pipeline import pipeline_stages
     from portside.model.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     from portside.model.registry import read_model_args
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from portside.contract import Communicator, EncoderAttention, ModelOps
+from portside.contract import EncoderAttention
 from portside.model.args import ModelArgs
-from portside.model.decoder import DecoderForCausalLM, PipelineStage
+from portside.model.decoder import DecoderForCausalLM
 from portside.model.vision.clip import VisionTransformer, hidden_state_indices, vision_activation
 from portside.multimodal.inputs import MultiModalFeature
 
@@ -75,17 +75,8 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     supports_multimodal = True
     uses_mrope = False
 
-    def __init__(
-        self,
-        args: ModelArgs,
-        comm: Communicator | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        dtype: torch.dtype = torch.float32,
-        ops: ModelOps | None = None,
-        stage: PipelineStage | None = None,
-    ) -> None:
-        super().__init__(args, comm, tp_rank, tp_size, dtype, ops, stage)
+    def __init__(self, args: ModelArgs, *rest: Any, **kwargs: Any) -> None:  # DecoderForCausalLM's arguments
+        super().__init__(args, *rest, **kwargs)
         hf = args.hf_config
         if hf is None:
             raise ValueError(f"{type(self).__name__} needs the whole transformers config (ModelArgs.hf_config)")
@@ -99,10 +90,10 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         self.vision_tower: VisionTransformer | None = None
         self.multi_modal_projector: MultiModalProjector | None = None
         if self.stage.is_first:  # only the first pipeline stage embeds
-            self.vision_tower = VisionTransformer(vision, dtype)
+            self.vision_tower = VisionTransformer(vision, self.dtype)
             self.multi_modal_projector = MultiModalProjector(
                 vision.hidden_size * len(self.feature_layers), args.hidden_size,
-                bool(getattr(hf, "multimodal_projector_bias", True)), getattr(hf, "projector_hidden_act", "gelu"), dtype,
+                bool(getattr(hf, "multimodal_projector_bias", True)), getattr(hf, "projector_hidden_act", "gelu"), self.dtype,
             )
 
     # ---- images -------------------------------------------------------------------------------
@@ -202,15 +193,13 @@ def unpad_features(features: torch.Tensor, image_size: Sequence[int]) -> torch.T
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     """LLaVA-Next (LLaVA-1.6): anyres tiles, unpadded, with an image_newline after each row."""
 
-    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None,
-                 stage: PipelineStage | None = None) -> None:
-        super().__init__(args, comm, tp_rank, tp_size, dtype, ops, stage)
+    def __init__(self, args: ModelArgs, *rest: Any, **kwargs: Any) -> None:  # DecoderForCausalLM's arguments
+        super().__init__(args, *rest, **kwargs)
         hf: Any = args.hf_config
         self.pinpoints = [tuple(int(x) for x in p) for p in hf.image_grid_pinpoints]
         self.tile = int(hf.vision_config.image_size)
         self.grid_side = self.tile // int(hf.vision_config.patch_size)  # features per tile side
-        self.image_newline = nn.Parameter(torch.empty(args.hidden_size, dtype=dtype)) if self.stage.is_first else None
+        self.image_newline = nn.Parameter(torch.empty(args.hidden_size, dtype=self.dtype)) if self.stage.is_first else None
 
     def num_tiles(self, image_size: Sequence[int]) -> tuple[int, int]:
         """(rows, columns) of the grid of tiles for an image of (height, width) (the base tile apart)."""

@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from portside.contract import Communicator, EncoderAttention, ModelOps
+from portside.contract import EncoderAttention
 from portside.model.args import ModelArgs
-from portside.model.decoder import DecoderForCausalLM, PipelineStage
+from portside.model.decoder import DecoderForCausalLM
 from portside.model.vision.qwen2_5_vit import Qwen2_5_VisionTransformer
 from portside.multimodal.inputs import MultiModalFeature
 
@@ -37,17 +37,8 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
     uses_mrope: ClassVar[bool] = True
     renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
-    def __init__(
-        self,
-        args: ModelArgs,
-        comm: Communicator | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        dtype: torch.dtype = torch.float32,
-        ops: ModelOps | None = None,
-        stage: PipelineStage | None = None,
-    ) -> None:
-        super().__init__(args, comm, tp_rank, tp_size, dtype, ops, stage)
+    def __init__(self, args: ModelArgs, *rest: Any, **kwargs: Any) -> None:  # DecoderForCausalLM's arguments
+        super().__init__(args, *rest, **kwargs)
         hf = args.hf_config
         if hf is None or _get(hf, "vision_config") is None:
             raise ValueError("Qwen2_5_VLForConditionalGeneration needs the whole transformers config (args.hf_config)")
@@ -59,7 +50,7 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         self.video_token_id = int(video) if video is not None else None
         self.spatial_merge_size = int(_get(vision, "spatial_merge_size", 2))
         # the vision tower runs where the tokens are embedded: the first pipeline stage
-        self.visual = Qwen2_5_VisionTransformer(vision, dtype) if self.stage.is_first else None
+        self.visual = Qwen2_5_VisionTransformer(vision, self.dtype) if self.stage.is_first else None
 
     # ---- images ---------------------------------------------------------------------------
 

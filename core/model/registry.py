@@ -13,10 +13,10 @@ from torch import nn
 from portside.config import ModelConfig
 from portside.contract import Communicator, ModelOps, SingleRankCommunicator
 from portside.model.args import ModelArgs
-from portside.model.decoder import pipeline_stages
 from portside.model.gguf_loader import resolve_model_path
 from portside.model.interface import CausalLM
 from portside.model.loader import load_checkpoint
+from portside.model.pipeline import pipeline_stages
 from portside.quant.apply import finalize_quantized, prepare_model_for_format
 
 __all__ = ["Architecture", "SUPPORTED_ARCHITECTURES", "format_architectures", "CausalLM", "model_class", "read_model_args", "load_model"]
