@@ -15,7 +15,7 @@ import torch
 from portside import LLM, BeamSearchOutput, BeamSearchParams
 from portside.sampling_params import MAX_BEAM_WIDTH
 from portside.sampling_params import BeamSearchParams as BeamSearchParamsFromModule
-from portside.testing.tiny import _hf_model, hf_greedy, make_tiny_model
+from portside.testing.tiny import hf_greedy, hf_model, make_tiny_model
 
 TEXT = "the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun"
 
@@ -32,7 +32,7 @@ def llm(model) -> LLM:
 
 @torch.no_grad()
 def hf_beams(model: Path, ids: list[int], w: int, max_new: int, length_penalty: float, eos: list[int]):
-    hf = _hf_model(model)
+    hf = hf_model(model)
     x = torch.tensor([ids])
     out = hf.generate(x, attention_mask=torch.ones_like(x), num_beams=w, num_return_sequences=w, do_sample=False,
                       max_new_tokens=max_new, length_penalty=length_penalty, eos_token_id=eos, pad_token_id=eos[0],

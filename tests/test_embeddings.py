@@ -21,9 +21,9 @@ LENGTHS = [1, 3, 4, 5, 9, 17, 31]  # with block size 4: inside one block, at its
 @torch.no_grad()
 def hf_embedding(path: Path, ids: list[int], pooling: str) -> torch.Tensor:
     """transformers' last hidden state (its final norm applied) pooled and L2-normalised, fp32."""
-    from portside.testing.tiny import _hf_model
+    from portside.testing.tiny import hf_model
 
-    hidden = _hf_model(path)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
+    hidden = hf_model(path)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
     vec = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling]
     return torch.nn.functional.normalize(vec, dim=0)
 

@@ -14,6 +14,10 @@ Hugging Face would have shipped (up to quantization):
 - Gemma's norm weights are stored as 1 + w (Hugging Face keeps the offset w);
 - hyper-parameters the converter leaves out are llama.cpp's: Gemma's attention scale and
   sliding-window layer pattern, the routers' top-k renormalisation.
+
+The architecture table and tensor names are `portside.model.gguf_arch`, the metadata ->
+config.json mapping `portside.model.gguf_config`; this module reads the file, converts the
+tensors, saves the folder and caches conversions.
 """
 
 from __future__ import annotations
@@ -21,18 +25,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from portside.model.gguf_arch import ARCHS, GGUF_ARCHITECTURES, arch_key, hf_name, permute_qk, unpermute_qk
+from portside.model.gguf_config import hf_config, metadata
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -46,281 +51,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TOP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-# GGUF block tensor -> HF name under model.layers.{i}; "{e}": one tensor per expert (axis 0)
-_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_EXPERTS = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{e}.up_proj",
-    "ffn_down_exps": "mlp.experts.{e}.down_proj",
-}
-_SHARED_EXPERT = {
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-_MIXTRAL = {
-    "ffn_gate_inp": "block_sparse_moe.gate",
-    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-}
-_GEMMA = {
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_PHI3 = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # both fused, as in HF
-
-
-@dataclass(frozen=True)
-class _Arch:
-    """How one GGUF architecture maps onto a Hugging Face one."""
-
-    hf: str  # config.json "architectures"
-    model_type: str
-    block: dict[str, str]
-    permuted: bool = False  # q/k rows in llama.cpp's interleaved rotary order
-    norm_shift: float = 0.0  # what the converter added to every norm weight
-
-
-_ARCHS = {
-    "llama": _Arch("LlamaForCausalLM", "llama", _BLOCK, permuted=True),
-    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", _BLOCK),
-    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", _BLOCK | _QK_NORM),
-    "qwen2moe": _Arch("Qwen2MoeForCausalLM", "qwen2_moe", _BLOCK | _EXPERTS | _SHARED_EXPERT),
-    "qwen3moe": _Arch("Qwen3MoeForCausalLM", "qwen3_moe", _BLOCK | _QK_NORM | _EXPERTS),
-    "olmoe": _Arch("OlmoeForCausalLM", "olmoe", _BLOCK | _QK_NORM | _EXPERTS),
-    "gemma2": _Arch("Gemma2ForCausalLM", "gemma2", _BLOCK | _GEMMA, norm_shift=1.0),
-    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", _BLOCK | _QK_NORM | _GEMMA, norm_shift=1.0),
-    "phi3": _Arch("Phi3ForCausalLM", "phi3", _BLOCK | _PHI3),
-}
-GGUF_ARCHITECTURES = tuple(_ARCHS)  # general.architecture values portside converts
-_ARCHS["mixtral"] = _Arch("MixtralForCausalLM", "mixtral", _BLOCK | _MIXTRAL, permuted=True)  # llama + experts
-# router renormalises its top-k weights: llama.cpp's fixed choice where the file does not say
-_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope: into the config
 _SKIP = {"rope_freqs.weight", *_ROPE_FACTORS}  # rope factors: llama3's recomputed from the config, Phi-3's in it
 _CONVERTED_MARK = "portside-converted.json"
 _CONVERSION_FORMAT = "2: quantized tensors kept in blocks"  # 1: everything dequantized to fp32
-
-
-def _arch(meta: dict[str, Any]) -> str:
-    """The `_ARCHS` key of a GGUF file's architecture ("mixtral" for llama with experts)."""
-    name = meta.get("general.architecture")
-    if name not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {name!r} is not supported; portside converts {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    return "mixtral" if name == "llama" and meta.get("llama.expert_count") else name
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str:
-    """llama.cpp tensor name -> Hugging Face name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``) for GGUF architecture `arch` ("mixtral": llama
-    with experts). Stacked experts keep an ``{e}`` for the expert. Raises ValueError for names
-    it does not know."""
-    block = _ARCHS[arch].block
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m and m.group(2) in block:
-        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
-    m = re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)
-    if m and m.group(1) in _TOP:
-        return f"{_TOP[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"unknown GGUF tensor {gguf_name!r} for the {arch} architecture")
-
-
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows: within each head, row pairs (i, i + D/2)
-    become neighbours (2i, 2i + 1). w: [n_head * D, ...] (a weight or a bias)."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of `permute_qk`: back to the Hugging Face rotate-half row order."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def _fields(reader: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id",
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.padding_token_id",
-            "tokenizer.ggml.model",
-        ):
-            continue  # large token tables: the tokenizer is built by transformers
-        try:
-            out[key] = field.contents()
-        except Exception:  # noqa: BLE001 - unreadable extra metadata is not needed
-            continue
-    return out
-
-
-def _f32_to_decimal(x: Any) -> float:
-    """GGUF stores these as float32 (1e-5 reads back as 9.99999974e-06): restore the short form."""
-    return float(f"{float(x):.7g}")
-
-
-def _hf_config(
-    meta: dict[str, Any], key: str, vocab_size: int, names: set[str], factors: dict[str, np.ndarray], dtype: torch.dtype
-) -> dict[str, Any]:
-    arch, spec = meta["general.architecture"], _ARCHS[key]
-
-    def get(name: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{name}", default)
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    theta = _f32_to_decimal(get("rope.freq_base", 10000.0))
-    rope = _rope(get, theta)
-    cfg: dict[str, Any] = {
-        "architectures": [spec.hf],
-        "model_type": spec.model_type,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "rms_norm_eps": _f32_to_decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_output.bias" in names,
-        "mlp_bias": "blk.0.ffn_down.bias" in names,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if get("expert_count"):
-        cfg.update(_experts_config(key, get, cfg["intermediate_size"]))
-    if get("attention.clamp_kqv"):
-        cfg["clip_qkv"] = _f32_to_decimal(get("attention.clamp_kqv"))
-    if key == "phi3":
-        rope = _phi3_config(cfg, get, rope, factors)
-    cfg["rope_theta"] = theta  # transformers 4.x
-    cfg["rope_scaling"] = None if rope["rope_type"] == "default" else rope  # transformers 4.x
-    cfg["rope_parameters"] = rope  # transformers 5.x
-    if key in ("gemma2", "gemma3"):
-        cfg.update(_gemma_config(key, get, cfg, rope))
-    return cfg
-
-
-def _rope(get: Any, theta: float) -> dict[str, Any]:
-    """HF rope parameters from the rope.scaling.* keys (longrope: Phi-3's factors are tensors)."""
-    kind = get("rope.scaling.type") or "none"
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if kind in ("linear", "yarn"):
-        rope.update(rope_type=kind, factor=_f32_to_decimal(get("rope.scaling.factor", 1.0)))
-    if kind == "yarn":
-        rope["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
-        for gguf_key, hf_key in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attn_factor", "attention_factor")):
-            if get(f"rope.scaling.yarn_{gguf_key}") is not None:
-                rope[hf_key] = _f32_to_decimal(get(f"rope.scaling.yarn_{gguf_key}"))
-    elif kind not in ("none", "linear", "longrope"):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (portside: none, linear, yarn, longrope)")
-    return rope
-
-
-def _experts_config(key: str, get: Any, ffn: int) -> dict[str, Any]:
-    experts, top_k = int(get("expert_count")), int(get("expert_used_count"))
-    if key == "mixtral":  # experts as wide as intermediate_size; the router always renormalises
-        return {"num_local_experts": experts, "num_experts_per_tok": top_k, "sliding_window": None}
-    width = int(get("expert_feed_forward_length", ffn))
-    out: dict[str, Any] = {
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "moe_intermediate_size": width,
-        "norm_topk_prob": bool(get("expert_weights_norm", _NORM_TOPK[key])),
-    }
-    if key != "olmoe":  # Qwen-MoE: llama.cpp has experts in every layer (OLMoE's are intermediate_size wide)
-        out.update(decoder_sparse_step=1, mlp_only_layers=[])
-    if get("expert_shared_feed_forward_length"):
-        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
-    return out
-
-
-def _gemma_config(key: str, get: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    """What llama.cpp reads (or assumes) for Gemma 2 / 3: sliding windows on all layers but every
-    2nd / 6th, attention scaled by head_dim (hidden / heads for the 27B models), soft-caps."""
-    layers = cfg["num_hidden_layers"]
-    window = int(get("attention.sliding_window", 4096 if key == "gemma2" else 0)) or None
-    pattern = get("attention.sliding_window_pattern", 2 if key == "gemma2" else 6)
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
-    scale = get("attention.scale")
-    if scale:
-        scalar: float = _f32_to_decimal(scale) ** -2
-    elif layers == {"gemma2": 46, "gemma3": 62}[key]:  # llama.cpp: the 27B models
-        scalar = cfg["hidden_size"] // cfg["num_attention_heads"]
-    else:
-        scalar = cfg["head_dim"]
-    out: dict[str, Any] = {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": scalar,
-        "sliding_window": window,
-        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
-        "attn_logit_softcapping": _optional(get("attn_logit_softcapping")),
-        "final_logit_softcapping": _optional(get("final_logit_softcapping")),
-    }
-    if key == "gemma3":  # the sliding layers rotate with a base of their own, unscaled
-        local = _f32_to_decimal(get("rope.freq_base_swa", 10000.0))
-        out["rope_local_base_freq"] = local  # transformers 4.x
-        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
-    return out
-
-
-def _phi3_config(cfg: dict[str, Any], get: Any, rope: dict[str, Any], factors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Phi-3's window (0: none), partial rotary and longrope (factors stored as tensors); returns its rope."""
-    head_dim = cfg["head_dim"]
-    partial = int(get("rope.dimension_count", head_dim)) / head_dim
-    original = get("rope.scaling.original_context_length")
-    cfg.update(sliding_window=int(get("attention.sliding_window", 0)) or None, partial_rotary_factor=partial)
-    if original:
-        cfg["original_max_position_embeddings"] = int(original)
-    rope = dict(rope, partial_rotary_factor=partial)
-    if factors:
-        rope.update(
-            rope_type="longrope",
-            long_factor=[float(f) for f in factors["rope_factors_long.weight"]],
-            short_factor=[float(f) for f in factors["rope_factors_short.weight"]],
-        )
-        attn = get("rope.scaling.attn_factor")
-        scale = cfg["max_position_embeddings"] / int(original)
-        derived = math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0
-        if attn is not None and abs(float(attn) - derived) > 1e-6:  # transformers derives the same by default
-            rope["attention_factor"] = _f32_to_decimal(attn)
-    return rope
-
-
-def _optional(value: Any) -> float | None:
-    return _f32_to_decimal(value) if value else None
 
 
 # HF tensors that may stay in llama.cpp's blocks (the linear layers, experts, embedding, LM head);
@@ -355,7 +89,7 @@ def _read_tensors(
 
     from portside.quant.gguf_blocks import GGML_TYPES, is_float_type
 
-    spec = _ARCHS[key]
+    spec = ARCHS[key]
     out: dict[str, torch.Tensor] = {}
     kept: dict[str, dict[str, Any]] = {}
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not sys.stderr.isatty(), leave=False):
@@ -445,13 +179,13 @@ def convert_gguf(
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open(gguf_path)
-    meta = _fields(reader)
-    key = _arch(meta)
+    meta = metadata(reader)
+    key = arch_key(meta)
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab_size = int(embd.shape[-1])  # GGUF shapes are [cols, rows]
     factors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name in _ROPE_FACTORS}
-    config = _hf_config(meta, key, vocab_size, names, factors, dtype)
+    config = hf_config(meta, key, vocab_size, names, factors, dtype)
     tensors, kept = _read_tensors(reader, key, config["num_attention_heads"], config["num_key_value_heads"], dtype, dequantize)
     if kept:
         config["quantization_config"] = {"quant_method": "gguf", "tensors": dict(sorted(kept.items()))}

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from portside.testing.tiny import _widen_init, make_tiny_tokenizer
+from portside.testing.tiny import make_tiny_tokenizer, widen_init
 
 __all__ = ["LLAVA_TEMPLATE", "IMAGE_TOKEN", "make_tiny_llava"]
 
@@ -133,7 +133,7 @@ def make_tiny_llava(
     config.eos_token_id = eos_id
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
-    _widen_init(model, init_std, seed)
+    widen_init(model, init_std, seed)
     model.save_pretrained(str(path), safe_serialization=True)
 
     strategy = config.vision_feature_select_strategy

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from portside.testing.tiny import _widen_init, make_tiny_tokenizer
+from portside.testing.tiny import make_tiny_tokenizer, widen_init
 
 __all__ = ["QWEN_VL_TOKENS", "QWEN_VL_TEMPLATE", "TINY_PREPROCESSOR", "make_tiny_qwen2_5_vl"]
 
@@ -98,7 +98,7 @@ def make_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0, init_std: float
     config = _config(tok, dict(overrides))
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)  # fp32 (torch's default dtype)
-    _widen_init(model, init_std, seed)
+    widen_init(model, init_std, seed)
     if config.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(str(path), safe_serialization=True)

@@ -140,9 +140,9 @@ def embed_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @torch.no_grad()
 def hf_mean_embedding(path: Path, ids: list[int]) -> np.ndarray:
-    from portside.testing.tiny import _hf_model
+    from portside.testing.tiny import hf_model
 
-    hidden = _hf_model(path)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
+    hidden = hf_model(path)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
     return torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
 
 
