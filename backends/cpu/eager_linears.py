@@ -12,7 +12,7 @@
   tok/s. The copies double the memory the weights take (option ``cpu_prepack=off`` keeps only
   the dense weights).
 
-bf16 linears of several rows (option ``cpu_bf16_linears``, `bf16_linears_mode`): ``native`` packs
+bf16 linears of several rows (option ``cpu_bf16_linears``, `CpuOptions.bf16_linears`): ``native`` packs
 the bf16 weights for oneDNN's bf16 kernels (AMX, AVX-512-BF16); ``amx`` does too, but runs the
 linears of 2..`AMX_MAX_ROWS` rows (batched decode steps) in the native AMX tile kernel
 (`portside_cpu_native::linear_amx`, csrc/linear_amx.cpp), which streams the weights faster at
@@ -45,10 +45,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from portside.backends.cpu.native_ops import amx_unavailable_reason
+from portside.backends.cpu.options import cpu_options
+
+__all__ = ["EagerLinears", "PackedWeights", "packed_linear", "padded_rows", "row_buckets", "amx_linears",
+           "amx_unavailable_reason", "make_packed_weights", "prepack_unavailable_reason", "AMX_MAX_ROWS", "CHUNK_ROWS"]
+
 logger = logging.getLogger(__name__)
 
-PREPACK_MODES = ("on", "off")
-BF16_LINEAR_MODES = ("auto", "amx", "native", "widen")  # platform option cpu_bf16_linears
 AMX_MAX_ROWS = 128  # the most rows `linear_amx` runs (oneDNN is faster past ~200)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what linear_row streams
@@ -97,7 +101,7 @@ class PackedWeights:
 
     def __init__(self, batch_hint: int, widen_bf16: bool = False) -> None:
         self.batch_hint = batch_hint  # the row count oneDNN picks its packed layout for
-        self.widen_bf16 = widen_bf16  # bf16 weights packed as fp32 copies (`bf16_linears_mode` "widen")
+        self.widen_bf16 = widen_bf16  # bf16 weights packed as fp32 copies (`CpuOptions.bf16_linears` "widen")
         self._packed: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor | None] = {}
         # one (packed weight, bias) per kind of call seen while `recording` (the runner's capture
         # step): what oneDNN builds a primitive for
@@ -171,50 +175,23 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def bf16_linears_mode(config: Any) -> str:
-    """"amx", "native" or "widen" (module docstring): option ``cpu_bf16_linears``, "auto" by the
-    CPU's flags."""
-    from portside.backends.cpu.platform import has_native_bf16
-
-    mode = config.option("cpu_bf16_linears", "auto")
-    if mode == "auto":  # (while the library is built in the background: native, which packs the weights as amx does)
-        return "amx" if amx_unavailable_reason(wait=False) is None else "native" if has_native_bf16() else "widen"
-    return mode
-
-
 def amx_linears(config: Any) -> bool:
-    """Whether a runner sends a bf16 model's linears of 2..`AMX_MAX_ROWS` rows to `linear_amx`."""
-    return config.model.dtype == torch.bfloat16 and bf16_linears_mode(config) == "amx"
-
-
-def amx_unavailable_reason(wait: bool = True) -> str | None:
-    """None when the native AMX tile linear runs here (`linear_amx`), else why not; without `wait`,
-    also while the native library is built in the background (`native_ops.ready`)."""
-    from portside.backends.cpu import native_ops
-
-    reason = native_ops.unavailable_reason() if wait else native_ops.not_ready_reason()
-    if reason:
-        return f"the native operators are unavailable ({reason})"
-    if not torch.ops.portside_cpu_native.linear_amx_supported():
-        return "this CPU has no AMX-BF16, or the kernel does not grant the tile state (arch_prctl)"
-    return None
+    """Whether a runner sends a bf16 model's linears of 2..`AMX_MAX_ROWS` rows to `linear_amx` now:
+    the AMX linears chosen (`CpuOptions.bf16_linears`), and the native library loaded with the
+    kernel granted the tile state (a runner asks again once a library built in the background is)."""
+    return (config.model.dtype == torch.bfloat16 and cpu_options(config).bf16_linears == "amx"
+            and amx_unavailable_reason(wait=False) is None)
 
 
 def make_packed_weights(config: Any) -> PackedWeights | None:
     """The prepacked-weights cache of an eager runner: None with ``cpu_prepack=off`` or without
-    oneDNN (logged)."""
-    if config.option("cpu_prepack", "on") == "off":
+    oneDNN (logged); bf16 weights packed as fp32 copies where the choice is to widen them
+    (`CpuOptions.bf16_linears`; amx packs them as native does, for oneDNN's rows above `AMX_MAX_ROWS`)."""
+    options = cpu_options(config)
+    if not options.prepack:
         return None
     reason = prepack_unavailable_reason()
     if reason:
         logger.info("cpu eager: multi-row linears run in F.linear: %s", reason)
         return None
-    mode = bf16_linears_mode(config)
-    widen = mode == "widen"
-    if config.model.dtype == torch.bfloat16:
-        logger.info("cpu eager: bf16 linears of several rows: %s", {
-            "widen": "fp32 copies of the weights, activations widened (no bf16 arithmetic on this CPU, or "
-                     "cpu_bf16_linears=widen)",
-            "amx": f"the AMX tile kernel up to {AMX_MAX_ROWS} rows (cpu_bf16_linears=amx), oneDNN's bf16 kernels above",
-        }.get(mode, "oneDNN's bf16 kernels"))
-    return PackedWeights(batch_hint=max(2, config.scheduler.max_num_seqs), widen_bf16=widen)
+    return PackedWeights(batch_hint=max(2, config.scheduler.max_num_seqs), widen_bf16=options.bf16_linears == "widen")

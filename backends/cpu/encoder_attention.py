@@ -9,7 +9,7 @@ is a handful of SDPA calls instead of one per sequence, and no key is ever padde
 
 Numerics: fp32 math, output rounded once to the query's dtype, as the reference. fp16/bf16 are
 upcast to fp32 for SDPA unless the CPU multiplies that dtype natively (bf16: AVX-512-BF16 or AMX,
-`platform.has_native_bf16`; fp16: AMX-FP16 or AVX512-FP16): SDPA's CPU kernel accumulates in
+`host.has_native_bf16`; fp16: AMX-FP16 or AVX512-FP16): SDPA's CPU kernel accumulates in
 fp32 either way, but rounds the probabilities to the input dtype before P @ V, and without
 native support its half-precision path is slower than the fp32 one (fp16 SDPA on the AVX2 CI
 machine: 0.6x the reference's speed, fp32 SDPA on upcast inputs: 1.3-2.9x). Anything SDPA does
@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from portside.backends.cpu.host import cpu_flags, has_native_bf16
+from portside.contract import AttentionBackend
 
 __all__ = ["encoder_attention", "length_groups", "compute_dtype"]
 
@@ -55,8 +58,6 @@ def length_groups(bounds: list[int]) -> dict[int, list[tuple[int, int]]]:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What SDPA runs in for inputs of `dtype` on this CPU: the dtype itself where the CPU
     multiplies it natively, else fp32."""
-    from portside.backends.cpu.platform import cpu_flags, has_native_bf16
-
     if dtype == torch.bfloat16 and has_native_bf16():
         return dtype
     if dtype == torch.float16 and cpu_flags() & {"amx_fp16", "avx512_fp16"}:
@@ -80,8 +81,7 @@ def encoder_attention(
 ) -> torch.Tensor:
     """Bidirectional attention within each sequence; [T, H, D] in the query's dtype."""
     if query.dtype not in SDPA_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
-        from portside.contract import AttentionBackend  # the contract's default: core's reference
-
+        # the contract's default: core's reference
         return AttentionBackend.encoder_attention(None, query, key, value, cu_seqlens, max_seqlen, scale)  # type: ignore[arg-type]
     num_tokens, num_heads, head_size = query.shape
     out = torch.empty_like(query)

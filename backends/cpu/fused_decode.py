@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
+from portside.backends.cpu import native_ops
 from portside.backends.cpu.attention import MAX_FUSED_ROWS
+from portside.backends.cpu.options import cpu_options
 from portside.contract import ForwardContext
 
 logger = logging.getLogger(__name__)
 
-FUSED_DECODE_MODES = ("on", "off")
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes (and so KV cache dtypes) the native steps take
 # What the native step computes exactly: core's Llama-family class (exactly it, not a subclass
 # that may change a layer) for the architectures it serves, with no attention feature in any layer.
@@ -146,15 +147,13 @@ def unsupported_reason(model: Any) -> str | None:
     params = [*model.parameters(), model.model.rotary.cos_sin]
     if any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
         return "a weight that is not a contiguous cpu tensor"
-    from portside.backends.cpu import native_ops
-
     return native_ops.not_ready_reason()
 
 
 def make_fused_decoder(model: Any, config: Any) -> FusedDecoder | None:
     """The native decoder for `model` when option ``cpu_fused_decode`` is on (the default) and the
     model qualifies; None otherwise (logged)."""
-    if config.option("cpu_fused_decode", "on") == "off":
+    if not cpu_options(config).fused_decode:
         return None
     reason = unsupported_reason(model)
     if reason:

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from portside.backends.cpu import native_ops
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,8 +75,6 @@ class GemvAsReduction(CustomGraphPass):
         """`native`: use the C++ operator if it builds here (False: always the fused reduction);
         `amx_rows`: the most rows of a linear sent to the AMX kernel (0: none)."""
         if native:
-            from portside.backends.cpu import native_ops
-
             reason = native_ops.not_ready_reason()  # (built in the background: the graphs keep the reduction)
             if reason:
                 logger.warning("one-row linears use Inductor's fused reduction: the native operator is "

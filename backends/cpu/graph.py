@@ -1,4 +1,5 @@
-"""cpu graph runners, chosen by the ``cpu_graph`` platform option (``--cpu-graph``):
+"""cpu graph runners, chosen by the ``cpu_graph`` backend option (``--backend-option cpu_graph=MODE``,
+`CpuOptions.graph`):
 
 - ``eager``: the model runs op by op, its linears in faster kernels than torch's default
   (`EagerGraphRunner`, `eager_linears`);
@@ -20,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from portside.backends.cpu import attention_op, native_ops
 from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, EagerLinears, amx_linears, make_packed_weights
 from portside.backends.cpu.fused_decode import FusedDecoder, make_fused_decoder
-from portside.backends.cpu.options import DEFAULT_GRAPH_MODE, GRAPH_MODES  # noqa: F401  (GRAPH_MODES: tests)
+from portside.backends.cpu.openvino_runner import OpenVinoGraphRunner
+from portside.backends.cpu.options import GRAPH_MODES, cpu_options  # noqa: F401  (GRAPH_MODES: tests)
 from portside.contract import EagerGraphRunner as _CoreEagerGraphRunner
 from portside.contract import ForwardContext, GraphRunner, ModelFn, PiecewiseModel
 
@@ -104,8 +107,6 @@ class _FusedDecodeSteps:
         (`_on_native`). Nothing a step keeps depends on which kernels ran the steps before: the
         KV cache layout is the same, and the weights are the model's (the fused step reads them
         in place)."""
-        from portside.backends.cpu import native_ops
-
         if native_ops.ready():
             self._native_pending = False
             self._on_native()
@@ -146,12 +147,10 @@ class _Body(nn.Module):
 
     def __init__(self, model: PiecewiseModel, attention: Callable[..., torch.Tensor], logits: bool = False) -> None:
         super().__init__()
-        from portside.backends.cpu.attention_op import feature_args
-
         self.model = model
         self.attention = attention
         self.logits = logits
-        self.features = [feature_args(model.attention_features(i)) for i in range(model.num_layers)]
+        self.features = [attention_op.feature_args(model.attention_features(i)) for i in range(model.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -194,15 +193,11 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
                 "cpu graph mode 'inductor': %s is not a PiecewiseModel; running it eagerly", type(model_fn).__name__
             )
             return
-        from portside.backends.cpu import attention_op  # registers portside_cpu::attention
-
         self._forward_context = attention_op.forward_context
         self.model = model_fn
         self._fused = make_fused_decoder(model_fn, config)
         # Decode-only steps attend in C++ with no call back into Python when the native
         # operators build here (~12 us a layer warm, more right after the weight stream).
-        from portside.backends.cpu import native_ops
-
         self._native = native_ops.ready()  # (built in the background: the graphs keep torch's kernels, `_on_native`)
         self._native_pending = not self._native and native_ops.pending()
         attention = torch.ops.portside_cpu_native.attention if self._native else torch.ops.portside_cpu.attention
@@ -281,14 +276,9 @@ def _step_inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:
-    mode = config.option("cpu_graph", DEFAULT_GRAPH_MODE)
-    if mode == "inductor":
-        return InductorGraphRunner(model_fn, config)
-    if mode == "openvino":
-        from portside.backends.cpu.openvino_runner import OpenVinoGraphRunner
-
-        return OpenVinoGraphRunner(model_fn, config)
-    return EagerGraphRunner(model_fn, config)
+    """The runner `CpuOptions.graph` names (option cpu_graph)."""
+    runner = {"inductor": InductorGraphRunner, "openvino": OpenVinoGraphRunner, "eager": EagerGraphRunner}
+    return runner[cpu_options(config).graph](model_fn, config)
 
 
 class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
@@ -305,8 +295,6 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
 
     def __init__(self, model_fn: ModelFn, config) -> None:
         super().__init__(model_fn, config)
-        from portside.backends.cpu import native_ops
-
         reason = native_ops.not_ready_reason()
         self._native_pending = reason is not None and native_ops.pending()
         if self._native_pending:

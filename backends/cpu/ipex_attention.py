@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from portside.backends.cpu.attention import attend_read_kv, plan_prefills, valid_slots
+from portside.backends.cpu.encoder_attention import encoder_attention
 from portside.contract import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 
 
@@ -84,8 +85,6 @@ class IpexAttentionBackend(AttentionBackend):
 
     def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """Vision encoders: the cpu backend's (one SDPA per sequence length; no paged cache involved)."""
-        from portside.backends.cpu.encoder_attention import encoder_attention
-
         return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from portside.backends.cpu import native_ops
 from portside.backends.cpu.lora import CpuLoRAOps
 from portside.backends.cpu.quant import CpuQuantOps
 from portside.contract import ModelOps
@@ -82,14 +83,10 @@ class CpuModelOps(CpuLoRAOps, CpuQuantOps, ModelOps):
         """`wait`: for a native library being built in the background (`native_ops.wait`; a
         quantized model's weights are laid out for its kernels as they load); else the experts
         take it once built (`moe_experts`)."""
-        from portside.backends.cpu import native_ops
-
         self.native = native_ops.wait("quantized weights are laid out for them") if wait else native_ops.ready()
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids, activation: str = "silu") -> torch.Tensor:
         if not self.native and not torch.compiler.is_compiling():  # (a traced graph keeps its choice)
-            from portside.backends.cpu import native_ops
-
             self.native = native_ops.loaded()  # built in the background since (the step's start loaded it)
         native = self.native and x.dtype == w13.dtype == w2.dtype == torch.float32
         op = torch.ops.portside_cpu_native.moe_experts if native else torch.ops.portside_cpu.moe_experts

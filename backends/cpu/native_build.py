@@ -36,6 +36,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from portside.backends.cpu.host import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,8 +75,6 @@ def _tail(text: str, lines: int = 15) -> str:
 
 
 def _cpu_flags() -> str:
-    from portside.backends.cpu.platform import cpu_flags
-
     return " ".join(sorted(cpu_flags()))
 
 

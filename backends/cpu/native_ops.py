@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from portside.backends.cpu import native_build
+from portside.backends.cpu import attention_op, native_build
 from portside.backends.cpu.native_build import NativeBuildError
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,31 @@ def not_ready_reason() -> str | None:
     return "they are being built in the background (the torch paths run until then)"
 
 
+def status() -> str:
+    """This process's view of the library, read without side effects (no build started, nothing
+    loaded): "loaded", "cached" (built, loaded by the next `ready`), "building" (in the background),
+    "unavailable" (`not_ready_reason` says why) or "not started" (before `start`)."""
+    if loaded():
+        return "loaded"
+    with _state.lock:
+        if _state.reason is not None:
+            return "unavailable"
+        if _state.build is not None:
+            return "building"
+        return "cached" if _state.started else "not started"
+
+
+def amx_unavailable_reason(wait: bool = True) -> str | None:
+    """None when the native AMX tile linear runs here (`portside_cpu_native::linear_amx`), else why
+    not; without `wait`, also while the library is built in the background (`ready`)."""
+    reason = unavailable_reason() if wait else not_ready_reason()
+    if reason:
+        return f"the native operators are unavailable ({reason})"
+    if not torch.ops.portside_cpu_native.linear_amx_supported():
+        return "this CPU has no AMX-BF16, or the kernel does not grant the tile state (arch_prctl)"
+    return None
+
+
 def wait(why: str) -> bool:
     """`ready()`, after waiting for a background build to end (`why`: what needs the library from
     the start, said on stderr)."""
@@ -270,8 +295,6 @@ def _say_still_building() -> None:
 def load() -> Path:
     """Build (once per cache key) and register the operators; the library's path (`kernels` opens
     it with ctypes for the C entry points). Raises `NativeBuildError` with why not."""
-    from portside.backends.cpu import attention_op  # the Python operator attention falls back to
-
     target, _ = _build()
     try:
         torch.ops.load_library(str(target))

@@ -1,17 +1,32 @@
-"""CpuPlatform: runs anywhere torch does."""
+"""CpuPlatform: runs anywhere torch does.
+
+The top of the backend's import graph: it imports the parts it builds (attention backends, graph
+runners, model ops) and the choice of what runs (`options.cpu_options`), none of which imports it.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import platform as _platform
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
 
+from portside.backends.cpu import native_ops
+from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
 from portside.backends.cpu.communicator import select_dist_backend
-from portside.backends.cpu.options import BACKEND_OPTIONS, DEFAULT_ALLOCATOR_CACHE_MB, DEFAULT_GRAPH_MODE
+from portside.backends.cpu.graph import make_graph_runner
+from portside.backends.cpu.host import cpu_flags, has_native_bf16, usable_cores
+from portside.backends.cpu.ipex_attention import IpexAttentionBackend
+from portside.backends.cpu.moe import CpuModelOps
+from portside.backends.cpu.options import (
+    BACKEND_OPTIONS,
+    DEFAULT_ALLOCATOR_CACHE_MB,
+    check_cpu_options,
+    cpu_options,
+)
+from portside.backends.cpu.weights import pack_weights
 from portside.contract import (
     AttentionBackend,
     Availability,
@@ -25,33 +40,10 @@ from portside.contract import (
     host_memory,
 )
 
+__all__ = ["CpuPlatform", "configure_threads", "install_caching_allocator", "DEFAULT_ALLOCATOR_CACHE_MB",
+           "cpu_flags", "has_native_bf16", "usable_cores"]  # (the last three: `host`'s, kept importable here)
+
 logger = logging.getLogger(__name__)
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def has_native_bf16() -> bool:
-    """AVX-512-BF16 or AMX: bf16 matmuls run at full speed. Without them they are ~100x slower."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask), not every CPU of the machine."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def configure_threads(requested: int | None = None) -> int:
@@ -80,8 +72,6 @@ def install_caching_allocator(cache_mb: int) -> bool:
     like preloading tcmalloc or jemalloc (the fix vLLM's and IPEX's CPU guides give). Returns
     whether it is installed; without the native library (no C++ compiler) nothing changes, and
     while it is built in the background it is installed once built (`native_ops.when_ready`)."""
-    from portside.backends.cpu import native_ops
-
     reason = native_ops.not_ready_reason()
     if reason:
         logger.debug("cpu: no caching allocator yet (native library: %s)", reason)
@@ -97,9 +87,9 @@ def install_caching_allocator(cache_mb: int) -> bool:
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
-    host_device = True  # no device index; ranks on one machine split its cores
-    worker_start_method = "forkserver"  # workers forked from a server that imported torch once
-    ray_resource = "CPU"
+    # the host itself: no device index, ranks on one machine split its cores, and (the defaults
+    # that follow) workers forked from a server that imported torch once, a Ray "CPU" per rank
+    host_device = True
     dist_backend = select_dist_backend()  # "gloo", or "ccl" when oneCCL's bindings are installed
     priority = 0
     block_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -140,113 +130,38 @@ class CpuPlatform(Platform):
     def prepare_model(cls, model, config) -> None:
         """Weights into one huge-page buffer in read order (`weights.pack_weights`); tensors
         allocated from then on come from the caching allocator (`install_caching_allocator`)."""
-        from portside.backends.cpu.weights import pack_weights
-
         pack_weights(model)
-        install_caching_allocator(int(config.option("cpu_allocator_cache_mb", DEFAULT_ALLOCATOR_CACHE_MB)))
+        install_caching_allocator(cpu_options(config).allocator_cache_mb)
 
     @classmethod
     def check_and_update_config(cls, config):
-        config = super().check_and_update_config(config)  # the options' keys and choices, the block size, dtypes
-        mode = config.option("cpu_graph", DEFAULT_GRAPH_MODE)
-        if mode == "openvino":
-            quantization = getattr(config.model, "quantization", None)
-            if quantization is not None:  # the quantized linears are opaque operators OpenVINO cannot convert
-                raise ValueError(
-                    f"--cpu-graph openvino does not run quantized models ({quantization.describe()}); "
-                    "use --cpu-graph eager or inductor, which run the cpu backend's quantized kernels"
-                )
-            from portside.backends.cpu.openvino_runner import openvino_available
-
-            reason = openvino_available()
-            if reason:
-                raise ValueError(f"--cpu-graph openvino: {reason}")
-            if config.parallel.tensor_parallel_size > 1:
-                raise ValueError("--cpu-graph openvino runs at tensor_parallel_size 1; use inductor or eager for TP")
-        bf16_linears = config.option("cpu_bf16_linears", "auto")
-        if bf16_linears == "amx":
-            from portside.backends.cpu.eager_linears import amx_unavailable_reason
-
-            reason = amx_unavailable_reason()
-            if reason:
-                raise ValueError(f"cpu_bf16_linears=amx: {reason}; use native, widen or auto")
-        if mode == "inductor" and config.model.dtype == torch.bfloat16 and not has_native_bf16():
-            logger.warning("cpu: --cpu-graph inductor runs bf16 linears in torch's bf16 kernels, several times slower "
-                           "on a CPU without AVX-512-BF16/AMX than the eager runner's (fp32 copies of the weights)")
-        impl = config.option("cpu_attention", "auto")
-        if impl == "ipex":
-            from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
-
-            reason = ipex_unavailable_reason()
-            if reason:
-                raise ValueError(f"cpu_attention=ipex: {reason}")
-            if config.cache.kv_cache_dtype != "auto":
-                raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype}: IPEX's paged attention stores only "
-                                 "the model's dtype; use cpu_attention=native or torch, or --kv-cache-dtype auto")
-        if impl == "native":
-            from portside.backends.cpu.kernels import native_unavailable_reason
-
-            reason = native_unavailable_reason()
-            if reason:
-                raise ValueError(f"cpu_attention=native: the native kernels are unavailable: {reason}")
-        cache_mb = config.option("cpu_allocator_cache_mb", DEFAULT_ALLOCATOR_CACHE_MB)
-        if not str(cache_mb).isdigit():
-            raise ValueError(f"cpu_allocator_cache_mb={cache_mb!r}: give a size in MiB (0 turns the caching allocator off)")
-        threads = config.option("cpu_threads")
-        if threads is not None and not str(threads).isdigit():
-            raise ValueError(f"cpu_threads={threads!r}: give a positive integer")
-        configure_threads(int(threads) if threads else None)
-        logger.info("cpu: dtype %s, graph %s, %d threads", str(config.model.dtype).removeprefix("torch."), mode,
-                    torch.get_num_threads())
-        from portside.backends.cpu import native_ops
-
+        """The options' keys and choices (core's check, again for direct callers), then what only
+        this backend can check (`options.check_cpu_options`); then the native library's build is
+        started in the background when it is not cached, and what runs is chosen and logged in
+        one line (`options.cpu_options`)."""
+        config = super().check_and_update_config(config)
+        check_cpu_options(config)
         native_ops.start()  # not cached: built in the background while the torch paths answer
+        options = cpu_options(config)
+        configure_threads(options.threads)
+        logger.info("cpu: dtype %s, %d threads, %s", str(config.model.dtype).removeprefix("torch."),
+                    torch.get_num_threads(), options.describe())
         return config
 
     @classmethod
     def attention_backend(cls, config) -> AttentionBackend:
-        """`_attention_backend`'s choice, its KV cache touched at allocation unless option
-        cpu_kv_prefault is "off": a first touch of a fresh huge page costs its zeroing, and on a VM
-        whose host has not backed the memory yet far more (800 MB: 1.2 s on an AMX Xeon VM,
-        0.08 s once backed), paid inside the first steps that write those blocks otherwise (10% of
-        the samples of a 64-sequence prefill there). vLLM's CPU backend zero-fills its cache at
-        start-up too."""
-        backend = cls._attention_backend(config)
-        backend.prefault_host_cache = config.option("cpu_kv_prefault", "on") == "on"
+        """The backend `CpuOptions.attention` names (option cpu_attention: `options._attention_path`),
+        its KV cache touched at allocation unless option cpu_kv_prefault is "off": a first touch of
+        a fresh huge page costs its zeroing, and on a VM whose host has not backed the memory yet far
+        more (800 MB: 1.2 s on an AMX Xeon VM, 0.08 s once backed), paid inside the first steps that
+        write those blocks otherwise (10% of the samples of a 64-sequence prefill there). vLLM's CPU
+        backend zero-fills its cache at start-up too. The native backend runs the torch path until
+        a library built in the background is loaded (`NativeAttentionBackend`)."""
+        options = cpu_options(config)
+        backend: AttentionBackend = {"ipex": IpexAttentionBackend, "native": NativeAttentionBackend,
+                                     "torch": CpuAttentionBackend}[options.attention]()
+        backend.prefault_host_cache = options.kv_prefault
         return backend
-
-    @classmethod
-    def _attention_backend(cls, config) -> AttentionBackend:
-        """Option cpu_attention: "auto" picks IPEX's paged kernels when intel_extension_for_pytorch
-        is usable (and the KV cache is the model's dtype), else the native C kernels for fp32
-        and bf16 models when they build (while they are built in the background, the native
-        backend runs the torch path until they are: `NativeAttentionBackend`), else the torch
-        path; "native", "torch" and "ipex" force one (checked in `check_and_update_config`)."""
-        from portside.backends.cpu.attention import CpuAttentionBackend, NativeAttentionBackend
-
-        impl = config.option("cpu_attention", "auto")
-        if impl == "ipex" or (impl == "auto" and config.cache.kv_cache_dtype == "auto"):
-            from portside.backends.cpu.ipex_attention import IpexAttentionBackend, ipex_unavailable_reason
-
-            if ipex_unavailable_reason() is None:
-                logger.info("cpu attention: IPEX PagedAttention kernels")
-                return IpexAttentionBackend()
-        if impl == "native" or (impl == "auto" and config.model.dtype in (torch.float32, torch.bfloat16)):
-            from portside.backends.cpu import native_ops
-            from portside.backends.cpu.kernels import native_unavailable_reason
-
-            if impl == "native":  # built (or waited for) in check_and_update_config
-                reason = native_unavailable_reason()
-            else:
-                reason = native_ops.not_ready_reason() or native_unavailable_reason()
-                if reason is not None and native_ops.pending():
-                    logger.info("cpu attention: the torch path until the native C kernels are built in the background")
-                    return NativeAttentionBackend()
-            if reason is None:
-                logger.info("cpu attention: native C kernels (decodes, K/V writes), SDPA for prefill chunks")
-                return NativeAttentionBackend()
-            logger.warning("cpu attention: native kernels unavailable, using the torch path: %s", reason)
-        return CpuAttentionBackend()
 
     @classmethod
     def sampler(cls, config) -> Sampler:
@@ -254,8 +169,6 @@ class CpuPlatform(Platform):
         (`csrc/token_bitmask.cpp`) when the operators build: torch's CPU argmax reads a row one
         element at a time (~40 us for one 49k-token row, 1.3 ms for 64 rows here; 8 us and 0.41 ms
         native). While the library is built in the background, core's until it is (`native_ops.ready`)."""
-        from portside.backends.cpu import native_ops
-
         if native_ops.ready():
             ops = torch.ops.portside_cpu_native
             return Sampler(argmax=ops.argmax_rows, apply_token_bitmask=ops.apply_token_bitmask)
@@ -278,12 +191,9 @@ class CpuPlatform(Platform):
         """Core's references, but mixture-of-experts grouped by expert, native quantized linears and
         multi-LoRA grouped by adapter (`moe.CpuModelOps`). A quantized model waits for a native
         library built in the background: its weights are laid out for the kernels as they load."""
-        from portside.backends.cpu.moe import CpuModelOps
-
         return CpuModelOps(wait=getattr(getattr(config, "model", None), "quantization", None) is not None)
 
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config) -> GraphRunner:
-        from portside.backends.cpu.graph import make_graph_runner
-
+        """The runner `CpuOptions.graph` names (option cpu_graph: `graph.make_graph_runner`)."""
         return make_graph_runner(model_fn, config)

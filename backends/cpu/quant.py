@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from portside.backends.cpu import native_ops
 from portside.contract import QuantWeight, pack_int4, quantize_activation, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ class CpuQuantLayout:
 def isa() -> str:
     """The instruction-set paths the native library compiled in ("" without AVX2/FMA/F16C or
     without the library): e.g. "avx2", "avx2,avx512vnni,amx"."""
-    from portside.backends.cpu import native_ops
-
     if native_ops.unavailable_reason() is not None:
         return ""
     return str(torch.ops.portside_cpu_native.quant_isa())
