@@ -110,6 +110,7 @@ def build_parser() -> Parser:
     p.add_argument("-n", type=int, default=1, help="number of samples")
     add_engine_args(p)
     p.set_defaults(max_num_seqs=None)  # default: -n (`_cmd_generate`)
+    next(a for a in p._actions if a.dest == "max_num_seqs").help = "most requests running at once (default: -n)"
     _add_config_arg(p)
     p.set_defaults(func=_cmd_generate)
 

@@ -59,7 +59,8 @@ def test_help_shows_defaults_once(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             parse_args(build_parser(), [command, "--help"])
         text = " ".join(capsys.readouterr().out.split())  # unwrap argparse's line breaks
-        assert "most requests running at once (default: 128)" in text
+        # generate sizes its batch (and KV cache) for its one prompt's samples
+        assert f"most requests running at once (default: {'-n' if command == 'generate' else 128})" in text
         assert "shard the model over this many devices (default: 1)" in text
         assert "--max-logprobs MAX_LOGPROBS most logprobs" in text and "(-1: no limit) (default: 20)" in text
         assert "(default: None)" not in text and "(default: False)" not in text
