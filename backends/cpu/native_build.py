@@ -132,6 +132,10 @@ def build(cc: list[str], sources: tuple[Path, ...], flags: tuple[str, ...], libs
     with lock, _process_lock(target, lock_fd):
         if target.exists():  # built by the thread or process that held the lock
             return False
+        for stale in target.parent.glob(".build-*"):  # a build killed mid-way (we hold the lock: none runs)
+            shutil.rmtree(stale, ignore_errors=True)
+        if lock_fd is None:  # a foreground build: a killed background build's log is stale
+            (target.parent / "build.log").unlink(missing_ok=True)
         names = " ".join(src.name for src in sources)
         what, estimate = describe(sources)
         jobs = max(1, min(len(sources), _cores()))

@@ -39,6 +39,17 @@ def test_a_build_says_so_compiles_in_parallel_and_links(sources, tmp_path, monke
     assert sorted(p.name for p in target.parent.iterdir()) == ["lib.so", "lib.so.lock"]
 
 
+def test_a_killed_builds_leftovers_go_with_the_next_build(sources, tmp_path):
+    """A build killed mid-way (SIGKILL: no cleanup) leaves its temporary folder and a background
+    build's log; the next build, holding the lock, removes them."""
+    target = tmp_path / "out" / "lib.so"
+    (target.parent / ".build-killed").mkdir(parents=True)
+    (target.parent / ".build-killed" / "a.o").write_bytes(b"partial")
+    (target.parent / "build.log").write_text("portside: building native cpu kernels ...\n")
+    assert native_build.build(["cc"], sources, FLAGS, (), target) is True
+    assert sorted(p.name for p in target.parent.iterdir()) == ["lib.so", "lib.so.lock"]
+
+
 def test_two_threads_asking_at_once_build_once(sources, tmp_path):
     target = tmp_path / "lib.so"
     results: list[bool] = []
