@@ -27,6 +27,7 @@ from portside.config import (
 from portside.contract import Platform, check_backend_options
 from portside.engine.backend_options import add_backend_option_args, backend_options_from_args
 from portside.engine.unsupported_args import add_unsupported_args
+from portside.model.pipeline import pipeline_stages
 from portside.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -148,8 +149,6 @@ class EngineArgs:
         )
         self._check_vllm_flags()
         if self.pipeline_parallel_size > 1 and hf.get("num_hidden_layers"):  # the split fails here, not in a worker
-            from portside.model.decoder import pipeline_stages
-
             pipeline_stages(int(hf["num_hidden_layers"]), self.pipeline_parallel_size, config.parallel.pipeline_layers)
         if self.pipeline_parallel_size > 1 and config.speculative is not None and config.speculative.draft is not None:
             raise ValueError("draft-model speculative decoding with pipeline parallelism is not supported; use method "
