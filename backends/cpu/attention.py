@@ -182,9 +182,7 @@ class CpuAttentionBackend(AttentionBackend):
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
         sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        plan = metadata.backend_data
-        if not isinstance(plan, TorchAttentionPlan):
-            plan = self.prepare(metadata).backend_data
+        plan = self.prepared(metadata, TorchAttentionPlan)
         self._write(kv_cache, key, value, plan.keep, plan.slots)
         return _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap)
 

@@ -115,7 +115,10 @@ class _FusedDecodeSteps:
         self._fused = make_fused_decoder(self.model_fn, self.config)  # type: ignore[attr-defined]
 
     def _fused_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        """The step's hidden states when a fused step ran it (a one-row step's logits kept), else None."""
+        """The step's hidden states when a fused step ran it (a one-row step's logits kept), else None.
+        Every step starts here: it first takes the native paths if they became ready."""
+        if self._native_pending:
+            self._take_native()
         self._step_logits, self._rows_step = None, False
         if self._fused is None or ctx.inputs_embeds is not None:
             return None  # embeddings given (image rows, a later pipeline stage): op by op
@@ -247,8 +250,6 @@ class InductorGraphRunner(_FusedDecodeSteps, GraphRunner):
             super()._on_native()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self._native_pending:
-            self._take_native()
         hidden = self._fused_step(input_ids, positions, ctx)
         if hidden is not None:
             return hidden
@@ -340,8 +341,6 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         super()._on_native()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self._native_pending:
-            self._take_native()
         hidden = self._fused_step(input_ids, positions, ctx)
         if hidden is not None:
             return hidden

@@ -146,9 +146,7 @@ class IpexAttentionBackend(AttentionBackend):
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
         sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        plan = metadata.backend_data
-        if not isinstance(plan, IpexAttentionPlan):
-            plan = self.prepare(metadata).backend_data
+        plan = self.prepared(metadata, IpexAttentionPlan)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self._write(kv_cache, key, value, plan.keep, plan.slots)
         if sliding_window is not None or logit_softcap is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from portside.backends.cpu import native_ops
+from portside.backends.cpu import native_build, native_ops
 from portside.backends.cpu.native_build import NativeBuildError
 from portside.contract import KV_SCALE_BYTES
 
@@ -79,11 +79,7 @@ def load_library() -> NativeLibrary:
 
 def native_unavailable_reason() -> str | None:
     """None when the native kernels build and load here, else why not (builds on first call)."""
-    try:
-        load_library()
-    except NativeBuildError as e:
-        return str(e)
-    return None
+    return native_build.unavailable_reason(load_library)
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, dims: int) -> None:

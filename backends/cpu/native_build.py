@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from portside.backends.cpu.host import cpu_flags
@@ -310,3 +310,13 @@ def _checked(res: subprocess.CompletedProcess[str], cc: list[str], names: str) -
     if res.returncode != 0:
         raise NativeBuildError(f"building {names} with {shlex.join(cc)} failed "
                                f"(exit {res.returncode}):\n{_tail(res.stderr or res.stdout)}")
+
+
+def unavailable_reason(load: Callable[[], object]) -> str | None:
+    """None when `load` (a loader of a native library, building it on first call) succeeds, else
+    why not: its `NativeBuildError`'s message."""
+    try:
+        load()
+    except NativeBuildError as e:
+        return str(e)
+    return None

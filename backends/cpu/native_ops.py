@@ -348,11 +348,7 @@ def _quant_linear_w8a8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torc
 
 def unavailable_reason() -> str | None:
     """None when the operators are registered (building them on first call), else why not."""
-    try:
-        load()
-    except NativeBuildError as e:
-        return str(e)
-    return None
+    return native_build.unavailable_reason(load)
 
 
 def main(argv: list[str] | None = None) -> int:

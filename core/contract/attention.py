@@ -11,7 +11,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -131,6 +131,9 @@ class GraphCaptureSupport(enum.Enum):
     """Any batch shape (static metadata buffers)."""
 
 
+_Plan = TypeVar("_Plan")
+
+
 class AttentionBackend(ABC):
     """Paged attention for one platform. Stateless apart from configuration.
 
@@ -236,6 +239,13 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Add backend-specific data (`metadata.backend_data`) once per step. Default: nothing."""
         return metadata
+
+    def prepared(self, metadata: AttentionMetadata, kind: type[_Plan]) -> _Plan:
+        """The step's plan: `metadata.backend_data` when `prepare` made one of type `kind`, else
+        `prepare` run now (a caller that skipped it: a test, a captured graph's dummy step).
+        A helper for backends whose `prepare` stores a plan object; not meant to be overridden."""
+        plan = metadata.backend_data
+        return plan if isinstance(plan, kind) else self.prepare(metadata).backend_data
 
     def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
         """None if this configuration is supported, else the reason why not."""

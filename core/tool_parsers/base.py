@@ -148,6 +148,20 @@ class ToolCallStreamer:
         With `final`, nothing more will arrive: decide everything."""
         raise NotImplementedError
 
+    def _up_to(self, marker: str, final: bool) -> bool:
+        """Outside a call: pass on the content before `marker` (holding back what may be the start
+        of one, unless `final`); True when the buffer now starts with `marker`."""
+        buf = self._buf
+        start = buf.find(marker)
+        if start < 0:
+            keep = 0 if final else partial_marker_len(buf, (marker,))
+            self._content(buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep :]
+            return False
+        self._content(buf[:start])
+        self._buf = buf[start:]
+        return True
+
     def _content(self, text: str) -> None:
         if not text:
             return

@@ -12,7 +12,7 @@ included, is content. Text between blocks is content. A call is emitted when its
 
 from __future__ import annotations
 
-from portside.tool_parsers.base import ToolCallStreamer, ToolParser, call_from_object, loads, partial_marker_len
+from portside.tool_parsers.base import ToolCallStreamer, ToolParser, call_from_object, loads
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -24,17 +24,10 @@ class HermesStreamer(ToolCallStreamer):
         self._in_block = False  # when True, the buffer starts with OPEN
 
     def _step(self, final: bool) -> bool:
-        buf = self._buf
         if not self._in_block:
-            start = buf.find(OPEN)
-            if start < 0:
-                keep = 0 if final else partial_marker_len(buf, (OPEN,))
-                self._content(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep :]
-                return False
-            self._content(buf[:start])
-            self._buf, self._in_block = buf[start:], True
-            return True
+            self._in_block = self._up_to(OPEN, final)
+            return self._in_block
+        buf = self._buf
         close, reopen = buf.find(CLOSE, len(OPEN)), buf.find(OPEN, len(OPEN))
         if close >= 0 and (reopen < 0 or close < reopen):
             body_end, block_end = close, close + len(CLOSE)

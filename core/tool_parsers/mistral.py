@@ -22,7 +22,6 @@ from portside.tool_parsers.base import (
     ToolParser,
     call_from_object,
     loads,
-    partial_marker_len,
 )
 
 MARKER = "[TOOL_CALLS]"
@@ -51,17 +50,10 @@ class MistralStreamer(ToolCallStreamer):
         self._call_id: str | None = None
 
     def _step(self, final: bool) -> bool:
-        buf = self._buf
         if not self._in_group:
-            start = buf.find(MARKER)
-            if start < 0:
-                keep = 0 if final else partial_marker_len(buf, (MARKER,))
-                self._content(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep :]
-                return False
-            self._content(buf[:start])
-            self._buf, self._in_group = buf[start:], True
-            return True
+            self._in_group = self._up_to(MARKER, final)
+            return self._in_group
+        buf = self._buf
         if self._object is None:
             header = self._header(buf)
             if header is None:  # not decided yet
