@@ -32,7 +32,7 @@
 //
 // W8A8: AVX2 multiplies u8 x s8 pairs with _mm256_maddubs_epi16 after moving the weight's sign
 // onto the activation (|w| <= 128, |x| <= 127: a pair sum fits int16, as llama.cpp does);
-// AVX512-VNNI uses _mm512_dpbusd_epi32 on the unsigned codes and subtracts zero * sum(x); AMX-INT8
+// AVX512-VNNI uses _mm512_dpbusd_epi32 on the unsigned codes and subtracts 128 * sum(x) in int32; AMX-INT8
 // (Sapphire Rapids and later, when the kernel grants the tile state) multiplies 16x64 tiles of
 // codes by the activations packed VNNI-style, for 16 or more rows. Each path is compiled only
 // under its own -march=native macro (__AVX512VNNI__, __AMX_INT8__), chosen at run time by what
@@ -706,15 +706,19 @@ inline void w8a8_rows_avx2(const W8A8& p, int64_t n, int64_t t) {
 }
 
 #ifdef PORTSIDE_QUANT_VNNI
-// AVX512-VNNI: dpbusd(u8 codes, s8 x) = sum q x; minus zero * sum x per group.
+// AVX512-VNNI: dpbusd(u8 codes, s8 x) = sum q x per lane. The codes are unsigned (w + 128), so a
+// lane's sum is dominated by 128 * sum x; the group's sum is reduced and 128 * sum x subtracted in
+// int32 (exact: |q x| <= 255 * 127, K < 2^16) before anything is rounded to fp32, leaving the
+// same signed dot product the AVX2 path gets. Converting the biased lanes to fp32 and subtracting
+// zero * sum x afterwards cancels catastrophically (a relative error of ~1e-6 of the output, 10x
+// the reference's, enough to flip greedy near-ties). Zero points: sum x (c - (z - 128)) as AVX2.
 template <int NR, int R>
 inline void w8a8_rows_vnni(const W8A8& p, int64_t n, int64_t t) {
   const int64_t pf = prefetch_rows();
   const uint8_t* ahead = p.w + (n + NR - 1 + pf) * p.K;
-  __m512 tot[NR][R];
-  float bs[NR][R];
+  float tot[NR][R], bs[NR][R];
   for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < R; ++r) tot[i][r] = _mm512_setzero_ps(), bs[i][r] = 0.f;
+    for (int r = 0; r < R; ++r) tot[i][r] = 0.f, bs[i][r] = 0.f;
   for (int64_t g = 0; g < p.G; ++g) {
     __m512i acc[NR][R];
     for (int i = 0; i < NR; ++i)
@@ -731,15 +735,17 @@ inline void w8a8_rows_vnni(const W8A8& p, int64_t n, int64_t t) {
       }
     }
     for (int i = 0; i < NR; ++i) {
-      const float a = p.ws[(n + i) * p.G + g], z = p.zero(n + i, g);
+      const float a = p.ws[(n + i) * p.G + g];
+      const float zc = p.wz ? p.wz[(n + i) * p.G + g] - 128.f : 0.f;
       for (int r = 0; r < R; ++r) {
-        tot[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(acc[i][r]), tot[i][r]);
-        bs[i][r] -= a * z * float(p.xsum[(t + r) * p.G + g]);
+        const int32_t xs = p.xsum[(t + r) * p.G + g];
+        tot[i][r] += a * float(_mm512_reduce_add_epi32(acc[i][r]) - 128 * xs);
+        if (zc != 0.f) bs[i][r] -= a * zc * float(xs);
       }
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < R; ++r) p.y[(t + r) * p.N + n + i] = p.xs[t + r] * (_mm512_reduce_add_ps(tot[i][r]) + bs[i][r]);
+    for (int r = 0; r < R; ++r) p.y[(t + r) * p.N + n + i] = p.xs[t + r] * (tot[i][r] + bs[i][r]);
 }
 #endif
 
