@@ -23,6 +23,7 @@ One module per part (each name is also importable from here):
 - `graph`: `GraphRunner`, `EagerGraphRunner`, `ModelFn`, `PiecewiseModel`;
 - `collectives`: `Communicator`, `SingleRankCommunicator`, `TorchDistributedCommunicator`;
 - `model_ops`: `ModelOps`, `LoRAMapping`, `QuantWeight` / `QuantParts` and their layout helpers;
+- `recurrent`: `StateSpec`, `RecurrentMetadata`, `RecurrentKernels` (recurrent layers' state and kernels);
 - `sampling`: `Sampler`, `TokenBitmask`, `apply_token_bitmask`;
 - `memory`: `host_memory`, `host_zeros`, `HUGE_PAGE`.
 
@@ -40,6 +41,7 @@ from portside.contract import (
     model_ops,
     options,
     platform,
+    recurrent,
     sampling,
 )
 from portside.contract.attention import (
@@ -52,6 +54,7 @@ from portside.contract.attention import (
     KVCacheSpec,
 )
 from portside.contract.collectives import Communicator, SingleRankCommunicator, TorchDistributedCommunicator
+from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, StateSpec
 from portside.contract.graph import EagerGraphRunner, GraphRunner, ModelFn, PiecewiseModel
 from portside.contract.kv_quant import (
     KV_CACHE_DTYPES,
@@ -79,5 +82,5 @@ from portside.contract.platform import Availability, DeviceInfo, Platform
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
 # every part's public names, in the order of the module map above
-__all__ = [name for part in (platform, options, attention, kv_quant, graph, collectives, model_ops, sampling, memory)
+__all__ = [name for part in (platform, options, attention, kv_quant, graph, collectives, model_ops, recurrent, sampling, memory)
            for name in part.__all__]

@@ -273,6 +273,13 @@ class ForwardContext:
     to the model (``model_fn(input_ids, positions, ctx)``), or, calling `PiecewiseModel.embed`
     itself, passes this as its `inputs_embeds`."""
 
+    state_caches: Sequence[tuple[torch.Tensor, ...]] = ()
+    """Recurrent layers' states: per recurrent layer (counted from this stage's first), its state
+    tensors ``[num_state_slots + 1, *shape]`` (`portside.contract.recurrent.StateSpec`); empty
+    for a model without recurrent layers."""
+    recurrent: Any = None
+    """This step's `portside.contract.recurrent.RecurrentMetadata` (None without recurrent layers)."""
+
     def attention(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **features: Any
     ) -> torch.Tensor:

@@ -14,6 +14,7 @@ from portside.ops import lora, moe
 from portside.ops.lora import LoRAMapping
 from portside.quant import weight as quant_weight
 from portside.quant.weight import QuantParts, QuantWeight, pack_int4, quantize_activation, unpack_int4
+from portside.contract.recurrent import RecurrentKernels
 
 __all__ = [
     "LoRAMapping",
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 
-class ModelOps:
+class ModelOps(RecurrentKernels):
     """Kernels of model layers other than attention (`Platform.model_ops`). Every method's
     default is core's pure-torch reference (`portside.ops`), so a platform that overrides none
     runs every model correctly; a backend overrides what it has a faster kernel for, and the
@@ -43,6 +44,9 @@ class ModelOps:
     its adapter slot's A, `lora_expand` adds its product with the slot's B into a column range of
     the layer's output; the `LoRAMapping` (token -> slot) is shared by every layer of a step. On
     a platform with ``supports_lora = False`` neither is called.
+
+    Recurrent layers (`RecurrentKernels`, `portside.contract.recurrent`): causal conv1d, the
+    Mamba-2 and Mamba-1 scans and the gated delta rule, over per-sequence state slots.
     """
 
     name: ClassVar[str] = "reference"

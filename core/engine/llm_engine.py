@@ -20,6 +20,7 @@ from portside.engine.stats import EngineStats
 from portside.executor import Executor, make_executor
 from portside.generation_config import generation_defaults
 from portside.lora.registry import LoRARegistry
+from portside.model.args import MULTIMODAL_ARCHS
 from portside.model.registry import read_model_args
 from portside.multimodal.processor import MultiModalProcessor
 from portside.outputs import RequestOutput
@@ -107,7 +108,7 @@ class LLMEngine:
         # a model whose every layer has the same window frees the blocks that fall out of it
         self.sliding_window = model_args.uniform_sliding_window
         mm_processor = None
-        if model_args.hf_config is not None:  # a vision-language model
+        if model_args.architecture in MULTIMODAL_ARCHS:  # a vision-language model
             mm_processor = MultiModalProcessor(config.model.path, model_args.hf_config, self.tokenizer, config.multimodal)
         num_blocks = self.executor.determine_num_blocks()
         needed = _blocks_per_request(block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,

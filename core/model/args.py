@@ -84,7 +84,8 @@ class ModelArgs:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights
     moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP; () = every layer
     # vision-language models: the language model's args above come from the config's text_config;
-    # `hf_config` is the whole transformers config (vision tower, projector, image token ids)
+    # `hf_config` is the whole transformers config (vision tower, projector, image token ids; the
+    # fields only one architecture reads, such as a state-space layer's sizes)
     mrope_section: tuple[int, ...] = ()  # Qwen2.5-VL: rotary frequencies per (t, h, w) position
     hf_config: Any = field(default=None, compare=False, repr=False)
 
@@ -120,7 +121,7 @@ class ModelArgs:
             hf = hf.get_text_config()
             if getattr(whole, "eos_token_id", None) is not None and getattr(hf, "eos_token_id", None) is None:
                 hf.eos_token_id = whole.eos_token_id
-        num_heads = hf.num_attention_heads
+        num_heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "num_heads", None) or 1  # Mamba2: no attention
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling, local_theta = _read_rope(hf)
         attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -129,7 +130,7 @@ class ModelArgs:
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            intermediate_size=int(getattr(hf, "intermediate_size", None) or 0),
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -157,14 +158,14 @@ class ModelArgs:
             clip_qkv=_positive(getattr(hf, "clip_qkv", None)),
             num_experts=num_experts,
             num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0) if num_experts else 0,
-            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0))
             if num_experts
             else 0,
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             norm_topk_prob=_norm_topk_prob(hf, arch),
             moe_layers=_moe_layers(hf, num_experts),
             mrope_section=_mrope_section(hf),
-            hf_config=whole if arch in MULTIMODAL_ARCHS else None,
+            hf_config=whole,
         )
 
 
