@@ -54,7 +54,6 @@ from portside.contract.attention import (
     KVCacheSpec,
 )
 from portside.contract.collectives import Communicator, SingleRankCommunicator, TorchDistributedCommunicator
-from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, StateSpec
 from portside.contract.graph import EagerGraphRunner, GraphRunner, ModelFn, PiecewiseModel
 from portside.contract.kv_quant import (
     KV_CACHE_DTYPES,
@@ -79,6 +78,7 @@ from portside.contract.model_ops import (
 )
 from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.platform import Availability, DeviceInfo, Platform
+from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, StateSpec
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
 # every part's public names, in the order of the module map above

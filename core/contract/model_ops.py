@@ -10,11 +10,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from portside.contract.recurrent import RecurrentKernels
 from portside.ops import lora, moe
 from portside.ops.lora import LoRAMapping
 from portside.quant import weight as quant_weight
 from portside.quant.weight import QuantParts, QuantWeight, pack_int4, quantize_activation, unpack_int4
-from portside.contract.recurrent import RecurrentKernels
 
 __all__ = [
     "LoRAMapping",

@@ -65,13 +65,17 @@ class RecurrentMetadata:
     query_start_loc: torch.Tensor
     """[num_reqs + 1] int32: request i's tokens are ``query_start_loc[i]:query_start_loc[i+1]``."""
     query_start_loc_cpu: list[int] = field(default_factory=list)
+    """`query_start_loc` on the host."""
     state_slots_cpu: list[int] = field(default_factory=list)
+    """`state_slots` on the host."""
     has_initial_state_cpu: list[bool] = field(default_factory=list)
+    """`has_initial_state` on the host."""
     num_decodes: int = 0
     """Requests [0, num_decodes) have one token each."""
 
     @property
     def num_reqs(self) -> int:
+        """Requests in the step."""
         return len(self.query_start_loc_cpu) - 1
 
 

@@ -19,9 +19,10 @@ from portside.engine.processor import EosIds, InputProcessor, Prompt
 from portside.engine.stats import EngineStats
 from portside.executor import Executor, make_executor
 from portside.generation_config import generation_defaults
+from portside.kv_cache.state import num_state_slots
 from portside.lora.registry import LoRARegistry
 from portside.model.args import MULTIMODAL_ARCHS
-from portside.model.registry import read_model_args
+from portside.model.registry import architecture_needs, read_model_args
 from portside.multimodal.processor import MultiModalProcessor
 from portside.outputs import RequestOutput
 from portside.platform import resolve_platform
@@ -107,6 +108,9 @@ class LLMEngine:
         model_args = read_model_args(config.model.path, self.max_model_len)
         # a model whose every layer has the same window frees the blocks that fall out of it
         self.sliding_window = model_args.uniform_sliding_window
+        # a hybrid model's recurrent layers: one state slot per running request, more for prefix caching
+        self.num_state_slots = num_state_slots(config.scheduler.max_num_seqs, config.cache.enable_prefix_caching) \
+            if "recurrent" in architecture_needs(model_args.architecture) else 0
         mm_processor = None
         if model_args.architecture in MULTIMODAL_ARCHS:  # a vision-language model
             mm_processor = MultiModalProcessor(config.model.path, model_args.hf_config, self.tokenizer, config.multimodal)
@@ -141,6 +145,7 @@ class LLMEngine:
             micro_batch_tokens=config.parallel.pipeline_micro_batch_tokens or self.platform.pipeline_micro_batch_tokens,
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
             max_encoder_tokens=config.multimodal.max_encoder_tokens_per_step,
+            num_state_slots=self.num_state_slots,
         )
 
     def _log_ready(self) -> None:

@@ -18,6 +18,11 @@ in their place: the table keeps its length, and the nulls always form a prefix o
 keeps the old ids in its own table; they are only ever read under the window mask. A null is
 never shared (forks stop before one; a prefix hit takes cached blocks, never a table's entries)
 nor sent to the runner (the scheduler only sends a table once, at admission, before any null).
+
+Recurrent layers (`num_state_slots > 0`: a hybrid model's linear-attention or state-space layers):
+besides its blocks each running request holds one state slot (`StateSlots`); a prefix hit is
+trimmed to a prefix whose end has a saved state, a fork shares nothing (the child recomputes),
+and `align_chunk` ends prompt chunks on block boundaries so their states can be saved.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 from portside.kv_cache import hashing
 from portside.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from portside.kv_cache.state import StateSlots
 from portside.request import Request
 
 
@@ -51,7 +57,8 @@ class KVCacheManager:
     """Hands out block ids to requests; the model runner turns them into slots and tables."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -68,6 +75,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # blocks already offered to the cache
         self._pending_lookups: dict[str, tuple[int, int]] = {}  # req_id -> (queries, hits)
         self.prefix_cache_stats = PrefixCacheStats()
+        self.state = StateSlots(num_state_slots, block_size, enable_prefix_caching) if num_state_slots else None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -119,13 +127,18 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        if self.state is not None and hit:  # the recurrent layers' state must be restorable at the hit's end
+            hit = hit[: self.state.usable_hit(request.request_id, hashes, tokens, len(hit))]
         num_hit_tokens = len(hit) * self.block_size
         self._pending_lookups[request.request_id] = (len(tokens), num_hit_tokens)
         return hit, num_hit_tokens
 
     def get_fork_blocks(self, parent: Request, child: Request) -> tuple[list[KVCacheBlock], int]:
         """The parent's full computed blocks whose tokens the child shares, never covering the
-        child's last token. Takes no reference (see `get_computed_blocks`)."""
+        child's last token. Takes no reference (see `get_computed_blocks`). None with recurrent
+        layers (the parent's state at the shared end is not kept): the child recomputes."""
+        if self.state is not None:
+            return [], 0
         bs = self.block_size
         n = min(parent.num_computed_tokens, child.num_tokens - 1) // bs
         parent_tokens, child_tokens = parent.all_token_ids, child.all_token_ids
@@ -172,6 +185,9 @@ class KVCacheManager:
         num_reclaimed = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
             return None
+        if self.state is not None and self.state.slots_needed(request.request_id, bool(new_computed), num_tokens) \
+                > self.state.num_free:
+            return None
         queries, hits = self._pending_lookups.pop(request.request_id, (0, 0))
         self.prefix_cache_stats.queries += queries
         self.prefix_cache_stats.hits += hits
@@ -180,6 +196,9 @@ class KVCacheManager:
             blocks = self.req_to_blocks.setdefault(request.request_id, [])
             blocks.extend(new_computed)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        if self.state is not None:
+            start = request.num_computed_tokens + len(new_computed) * self.block_size
+            self.state.allocate(request.request_id, bool(new_computed), start, num_tokens)
         if new_blocks:
             self.req_to_blocks.setdefault(request.request_id, []).extend(new_blocks)
         return [b.block_id for b in new_blocks]
@@ -199,8 +218,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(start, num_full):
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             if blocks[i].block_hash is None and blocks[i] is not self.null_block:
-                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]))
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, block_tokens)
+            if self.state is not None:
+                self.state.cache(req_id, i, hashes[i], hashes[i - 1] if i else None, block_tokens)
         self._num_cached_blocks[req_id] = num_full
 
     def num_dead_blocks(self, num_computed_tokens: int) -> int:
@@ -240,6 +262,27 @@ class KVCacheManager:
         self._req_to_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
         self._pending_lookups.pop(req_id, None)
+        if self.state is not None:
+            self.state.free(req_id)
+
+    def align_chunk(self, request: Request, start: int, num_new: int) -> int:
+        """A chunk's token count, shortened (with recurrent layers and prefix caching) to end on a
+        block boundary, so the state there can be saved: a chunk that reaches the last known
+        token ends at the last boundary before it (the rest is the next step), a shorter chunk
+        at its last boundary. Unchanged otherwise, or when no boundary is left to end on."""
+        if self.state is None or not self.enable_prefix_caching or num_new <= 1:
+            return num_new
+        bs, end = self.block_size, start + num_new
+        boundary = ((request.num_tokens - 1) // bs) * bs if end >= request.num_tokens else (end // bs) * bs
+        return boundary - start if start < boundary < end else num_new
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's recurrent-state slot (-1: none, or a model without recurrent layers)."""
+        return -1 if self.state is None else self.state.slot_of(request_id)
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The state-slot copies the runner makes before and after the next step."""
+        return ([], []) if self.state is None else self.state.take_copies()
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._req_to_hashes.setdefault(request.request_id, [])
@@ -254,6 +297,8 @@ class KVCacheManager:
         (freed out-of-window blocks, only with a window) form a prefix of its table and were
         offered to the prefix cache before being freed."""
         self.pool.check_integrity()
+        if self.state is not None:
+            self.state.check_integrity()
         null = self.null_block
         assert null.ref_cnt == 0 and null.block_hash is None and not FreeBlockQueue.contains(null), null
         holders: dict[int, int] = {}

@@ -19,7 +19,7 @@ from portside.model.loader import load_checkpoint
 from portside.model.pipeline import pipeline_stages
 from portside.quant.apply import finalize_quantized, prepare_model_for_format
 
-__all__ = ["Architecture", "SUPPORTED_ARCHITECTURES", "format_architectures", "CausalLM", "model_class", "read_model_args", "load_model"]
+__all__ = ["Architecture", "SUPPORTED_ARCHITECTURES", "architecture_needs", "format_architectures", "CausalLM", "model_class", "read_model_args", "load_model"]
 
 @dataclass(frozen=True)
 class Architecture:
@@ -27,7 +27,7 @@ class Architecture:
 
     module: str
     cls: str
-    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES) and "moe"
+    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES), "moe", "recurrent"
     may_need: tuple[str, ...] = ("sliding_window",)  # only where a checkpoint's config asks for it
 
 
@@ -63,6 +63,12 @@ def format_architectures() -> str:
         rows.append((name, a.module.removeprefix("portside.model."), ", ".join(needs) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[2] for r in rows)
+
+
+def architecture_needs(architecture: str) -> tuple[str, ...]:
+    """What the architecture needs of a platform ("recurrent": layers with a per-sequence state)."""
+    a = SUPPORTED_ARCHITECTURES.get(architecture)
+    return () if a is None else a.needs
 
 
 def model_class(architecture: str) -> type[nn.Module]:

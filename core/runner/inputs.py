@@ -44,6 +44,7 @@ class CachedRequestState:
     lora_request: Any = None  # a portside.lora.request.LoRARequest
     mm_features: list[MultiModalFeature] = dataclasses.field(default_factory=list)
     mrope: tuple[torch.Tensor, int] | None = None  # (prompt positions [3, P], delta): `SupportsMultiModal`
+    state_slot: int = -1  # its recurrent layers' state slot (a hybrid model's)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +94,7 @@ def update_request_states(requests: dict[str, CachedRequestState], so: Scheduler
             num_computed_tokens=new.num_computed_tokens,
             lora_request=new.lora_request,
             mm_features=list(new.mm_features),
+            state_slot=new.state_slot,
         )
     for cached in so.scheduled_cached_reqs:
         state = requests[cached.req_id]

@@ -28,6 +28,7 @@ from portside.contract import (
     kv_cache_torch_dtype,
 )
 from portside.kv_cache.budget import kv_cache_budget
+from portside.kv_cache.state import num_state_slots
 from portside.lora.manager import LoRAModelManager
 from portside.model.interface import is_multimodal
 from portside.model.registry import load_model
@@ -42,6 +43,7 @@ from portside.runner.kv_cache import (
     dummy_decode_context,
 )
 from portside.runner.pooler import PoolChunk, Pooler
+from portside.runner.recurrent import RecurrentStates, state_spec_of
 from portside.runner.sampling import SamplingHandoff
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 from portside.spec_decode.backoff import ProposalBackoff
@@ -89,6 +91,9 @@ class ModelRunner:
         _check_platform(config, platform)
         self._load_model(platform.model_ops(config))
         self._setup_attention()
+        # a hybrid model's recurrent layers: their per-sequence states (allocated with the KV cache)
+        self.state_spec = state_spec_of(self.model)
+        self.states: RecurrentStates | None = None
         self._setup_graph_runners()
         self.sampler = platform.sampler(config)
         # task embed: every request ends with its pooled prompt (`pooler`), never samples
@@ -132,7 +137,11 @@ class ModelRunner:
         """The graph runner of every step, and of a vision-language model's steps with image rows."""
         config = self.config
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
-        if self.lora is None:
+        if self.state_spec is not None:  # the platforms' graphs and fused steps know attention layers only
+            logger.info("%s: %d %s layers keep a recurrent state; the model runs eagerly",
+                        self.model.config.architecture, self.state_spec.num_layers, self.state_spec.kind)
+            self.graph_runner = EagerGraphRunner(self.model, config)
+        elif self.lora is None:
             self.graph_runner = self.platform.graph_runner(self.model, config)
             if self.pp_size > 1 and not self.graph_runner.supports_pipeline_stages:
                 logger.info("pipeline parallelism: the %s graph runner cannot run a stage; the stage runs eagerly",
@@ -160,6 +169,10 @@ class ModelRunner:
     def _setup_spec_decode(self) -> None:
         """Speculative decoding: one proposer, prompt lookup or a draft model."""
         config = self.config
+        if config.speculative is not None and self.state_spec is not None:
+            raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture}: its "
+                             f"{self.state_spec.kind} layers keep a recurrent state that rejected proposals would "
+                             "corrupt; drop --speculative-config")
         self.ngram: NgramProposer | None = None
         self.draft: DraftModelProposer | None = None
         if config.speculative is not None and config.speculative.method == "draft_model":
@@ -175,8 +188,16 @@ class ModelRunner:
         spec = self.model.kv_cache_spec()
         return spec if self.kv_cache_dtype == spec.dtype else dataclasses.replace(spec, cache_dtype=self.kv_cache_dtype)
 
+    @property
+    def num_state_slots(self) -> int:
+        """State slots of the recurrent layers (0 without): as many as the scheduler hands out."""
+        if self.state_spec is None:
+            return 0
+        return num_state_slots(self.config.scheduler.max_num_seqs, self.config.cache.enable_prefix_caching)
+
     def determine_num_blocks(self) -> int:
-        """Blocks that fit the configured KV-cache memory (or exactly `num_kv_blocks`)."""
+        """Blocks that fit the configured KV-cache memory (or exactly `num_kv_blocks`), after the
+        recurrent layers' state slots (a hybrid model's) have taken theirs."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -184,19 +205,46 @@ class ModelRunner:
         if self.draft is not None:  # the draft's KV lives in the same blocks
             per_block += self.draft.kv_cache_spec().bytes_per_block(self.block_size)
         budget = kv_cache_budget(cache, self.platform.device_info(), self.platform.default_kv_cache_memory)
-        num_blocks = int(budget // per_block)
+        state_bytes = self._state_bytes(budget)
         # Never more than every sequence at full length, twice over (the rest is prefix cache).
         blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
         cap = 2 * self.config.scheduler.max_num_seqs * blocks_per_seq
-        if num_blocks > cap:
-            num_blocks = cap
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20, str(self.kv_cache_spec().storage_dtype).removeprefix("torch."))
+        num_blocks = min(cap, int((budget - state_bytes) // per_block)) if per_block else cap
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)%s", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20, str(self.kv_cache_spec().storage_dtype).removeprefix("torch."),
+                    self._state_report(state_bytes, num_blocks))
         return num_blocks
+
+    def _state_bytes(self, budget: float) -> int:
+        """The recurrent layers' state slots, in bytes; refused when they alone exceed the budget."""
+        if self.state_spec is None:
+            return 0
+        need = (self.num_state_slots + 1) * self.state_spec.bytes_per_slot
+        if need > budget:
+            raise ValueError(
+                f"the recurrent state of {self.num_state_slots} sequences ({self.state_spec.num_layers} "
+                f"{self.state_spec.kind} layers, {self.state_spec.bytes_per_slot / 2**20:.2f} MiB each) needs "
+                f"{need / 2**20:.0f} MiB, more than the KV cache's {budget / 2**20:.0f} MiB; lower --max-num-seqs "
+                "or raise --kv-cache-memory")
+        return need
+
+    def _state_report(self, state_bytes: int, num_blocks: int) -> str:
+        """The budget line's recurrent part: state slots, and how many sequences of max_model_len fit."""
+        if self.state_spec is None:
+            return ""
+        max_len = self.config.model.max_model_len
+        seq_blocks = -(-max_len // self.block_size)
+        kv_layers = self.kv_cache_spec().num_layers
+        fit = min(self.config.scheduler.max_num_seqs, num_blocks // seq_blocks if kv_layers else num_blocks)
+        return (f" + {self.num_state_slots} state slots for {self.state_spec.num_layers} {self.state_spec.kind} "
+                f"layers ({state_bytes / 2**20:.1f} MiB, {self.state_spec.bytes_per_slot / 2**10:.1f} KiB per "
+                f"sequence); {fit} sequences of {max_len} tokens fit at once")
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
         self.scratch_block = num_blocks
+        if self.state_spec is not None:
+            self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device)
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
         if self.draft is not None:
@@ -219,7 +267,11 @@ class ModelRunner:
             self.lora.set_batch([self.requests[r].lora_request for r in batch.req_ids], [counts[r] for r in batch.req_ids],
                                 self.device)
         with self.platform.inference_mode():
+            if self.states is not None:
+                self.states.copy(so.state_copies_before)
             out = self._handoff(self._forward(batch), batch, so)
+            if self.states is not None:
+                self.states.copy(so.state_copies_after)
         self._advance(so, out.sampled_token_ids)
         out.spec_token_ids = self._propose(out.sampled_token_ids)
         return out
@@ -253,11 +305,21 @@ class ModelRunner:
         """This stage's hidden states [T, hidden] (sent on to the next stage, if any)."""
         metadata = self.attn_backend.prepare(batch.metadata)
         ctx = ForwardContext(self.attn_backend, self.kv_caches, metadata, inputs_embeds=self._stage_input(batch))
+        if self.states is not None:
+            ctx.state_caches, ctx.recurrent = self.states.tensors, self._recurrent_metadata(batch)
         runner = self.eager_runner if batch.mm_rows and self.pp_rank == 0 else self.graph_runner
         hidden = runner(batch.input_ids, batch.positions, ctx)
         if not self.is_last_stage:
             self.comm.send(hidden, dst=self.rank + self.config.parallel.tensor_parallel_size)
         return hidden
+
+    def _recurrent_metadata(self, batch: BatchInputs) -> Any:
+        """The step's `RecurrentMetadata`: each request's state slot, and whether it continues a state."""
+        assert self.states is not None
+        states = [self.requests[rid] for rid in batch.req_ids]
+        md = batch.metadata
+        return self.states.metadata([s.state_slot for s in states], [s.num_computed_tokens > 0 for s in states],
+                                    md.query_start_loc, md.query_start_loc_cpu, md.num_decode_tokens)
 
     def _handoff(self, hidden: torch.Tensor, batch: BatchInputs, so: SchedulerOutput) -> ModelRunnerOutput:
         """The step's output: on the last stage the pooled vectors, or the sampled tokens with

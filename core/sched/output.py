@@ -27,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit (or fork) length: the runner computes from here
     lora_request: Any = None  # a portside.lora.request.LoRARequest: the adapter its tokens use
     mm_features: list[Any] = field(default_factory=list)  # its images (portside.multimodal.inputs.MultiModalFeature)
+    state_slot: int = -1  # its recurrent layers' state slot (a hybrid model's; -1: none)
 
 
 @dataclass
@@ -53,6 +54,10 @@ class SchedulerOutput:
     # speculative decoding: req_id -> proposals scheduled after its last token (counted in
     # num_scheduled_tokens); the runner samples each of those positions
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # recurrent layers' state slots copied (src, dst) before the step (a prefix hit's saved state
+    # into the request's slot) and after it (a slot's state saved at a block boundary)
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -34,6 +34,7 @@ class RunnerView:
             num_computed_tokens=request.num_computed_tokens,
             lora_request=request.lora_request,
             mm_features=request.mm_features,
+            state_slot=self.kv.state_slot(request.request_id),
         )
 
     def cached_request(self, request: Request) -> CachedRequestData:

@@ -85,6 +85,7 @@ class Scheduler:
         micro_batch_tokens: int | None = None,
         send_token_ids: bool = False,
         max_encoder_tokens: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.config = scheduler_config
         # image embedding rows encoded per step (None: the token budget); see _fit_encoder_budget
@@ -96,7 +97,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = make_policy(scheduler_config.policy)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window, num_state_slots)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []  # in admission order
@@ -159,6 +160,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids | {r.request_id for r in preempted},
             scheduled_spec_decode_tokens={rid: toks for rid, toks in spec.items() if rid in scheduled},
         )
+        output.state_copies_before, output.state_copies_after = self.kv.take_state_copies()
         self._finished_ids = set()
         new_ids = {r.request_id for r in new_reqs}
         for req_id in scheduled:
@@ -183,6 +185,7 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} has nothing to compute: the runner sampled no token for it"
+            num_new = self.kv.align_chunk(request, request.num_computed_tokens, num_new)
             if request.mm_features:
                 num_new = self._fit_encoder_budget(request, request.num_computed_tokens, num_new)
                 if num_new == 0:  # its next image waits for a step with encoder budget left
@@ -238,6 +241,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_computed, budget)
             if num_new is None:
                 return
+            num_new = self.kv.align_chunk(request, num_computed, num_new)
             if request.mm_features:
                 num_new = self._fit_encoder_budget(request, num_computed, num_new)
                 if num_new == 0:
