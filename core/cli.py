@@ -18,11 +18,28 @@ from portside.cli_parser import EXIT_USAGE, Parser
 def _cmd_devices(args: argparse.Namespace) -> int:
     from portside.platform import discover_platforms, format_backend_options, format_devices
 
+    report = _cache_report(args) if args.model is not None else None  # a bad flag fails before the listing
     entries = discover_platforms()
     print(format_devices(entries))
     print()
     print(format_backend_options(entries))
+    if report is not None:
+        print()
+        print(report)
     return 0
+
+
+def _cache_report(args: argparse.Namespace) -> str:
+    """`portside devices --model`: the model's cache groups and the sequences a budget holds."""
+    import torch
+
+    from portside.engine.kv_report import cache_report
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {args.dtype!r}: expected a torch dtype name such as bfloat16, float16 or float32")
+    report = cache_report(args.model, dtype, args.kv_cache_dtype)
+    return report.format(args.kv_cache_memory, args.max_model_len)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -86,6 +103,12 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("devices", help="list every discovered platform and why unavailable ones are")
+    p.add_argument("--model", default=None, help="also report this HF model folder's KV cache: bytes per token of its "
+                   "attention layers, state per sequence of its recurrent layers, and how many sequences fit")
+    p.add_argument("--max-model-len", type=int, default=4096, help="sequence length of the report (default 4096)")
+    p.add_argument("--kv-cache-memory", type=float, default=8 * 2**30, help="KV-cache bytes of the report (default 8 GiB)")
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype in the report (default bfloat16)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype in the report (default auto)")
     p.set_defaults(func=_cmd_devices)
 
     p = sub.add_parser("models", help="list the supported model architectures and what each needs")

@@ -1,0 +1,75 @@
+"""What a model keeps per token and per sequence, and how many sequences a KV-cache budget holds:
+the budget report of `portside devices --model` (the engine logs the same at start-up).
+
+A model's cache is two groups: its attention layers' paged K/V (bytes per token, `KVCacheSpec`)
+and its recurrent layers' fixed state (bytes per sequence, `StateSpec`; hybrid models only). The
+model is built on the meta device, so no weight is read and no memory is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from portside.contract import KVCacheSpec, StateSpec, kv_cache_torch_dtype
+
+__all__ = ["CacheReport", "cache_report"]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    architecture: str
+    num_layers: int
+    kv: KVCacheSpec
+    state: StateSpec | None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every attention layer for one token."""
+        return self.kv.bytes_per_token if self.kv.num_layers else 0
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Every recurrent layer's state for one sequence (0 without recurrent layers)."""
+        return self.state.bytes_per_slot if self.state is not None else 0
+
+    def bytes_per_sequence(self, num_tokens: int) -> int:
+        """One sequence of `num_tokens` tokens: its K/V plus its recurrent state."""
+        return num_tokens * self.bytes_per_token + self.state_bytes_per_sequence
+
+    def sequences(self, budget: float, num_tokens: int) -> int:
+        """Sequences of `num_tokens` tokens that fit in `budget` bytes at once."""
+        return int(budget // self.bytes_per_sequence(num_tokens))
+
+    def format(self, budget: float, num_tokens: int) -> str:
+        lines = [f"{self.architecture}: {self.num_layers} layers"]
+        if self.kv.num_layers:
+            lines.append(f"  full attention: {self.kv.num_layers} layers, {self.kv.num_kv_heads} KV heads x "
+                         f"{self.kv.head_size}, {self.bytes_per_token / 1024:.1f} KiB per token")
+        if self.state is not None:
+            shapes = " + ".join("x".join(map(str, s)) for s in self.state.shapes)
+            lines.append(f"  {self.state.kind} (recurrent state): {self.state.num_layers} layers, {shapes} per layer, "
+                         f"{self.state_bytes_per_sequence / MiB:.2f} MiB per sequence")
+        lines.append(f"  {budget / MiB:.0f} MiB hold {self.sequences(budget, num_tokens)} sequences of {num_tokens} tokens "
+                     f"({self.bytes_per_sequence(num_tokens) / MiB:.2f} MiB each)")
+        return "\n".join(lines)
+
+
+def cache_report(model: str | Path, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> CacheReport:
+    """The cache groups of the model at `model` (a Hugging Face folder), built on the meta device."""
+    from portside.model.registry import model_class, read_model_args
+
+    args = read_model_args(model)
+    with torch.device("meta"):
+        m = model_class(args.architecture)(args, dtype=dtype)
+    kv: KVCacheSpec = m.kv_cache_spec()  # type: ignore[operator]
+    cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, kv.dtype)
+    if cache_dtype != kv.dtype:
+        kv = KVCacheSpec(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.dtype, cache_dtype)
+    spec_fn = getattr(m, "state_spec", None)
+    state = spec_fn() if spec_fn is not None else None
+    return CacheReport(args.architecture, args.num_layers, kv, state if state is not None and state.num_layers else None)
