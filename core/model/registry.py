@@ -47,6 +47,10 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture("portside.model.gemma", "Gemma2ForCausalLM", (*_WINDOW, "logit_softcap"), ()),
     "Gemma3ForCausalLM": Architecture("portside.model.gemma", "Gemma3ForCausalLM", _WINDOW, ("logit_softcap",)),
     "Phi3ForCausalLM": Architecture("portside.model.phi3", "Phi3ForCausalLM"),
+    # hybrids: Gated DeltaNet linear attention beside gated full attention
+    "Qwen3NextForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3NextForCausalLM", ("recurrent", "moe"), ()),
+    "Qwen3_5ForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5ForCausalLM", ("recurrent",), ()),
+    "Qwen3_5MoeForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5MoeForCausalLM", ("recurrent", "moe"), ()),
     # vision-language models (portside.multimodal)
     "LlavaForConditionalGeneration": Architecture("portside.model.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": Architecture("portside.model.llava", "LlavaNextForConditionalGeneration"),
