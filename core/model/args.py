@@ -158,7 +158,7 @@ class ModelArgs:
             clip_qkv=_positive(getattr(hf, "clip_qkv", None)),
             num_experts=num_experts,
             num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0) if num_experts else 0,
-            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0))
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", None) or 0)
             if num_experts
             else 0,
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),

@@ -22,6 +22,7 @@ from portside.contract import (
     Communicator,
     EagerGraphRunner,
     ForwardContext,
+    GraphRunner,
     KVCacheSpec,
     ModelOps,
     Platform,
@@ -136,6 +137,7 @@ class ModelRunner:
     def _setup_graph_runners(self) -> None:
         """The graph runner of every step, and of a vision-language model's steps with image rows."""
         config = self.config
+        self.graph_runner: GraphRunner
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
         if self.state_spec is not None:  # the platforms' graphs and fused steps know attention layers only
             logger.info("%s: %d %s layers keep a recurrent state; the model runs eagerly",
