@@ -27,6 +27,7 @@ from portside.config import (
 from portside.contract import Platform, check_backend_options
 from portside.engine.backend_options import add_backend_option_args, backend_options_from_args
 from portside.engine.unsupported_args import add_unsupported_args
+from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
 from portside.spec_decode.config import SpeculativeConfig
 
@@ -356,6 +357,7 @@ def _read_hf_config(path: str) -> dict[str, Any]:
         raise ValueError(f"{path!r} has no config.json; expected a Hugging Face model folder or a .gguf file")
     with open(config_file) as f:
         hf = json.load(f)
+    check_config_layer_types(hf)  # a layer type transformers' config would refuse: named here, exit 2
     # multimodal-style configs nest the language model's settings
     return hf.get("text_config", hf) | {k: v for k, v in hf.items() if k in ("torch_dtype", "dtype", "quantization_config")}
 
