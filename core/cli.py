@@ -38,7 +38,7 @@ def _cache_report(args: argparse.Namespace) -> str:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype!r}: expected a torch dtype name such as bfloat16, float16 or float32")
-    report = cache_report(args.model, dtype, args.kv_cache_dtype)
+    report = cache_report(args.model, dtype, args.kv_cache_dtype, args.mamba_ssm_cache_dtype)
     return report.format(args.kv_cache_memory, args.max_model_len)
 
 
@@ -109,6 +109,8 @@ def build_parser() -> Parser:
     p.add_argument("--kv-cache-memory", type=float, default=8 * 2**30, help="KV-cache bytes of the report (default 8 GiB)")
     p.add_argument("--dtype", default="bfloat16", help="the model's dtype in the report (default bfloat16)")
     p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype in the report (default auto)")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="a hybrid model's recurrent state dtype in the report (default auto: as the engine)")
     p.set_defaults(func=_cmd_devices)
 
     p = sub.add_parser("models", help="list the supported model architectures and what each needs")

@@ -55,6 +55,9 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
+    # hybrid models: the SSM / delta-rule state's dtype ("auto": the checkpoint config's
+    # mamba_ssm_cache_dtype, else the model's dtype; "float32" for accuracy at twice the bytes)
+    mamba_ssm_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

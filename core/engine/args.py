@@ -71,6 +71,7 @@ class EngineArgs:
     quantization: str | None = None  # None: what config.json's quantization_config says
     quantized_activations: str | None = None  # "int8" / "fp8": W8A8 with --quantization int8 / fp8
     kv_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"  # hybrid models' SSM / delta-rule state: auto, float32, bfloat16, float16
     structured_outputs_backend: str = "auto"  # auto (= llguidance), llguidance or xgrammar
     reasoning_parser: str | None = None  # e.g. qwen3, deepseek_r1: structured output starts after the reasoning
     enable_lora: bool = False  # serve PEFT LoRA adapters, chosen per request (`lora_request`)
@@ -134,6 +135,7 @@ class EngineArgs:
                 # pooling reads the hidden states of every prompt token: none may come from the cache
                 enable_prefix_caching=self.enable_prefix_caching and pooler is None,
                 kv_cache_dtype=self.kv_cache_dtype,
+                mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
@@ -399,6 +401,10 @@ def _add_kv_cache_args(g: argparse._ArgumentGroup) -> None:
                    help="vLLM's sizing: the fraction of the device's total memory (host memory on cpu) that model weights and "
                         "KV cache may fill, less what other processes use; the KV cache gets what is left after loading "
                         "(conflicts with --kv-cache-memory; default: the platform's --kv-cache-memory default)")
+    g.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="hybrid models (Mamba-2, Gated DeltaNet layers): the recurrent state's dtype; auto: the "
+                        "checkpoint config's mamba_ssm_cache_dtype, else the model's dtype; float32 is more accurate "
+                        "and holds fewer sequences")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer k/v scales from the checkpoint, else 1), or int8 (cpu; a scale per token and KV head); 8-bit caches hold about 2x (bf16) / 4x (fp32) the tokens and are not bit-exact")
 
 

@@ -59,11 +59,14 @@ class CacheReport:
         return "\n".join(lines)
 
 
-def cache_report(model: str | Path, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> CacheReport:
+def cache_report(model: str | Path, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto",
+                 mamba_ssm_cache_dtype: str = "auto") -> CacheReport:
     """The cache groups of the model at `model` (a Hugging Face folder), built on the meta device."""
+    import dataclasses
+
     from portside.model.registry import model_class, read_model_args
 
-    args = read_model_args(model)
+    args = dataclasses.replace(read_model_args(model), mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
     with torch.device("meta"):
         m = model_class(args.architecture)(args, dtype=dtype)
     kv: KVCacheSpec = m.kv_cache_spec()  # type: ignore[operator]

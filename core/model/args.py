@@ -88,6 +88,8 @@ class ModelArgs:
     # fields only one architecture reads, such as a state-space layer's sizes)
     mrope_section: tuple[int, ...] = ()  # Qwen2.5-VL: rotary frequencies per (t, h, w) position
     hf_config: Any = field(default=None, compare=False, repr=False)
+    # hybrid models: the engine's --mamba-ssm-cache-dtype ("auto", "float32", ...; `ssm_state_dtype`)
+    mamba_ssm_cache_dtype: str = "auto"
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, or None for full attention."""
@@ -103,6 +105,22 @@ class ModelArgs:
         all layers windowed), else None (no window, or mixed layers like Gemma's)."""
         windows = {self.layer_window(i) for i in range(self.num_layers)}
         return windows.pop() if len(windows) == 1 else None
+
+    def ssm_state_dtype(self, model_dtype: Any) -> Any:
+        """The torch dtype of a recurrent layer's SSM or delta-rule state: the engine's
+        --mamba-ssm-cache-dtype, else (auto) the checkpoint config's `mamba_ssm_cache_dtype`,
+        else the model's dtype (vLLM's rule)."""
+        import torch
+
+        name = self.mamba_ssm_cache_dtype
+        if name == "auto":
+            name = str(getattr(self.hf_config, "mamba_ssm_cache_dtype", None) or "auto")
+        if name == "auto":
+            return model_dtype
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"mamba_ssm_cache_dtype {name!r}: expected auto, float32, bfloat16 or float16")
+        return dtype
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[i])

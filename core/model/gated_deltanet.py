@@ -130,7 +130,8 @@ class GatedDeltaNet(nn.Module):
     """x [T, hidden] -> [T, hidden]; `layout` "qkvz" (Qwen3-Next's checkpoint names) or "split"
     (Qwen3.5's)."""
 
-    def __init__(self, hf: object, hidden: int, eps: float, tp: TP, dtype: torch.dtype, layout: str) -> None:
+    def __init__(self, hf: object, hidden: int, eps: float, tp: TP, dtype: torch.dtype, layout: str,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         hk, hv, dk, dv, kernel = gdn_sizes(hf, tp.size)
         act = getattr(hf, "hidden_act", "silu")
@@ -163,11 +164,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = _param(self.hv, dtype=dtype, loader=lambda p, t, s=None: _copy(p.data, heads(t), "A_log"))
         self.norm = GatedRMSNorm(dv, eps, dtype)
         self.out_proj = RowParallelLinear(hv * dv, hidden, False, r, n, dtype, tp.comm)
-        self.state_dtype = dtype
+        self.conv_state_dtype, self.state_dtype = dtype, state_dtype
 
     def state_shapes(self) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
         """(shapes, dtypes) of one sequence's state in this layer: the convolution's, the delta rule's."""
-        return ((self.conv_dim, self.kernel - 1), (self.hv, self.dk, self.dv)), (self.state_dtype, torch.float32)
+        return ((self.conv_dim, self.kernel - 1), (self.hv, self.dk, self.dv)), (self.conv_state_dtype, self.state_dtype)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> (q|k|v [T, conv channels], z [T, value dim], b, a [T, value heads])."""

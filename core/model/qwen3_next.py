@@ -99,7 +99,8 @@ class Qwen3NextDecoderLayer(nn.Module):
         if self.is_attention:
             self.self_attn = GatedAttention(args, tp, dtype)
         else:
-            self.linear_attn = GatedDeltaNet(args.hf_config, hidden, eps, tp, dtype, model_cls.gdn_layout)
+            self.linear_attn = GatedDeltaNet(args.hf_config, hidden, eps, tp, dtype, model_cls.gdn_layout,
+                                            args.ssm_state_dtype(dtype))
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.mlp = model_cls.make_mlp(args, i, tp, dtype)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,7 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     pipeline_layers: tuple[int, ...] | None = None,
+    mamba_ssm_cache_dtype: str = "auto",
 ) -> CausalLM:
     """Build the model for `model_config.path` (HF folder or .gguf file) on `device` in
     `model_config.dtype`, holding only this rank's tensor-parallel shard of its pipeline stage
@@ -116,7 +118,8 @@ def load_model(
     checkpoint, so no full-model copy is made.
     """
     folder = resolve_model_path(model_config.path)
-    args = read_model_args(folder, model_config.max_model_len)
+    args = dataclasses.replace(read_model_args(folder, model_config.max_model_len),
+                               mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
     cls = model_class(args.architecture)
     ops = ops or ModelOps()
     qc = model_config.quantization

@@ -112,7 +112,8 @@ class ModelRunner:
         config, par = self.config, self.config.parallel
         tp = par.tensor_parallel_size
         self.model = load_model(config.model, self.device, self.comm, tp_rank=self.rank % tp, tp_size=tp, ops=ops,
-                                pp_rank=self.pp_rank, pp_size=self.pp_size, pipeline_layers=par.pipeline_layers)
+                                pp_rank=self.pp_rank, pp_size=self.pp_size, pipeline_layers=par.pipeline_layers,
+                                mamba_ssm_cache_dtype=config.cache.mamba_ssm_cache_dtype)
         self.platform.prepare_model(cast(torch.nn.Module, self.model), config)
         self.lora = LoRAModelManager(cast(torch.nn.Module, self.model), config.lora, ops) \
             if config.lora is not None else None

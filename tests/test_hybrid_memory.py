@@ -1,0 +1,63 @@
+"""The KV budget of hybrid models (`portside.engine.kv_report`, `portside devices --model`): 24 layers of
+which 18 keep a fixed recurrent state hold several times the sequences of the same model with
+attention in every layer. Real layer shapes, built on the meta device (no weights, no memory)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portside.engine.kv_report import cache_report
+
+BUDGET = 8 * 2**30
+SEQ = 4096
+HYBRID = (["linear_attention"] * 3 + ["full_attention"]) * 6  # 24 layers, 18 Gated DeltaNet
+
+
+def _qwen3_next(path: Path, layer_types: list[str]) -> Path:
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, layer_types=layer_types, num_experts=0, intermediate_size=5120)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    config.save_pretrained(path)
+    return path
+
+
+def test_qwen3_next_shaped_hybrid_holds_nearly_3x_the_sequences(tmp_path):
+    hybrid = cache_report(_qwen3_next(tmp_path / "hybrid", HYBRID), torch.bfloat16)
+    full = cache_report(_qwen3_next(tmp_path / "full", ["full_attention"] * 24), torch.bfloat16)
+    assert hybrid.kv.num_layers == 6 and hybrid.state is not None and hybrid.state.num_layers == 18
+    assert full.state is None and full.kv.num_layers == 24
+    assert hybrid.bytes_per_token * 4 == full.bytes_per_token
+    # per layer: conv state 8192 x 3 and delta-rule state 32 x 128 x 128, in the model's dtype (auto)
+    assert hybrid.state.bytes_per_layer == (8192 * 3 + 32 * 128 * 128) * 2
+    ratio = hybrid.sequences(BUDGET, SEQ) / full.sequences(BUDGET, SEQ)
+    assert 2.8 < ratio < 4  # 122 vs 42 sequences of 4k tokens in 8 GiB: the state costs what 1.3k tokens do
+    fp32 = cache_report(tmp_path / "hybrid", torch.bfloat16, mamba_ssm_cache_dtype="float32")
+    assert fp32.state is not None and fp32.state_bytes_per_sequence > hybrid.state_bytes_per_sequence
+    assert fp32.sequences(BUDGET, SEQ) < hybrid.sequences(BUDGET, SEQ)
+
+
+def test_portside_devices_reports_a_models_cache(tmp_path):
+    path = _qwen3_next(tmp_path / "hybrid", HYBRID)
+    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), "--max-model-len", "4096",
+                          "--kv-cache-memory", str(BUDGET)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "gated_deltanet (recurrent state): 18 layers" in out.stdout
+    assert "full attention: 6 layers" in out.stdout
+    assert "hold 122 sequences of 4096 tokens" in out.stdout
+
+
+@pytest.mark.parametrize("flag", [["--dtype", "nope"], ["--mamba-ssm-cache-dtype", "int3"]])
+def test_portside_devices_refuses_a_bad_report_flag(tmp_path, flag):
+    path = _qwen3_next(tmp_path / "hybrid", HYBRID)
+    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), *flag],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "error:" in out.stderr and flag[0] in out.stderr
