@@ -52,6 +52,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3NextForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3NextForCausalLM", ("recurrent", "moe"), ()),
     "Qwen3_5ForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5ForCausalLM", ("recurrent",), ()),
     "Qwen3_5MoeForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5MoeForCausalLM", ("recurrent", "moe"), ()),
+    # hybrids: Mamba-1 layers beside attention layers, experts every few layers (Jamba)
+    "JambaForCausalLM": Architecture("portside.model.jamba", "JambaForCausalLM", ("recurrent", "moe"), ()),
     # vision-language models (portside.multimodal)
     "LlavaForConditionalGeneration": Architecture("portside.model.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": Architecture("portside.model.llava", "LlavaNextForConditionalGeneration"),
