@@ -54,6 +54,9 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5MoeForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5MoeForCausalLM", ("recurrent", "moe"), ()),
     # hybrids: Mamba-1 layers beside attention layers, experts every few layers (Jamba)
     "JambaForCausalLM": Architecture("portside.model.jamba", "JambaForCausalLM", ("recurrent", "moe"), ()),
+    # hybrids: gated short convolutions beside attention
+    "Lfm2ForCausalLM": Architecture("portside.model.lfm2", "Lfm2ForCausalLM", ("recurrent",), ()),
+    "Lfm2MoeForCausalLM": Architecture("portside.model.lfm2", "Lfm2MoeForCausalLM", ("recurrent", "moe"), ()),
     # vision-language models (portside.multimodal)
     "LlavaForConditionalGeneration": Architecture("portside.model.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": Architecture("portside.model.llava", "LlavaNextForConditionalGeneration"),
