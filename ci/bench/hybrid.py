@@ -1,0 +1,179 @@
+"""cpu benchmark of hybrid models (recurrent layers beside attention): portside against transformers,
+side by side in one run.
+
+Models (random weights, the tiny test tokenizer's vocabulary, fp32; `--archs` picks):
+- `qwen3_next`: Qwen3-Next-shaped, hidden 1024, 8 layers (6 Gated DeltaNet, 2 gated attention), GDN
+  8 key / 16 value heads of 64, attention 8 / 2 heads of 128, dense MLP 2816;
+- `granite_hybrid`: Granite-4.0-H-shaped, hidden 1024, 8 layers (6 Mamba-2, 2 attention), Mamba-2 32
+  heads of 64 with state 64, attention 8 / 2 heads of 128, dense MLP 2816.
+
+Figures, per model: throughput (N prompts x P tokens -> G new tokens, EOS ignored), batch-1 decode
+ms/token, and the prefill of one 2k-token prompt (portside: generate 1 token; transformers: one
+forward over the prompt, no generation), each the best of `--repeats`.
+
+    .venv/bin/python ci/bench/hybrid.py                                  # everything
+    .venv/bin/python ci/bench/hybrid.py --archs qwen3_next --num-prompts 8 --gen-len 16   # quick
+
+Writes ci/bench/results/hybrid.json and hybrid.md. On a shared machine only ratios within one run
+are comparable; the CPU is named in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform as _platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu import RESULTS, _best, _decode_ms, load_info, make_prompts  # noqa: E402
+from machine import cpu_details, cpu_name  # noqa: E402
+
+from portside.testing.tiny_hybrid import make_tiny_hybrid  # noqa: E402
+
+ATTN = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2816,
+            max_position_embeddings=4096)
+SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        hidden_size=1024, num_hidden_layers=8, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=0,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, **ATTN)),
+    "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        hidden_size=1024, num_hidden_layers=8, mamba_n_heads=32, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, num_local_experts=0, shared_intermediate_size=2816,
+        layer_types=(["mamba"] * 3 + ["attention"]) * 2, position_embedding_type="rope",
+        **{k: v for k, v in ATTN.items() if k != "head_dim"})),
+}
+
+
+def _post_init(model: torch.nn.Module) -> None:
+    """Sane decay ranges for the re-drawn state-space parameters (A_log, dt_bias)."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.log(torch.linspace(1, 16, p.numel())).reshape(p.shape))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.full_like(p, -2.0))
+
+
+def bench_portside(path: str, prompts: list[list[int]], gen: int, decode_tokens: int, prefill: list[int],
+                   repeats: int) -> dict[str, Any]:
+    from portside import LLM, SamplingParams
+
+    llm = LLM(model=path, device="cpu", max_model_len=max(len(prefill), len(prompts[0]) + gen) + 8,
+              max_num_seqs=max(16, len(prompts)), max_num_batched_tokens=2048, enable_prefix_caching=False)
+
+    def run(ps, n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        return llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+
+    run(prompts[:2], 4)
+    runner = llm.engine.executor.runner
+    info: dict[str, Any] = {"graph": runner.graph_runner.name, "model_ops": type(runner.platform.model_ops(runner.config)).__name__}
+    t = time.perf_counter()
+    outs = run(prompts, gen)
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
+    info.update(output_tok_s=len(prompts) * gen / elapsed, throughput_s=elapsed)
+    info["decode_ms_per_token"] = _decode_ms(lambda n: run(prompts[:1], n), decode_tokens)
+    run([prefill[:256]], 1)
+    info["prefill_2k_s"] = _best(lambda: run([prefill], 1), repeats)
+    llm.shutdown()
+    gc.collect()
+    return info
+
+
+def bench_transformers(path: str, prompts: list[list[int]], gen: int, decode_tokens: int, prefill: list[int],
+                       repeats: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts)
+
+    def run(x, n):
+        with torch.inference_mode():
+            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    run(ids[:2], 4)
+    t = time.perf_counter()
+    out = run(ids, gen)
+    elapsed = time.perf_counter() - t
+    assert out.shape[1] == ids.shape[1] + gen
+    info: dict[str, Any] = {"output_tok_s": len(prompts) * gen / elapsed, "throughput_s": elapsed}
+    info["decode_ms_per_token"] = _decode_ms(lambda n: run(ids[:1], n), decode_tokens)
+    x = torch.tensor([prefill])
+
+    def forward():
+        with torch.inference_mode():
+            model(x, use_cache=False, logits_to_keep=1)
+
+    forward()
+    info["prefill_2k_s"] = _best(forward, repeats)
+    model = None  # noqa: F841 (frees the weights before the next run)
+    gc.collect()
+    return info
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"# Hybrid models on the cpu: portside vs transformers ({result['machine']['cpu']})", "",
+             f"{result['machine']['threads']} threads; workload {result['workload']}; fp32, random weights.", "",
+             "| model | engine | tok/s | decode ms/token | prefill 2k s | tok/s ratio | decode speedup | prefill speedup |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for arch, runs in result["runs"].items():
+        hf = runs["transformers"]
+        for engine, r in runs.items():
+            lines.append(f"| {arch} | {engine} | {r['output_tok_s']:.1f} | {r['decode_ms_per_token']:.2f} | "
+                         f"{r['prefill_2k_s']:.3f} | {r['output_tok_s'] / hf['output_tok_s']:.2f}x | "
+                         f"{hf['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x | "
+                         f"{hf['prefill_2k_s'] / r['prefill_2k_s']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--archs", default=",".join(SHAPES))
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(RESULTS / "hybrid"), help="output path without extension")
+    args = ap.parse_args(argv)
+    result: dict[str, Any] = {
+        "machine": {"cpu": cpu_name(), **cpu_details(), "python": _platform.python_version(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "cores": os.cpu_count()},
+        "load_before": load_info(),
+        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+                     "prefill_len": args.prefill_len},
+        "runs": {},
+    }
+    print("machine:", json.dumps(result["machine"]), flush=True)
+    for arch in args.archs.split(","):
+        config_cls, architecture, shape = SHAPES[arch]
+        path = str(make_tiny_hybrid(tempfile.mkdtemp(), config_cls, architecture, post_init=_post_init, init_std=0.05,
+                                    **shape))
+        prompts = make_prompts(400, args.num_prompts, args.prompt_len)
+        prefill = make_prompts(400, 1, args.prefill_len, seed=1)[0]
+        runs = result["runs"][arch] = {}
+        for name, fn in (("transformers", bench_transformers), ("portside", bench_portside)):
+            runs[name] = fn(path, prompts, args.gen_len, args.decode_tokens, prefill, args.repeats)
+            print(arch, name, json.dumps(runs[name]), flush=True)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(table(result))
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
