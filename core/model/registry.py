@@ -52,6 +52,13 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3NextForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3NextForCausalLM", ("recurrent", "moe"), ()),
     "Qwen3_5ForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5ForCausalLM", ("recurrent",), ()),
     "Qwen3_5MoeForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5MoeForCausalLM", ("recurrent", "moe"), ()),
+    # hybrids: Mamba-2 layers alone (Mamba2), beside attention layers (Bamba, Granite 4.0-H), and beside MLP and
+    # expert blocks (Nemotron-H)
+    "Mamba2ForCausalLM": Architecture("portside.model.mamba2", "Mamba2ForCausalLM", ("recurrent",), ()),
+    "BambaForCausalLM": Architecture("portside.model.bamba", "BambaForCausalLM", ("recurrent",), ()),
+    "GraniteMoeHybridForCausalLM": Architecture("portside.model.granite_hybrid", "GraniteMoeHybridForCausalLM",
+                                                ("recurrent", "moe"), ()),
+    "NemotronHForCausalLM": Architecture("portside.model.nemotron_h", "NemotronHForCausalLM", ("recurrent", "moe"), ()),
     # hybrids: Mamba-1 layers beside attention layers, experts every few layers (Jamba)
     "JambaForCausalLM": Architecture("portside.model.jamba", "JambaForCausalLM", ("recurrent", "moe"), ()),
     # hybrids: gated short convolutions beside attention
