@@ -13,8 +13,11 @@ state at block-aligned positions for prefix caching (`RecurrentMetadata` is rebu
 Kernel conventions (every kernel): a step's tokens are a flat batch grouped by request in
 `query_start_loc` order, the one-token requests first (`num_decodes` of them); request i starts
 from the state in slot ``state_slots[i]`` when ``has_initial_state[i]`` (a later chunk, a decode,
-a restored prefix), else from zeros, and leaves its state after its last token in that slot.
-Math is fp32 inside; outputs are in the input's dtype; states keep their tensors' dtype.
+a restored prefix), else from zeros (the slot is then not read: it may hold a finished
+sequence's state), and leaves its state after its last token in that slot; no other slot is
+touched. Math is fp32 inside; outputs are in the input's dtype; states keep their tensors' dtype.
+The per-token inputs may be strided views of a fused projection (each token's row contiguous) and
+are left unchanged.
 """
 
 from __future__ import annotations

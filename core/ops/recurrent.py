@@ -2,7 +2,24 @@
 causal depthwise conv1d, the Mamba-2 and Mamba-1 selective scans and the gated delta rule.
 Conventions (batch layout, state slots, dtypes) in `portside.contract.recurrent`.
 
-These are the oracle every backend is tested against and the default every platform inherits.
+These are the oracle every backend is tested against and the default every platform inherits,
+so they are written to be usable on real prompts: the one-token requests of a step (decodes,
+first in the batch) advance together, one recurrence step batched over their slots (in groups of
+at most `DECODE_GROUP_BYTES` of state); each other request (a prefill chunk) runs in a chunked
+form with no per-token Python loop:
+
+- `ssd_scan` (Mamba-2) and `gated_delta_rule`: chunks of `CHUNK` tokens; inside a chunk the
+  outputs are a masked (decayed) quadratic form, and the state is passed from chunk to chunk
+  (the SSD form of Mamba-2, and the WY/UT form of chunked Gated DeltaNet, whose intra-chunk
+  triangular system is inverted with matmuls only, so it runs on any torch device);
+- `selective_scan` (Mamba-1, one decay per channel and state entry): an inclusive
+  Hillis-Steele scan of h_t = a_t h_{t-1} + b_t inside each chunk of `SELECTIVE_CHUNK` tokens
+  (products of decays only: no division by a decay, nothing to overflow), the state carried
+  between chunks;
+- `causal_conv1d`: one `F.conv1d` per request.
+
+Decays are summed in log space per segment (`_segsum`), so a factor exp(sum of a_r, s < r <= t)
+never comes from the difference of two long prefix sums. Math is fp32 throughout.
 """
 
 from __future__ import annotations
@@ -16,14 +33,93 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from portside.contract.recurrent import RecurrentMetadata
 
-__all__ = ["causal_conv1d", "gated_delta_rule", "selective_scan", "ssd_scan"]
+__all__ = ["CHUNK", "DECODE_GROUP_BYTES", "SELECTIVE_CHUNK", "causal_conv1d", "gated_delta_rule", "l2norm", "selective_scan",
+           "ssd_scan"]
+
+CHUNK = 64
+"""Tokens per chunk of the Mamba-2 and gated-delta-rule prefill forms (a request of at most CHUNK
+tokens is one chunk)."""
+DECODE_GROUP_BYTES = 8 * 2**20
+"""Decodes advance together in groups of at most this much fp32 state (whole batches of small
+states; a few requests of a large one, whose copies then stay in cache)."""
+SELECTIVE_CHUNK = 16
+"""Tokens per chunk of the Mamba-1 scan: each of its log2(SELECTIVE_CHUNK) steps passes over a
+[chunk, Dm, N] tensor, so short chunks keep the work close to the recurrence's."""
 
 
-def _requests(md: RecurrentMetadata):
-    """(i, first token, end token, slot, has initial state) per request."""
+# ---- batch helpers ------------------------------------------------------------------------------
+
+
+def _prefills(md: RecurrentMetadata):
+    """(first token, end token, slot, has initial state) per request after the decodes."""
     qsl = md.query_start_loc_cpu
-    for i in range(len(qsl) - 1):
-        yield i, qsl[i], qsl[i + 1], md.state_slots_cpu[i], md.has_initial_state_cpu[i]
+    for i in range(_num_decodes(md), len(qsl) - 1):
+        yield qsl[i], qsl[i + 1], md.state_slots_cpu[i], md.has_initial_state_cpu[i]
+
+
+def _num_decodes(md: RecurrentMetadata) -> int:
+    nd = md.num_decodes
+    if nd and md.query_start_loc_cpu[nd] != nd:
+        raise ValueError(f"RecurrentMetadata: num_decodes={nd} but the first {nd} requests hold "
+                         f"{md.query_start_loc_cpu[nd]} tokens (decodes have one token each and come first)")  # fmt: skip
+    return nd
+
+
+def _decode_groups(state: torch.Tensor, md: RecurrentMetadata):
+    """The decodes, in groups of at most `DECODE_GROUP_BYTES` of fp32 state (one request at
+    least): (first, end, slots [end - first] on the state's device, their states as a new fp32
+    tensor [end - first, *shape]: the slots', or zeros where a request has no initial state)."""
+    nd = _num_decodes(md)
+    step = max(1, DECODE_GROUP_BYTES // (4 * max(1, math.prod(state.shape[1:]))))
+    for lo in range(0, nd, step):
+        hi = min(nd, lo + step)
+        slots = md.state_slots[lo:hi].to(device=state.device, dtype=torch.int64)
+        s = state.index_select(0, slots).float()  # a copy: the kernels update it in place
+        fresh = [i - lo for i in range(lo, hi) if not md.has_initial_state_cpu[i]]
+        if fresh:
+            s.index_fill_(0, torch.tensor(fresh, device=s.device), 0.0)
+        yield lo, hi, slots, s
+
+
+def _initial(state: torch.Tensor, slot: int, init: bool) -> torch.Tensor:
+    return state[slot].float() if init else torch.zeros(state.shape[1:], dtype=torch.float32, device=state.device)
+
+
+def _chunked(length: int) -> tuple[int, int, int]:
+    """(chunk length, number of chunks, padding) for a request of `length` tokens."""
+    cs = max(1, min(CHUNK, length))
+    nc = -(-length // cs)
+    return cs, nc, nc * cs - length
+
+
+def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """`t` with `pad` zero rows appended along dim 0 (a padded token leaves every state unchanged:
+    zero input, zero log decay)."""
+    return t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a [..., n] -> [..., n, n]: out[..., t, s] = sum of a[..., r] for s < r <= t (t >= s), -inf above
+    the diagonal, so exp(out) is the decay from token s to token t (0 where s > t)."""
+    n = a.shape[-1]
+    x = a.unsqueeze(-1).expand(*a.shape, n)  # x[..., r, s] = a_r
+    strict = torch.ones(n, n, dtype=torch.bool, device=a.device).tril(-1)
+    out = x.masked_fill(~strict, 0.0).cumsum(-2)
+    return out.masked_fill(~strict.logical_or(torch.eye(n, dtype=torch.bool, device=a.device)), -math.inf)
+
+
+def _dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool, limit: tuple[float, float] = (0.0, math.inf)):
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if softplus:
+        dt = F.softplus(dt)
+    if limit != (0.0, math.inf):
+        dt = dt.clamp(limit[0], limit[1])
+    return dt
+
+
+# ---- causal conv1d ------------------------------------------------------------------------------
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -38,10 +134,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     K = weight.shape[1]
     out = torch.empty_like(x)
     w = weight.float()
-    for _, a, b, slot, init in _requests(md):
-        prev = conv_state[slot].float() if init else x.new_zeros(x.shape[1], K - 1, dtype=torch.float32)
-        u = torch.cat([prev, x[a:b].float().t()], dim=1)  # [C, K - 1 + L]
-        y = F.conv1d(u.unsqueeze(0), w.unsqueeze(1), None if bias is None else bias.float(), groups=x.shape[1])[0]
+    b32 = None if bias is None else bias.float()
+    for lo, hi, slots, prev in _decode_groups(conv_state, md):  # prev [n, C, K - 1]
+        u = torch.cat([prev, x[lo:hi].float().unsqueeze(-1)], dim=2)  # [n, C, K]
+        y = (u * w).sum(-1) if b32 is None else (u * w).sum(-1) + b32
+        out[lo:hi] = (F.silu(y) if activation == "silu" else y).to(x.dtype)
+        if K > 1:
+            conv_state.index_copy_(0, slots, u[:, :, 1:].to(conv_state.dtype))
+    for a, b, slot, init in _prefills(md):
+        u = torch.cat([_initial(conv_state, slot, init), x[a:b].float().t()], dim=1)  # [C, K - 1 + L]
+        y = F.conv1d(u.unsqueeze(0), w.unsqueeze(1), b32, groups=x.shape[1])[0]
         if activation == "silu":
             y = F.silu(y)
         out[a:b] = y.t().to(x.dtype)
@@ -50,15 +152,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def _dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool, limit: tuple[float, float] = (0.0, math.inf)):
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if softplus:
-        dt = F.softplus(dt)
-    if limit != (0.0, math.inf):
-        dt = dt.clamp(limit[0], limit[1])
-    return dt
+# ---- Mamba-2 (SSD) ------------------------------------------------------------------------------
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -74,18 +168,55 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     y = torch.empty_like(x)
     dts = _dt(dt, dt_bias, dt_softplus, dt_limit)  # [T, H]
     A32 = A.float()
-    Bh, Ch = B.float().repeat_interleave(rep, dim=1), C.float().repeat_interleave(rep, dim=1)  # [T, H, N]
-    for _, a, b, slot, init in _requests(md):
-        h = ssm_state[slot].float() if init else x.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
-        for t in range(a, b):
-            dA = torch.exp(dts[t] * A32)  # [H]
-            h = h * dA[:, None, None] + (dts[t][:, None] * x[t].float())[:, :, None] * Bh[t][:, None, :]
-            out = (h * Ch[t][:, None, :]).sum(-1)
-            if D is not None:
-                out = out + D.float()[:, None] * x[t].float()
-            y[t] = out.to(x.dtype)
+    D32 = None if D is None else D.float()[:, None]
+    for lo, hi, slots, h in _decode_groups(ssm_state, md):  # h [n, H, P, N]
+        xd, dtd = x[lo:hi].float(), dts[lo:hi]
+        Bd, Cd = B[lo:hi].float().repeat_interleave(rep, dim=1), C[lo:hi].float().repeat_interleave(rep, dim=1)
+        h.mul_(torch.exp(dtd * A32)[..., None, None]).addcmul_((dtd[..., None] * xd).unsqueeze(-1), Bd.unsqueeze(-2))
+        out = torch.linalg.vecdot(h, Cd.unsqueeze(-2))  # [n, H, P]
+        y[lo:hi] = (out if D32 is None else out + D32 * xd).to(x.dtype)
+        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    for a, b, slot, init in _prefills(md):
+        xr = x[a:b].float()
+        out, h = _ssd_chunked(xr, dts[a:b], A32, B[a:b].float(), C[a:b].float(), _initial(ssm_state, slot, init))
+        y[a:b] = (out if D32 is None else out + D32 * xr).to(x.dtype)
         ssm_state[slot] = h.to(ssm_state.dtype)
     return y
+
+
+def _ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                 h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, fp32: x [L, H, P], dt [L, H] (processed), A [H], B, C [L, G, N], h [H, P, N]
+    (initial state) -> (y [L, H, P] without the D term, final state [H, P, N]).
+
+    With a_t = dt_t A and u_t = dt_t x_t, inside a chunk (decays from its start, gamma_t = sum of
+    a_r for r <= t): y_t = exp(gamma_t) h0 C_t + sum_{s <= t} exp(a_{s+1} + ... + a_t) (C_t . B_s) u_s,
+    and the state after the chunk is exp(gamma_end) h0 + sum_s exp(a_{s+1} + ... + a_end) u_s B_s^T."""
+    L, H, P = x.shape
+    G, N = B.shape[1:]
+    rep = H // G
+    if L == 0:
+        return x.new_zeros(0, H, P), h
+    cs, nc, pad = _chunked(L)
+    # Heads as (group, head in group), chunks after them: [G, rep, nc, cs, ...].
+    a = _pad(dt * A, pad).reshape(nc, cs, G, rep).permute(2, 3, 0, 1)
+    u = _pad(dt.unsqueeze(-1) * x, pad).reshape(nc, cs, G, rep, P).permute(2, 3, 0, 1, 4)
+    Bc, Cc = (_pad(t, pad).reshape(nc, cs, G, 1, N).permute(2, 3, 0, 1, 4) for t in (B, C))  # [G, 1, nc, cs, N]
+    seg = _segsum(a)  # [G, rep, nc, cs, cs]
+    gamma = a.cumsum(-1)  # [G, rep, nc, cs]
+    out = ((Cc @ Bc.transpose(-1, -2)) * seg.exp()) @ u  # intra-chunk: [G, rep, nc, cs, P]
+    # Each chunk's own contribution to the state after it, then the states entering each chunk.
+    local = (u * seg[..., -1, :].exp().unsqueeze(-1)).transpose(-1, -2) @ Bc  # [G, rep, nc, P, N]
+    chunk_decay = gamma[..., -1].exp()  # [G, rep, nc]
+    state, entering = h.reshape(G, rep, P, N), []
+    for c in range(nc):
+        entering.append(state)
+        state = state * chunk_decay[..., c, None, None] + local[:, :, c]
+    out = out + (Cc @ torch.stack(entering, 2).transpose(-1, -2)) * gamma.exp().unsqueeze(-1)
+    return out.permute(2, 3, 0, 1, 4).reshape(nc * cs, H, P)[:L], state.reshape(H, P, N)
+
+
+# ---- Mamba-1 ------------------------------------------------------------------------------------
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -99,18 +230,50 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     y = torch.empty_like(x)
     dts = _dt(dt, dt_bias, dt_softplus)
     A32 = A.float()
-    for _, a, b, slot, init in _requests(md):
-        h = ssm_state[slot].float() if init else x.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
-        for t in range(a, b):
-            h = torch.exp(dts[t][:, None] * A32) * h + (dts[t] * x[t].float())[:, None] * B[t].float()[None, :]
-            out = (h * C[t].float()[None, :]).sum(-1)
-            if D is not None:
-                out = out + D.float() * x[t].float()
-            if z is not None:
-                out = out * F.silu(z[t].float())
-            y[t] = out.to(x.dtype)
+    xf = x.float()
+    outs: list[tuple[int, int, torch.Tensor]] = []
+    for lo, hi, slots, h in _decode_groups(ssm_state, md):  # h [n, Dm, N]
+        h.mul_(torch.exp(dts[lo:hi, :, None] * A32)).addcmul_((dts[lo:hi] * xf[lo:hi])[:, :, None], B[lo:hi].float()[:, None, :])
+        outs.append((lo, hi, torch.linalg.vecdot(h, C[lo:hi].float().unsqueeze(-2))))
+        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    for a, b, slot, init in _prefills(md):
+        out, h = _selective_chunked(xf[a:b], dts[a:b], A32, B[a:b].float(), C[a:b].float(), _initial(ssm_state, slot, init))
+        outs.append((a, b, out))
         ssm_state[slot] = h.to(ssm_state.dtype)
+    for a, b, out in outs:
+        if D is not None:
+            out = out + D.float() * xf[a:b]
+        if z is not None:
+            out = out * F.silu(z[a:b].float())
+        y[a:b] = out.to(x.dtype)
     return y
+
+
+def _selective_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, fp32: x, dt [L, Dm] (dt processed), A [Dm, N], B, C [L, N], h [Dm, N] ->
+    (y [L, Dm] without the D term and the gate, final state [Dm, N]). Per chunk of
+    `SELECTIVE_CHUNK` tokens, an inclusive scan of (decay, input) pairs, h_t = a_t h_{t-1} + b_t,
+    in log2(chunk) vectorised steps; the state is carried from chunk to chunk."""
+    L = x.shape[0]
+    out = torch.empty_like(x)
+    for s in range(0, L, SELECTIVE_CHUNK):
+        e = min(L, s + SELECTIVE_CHUNK)
+        a = torch.exp(dt[s:e, :, None] * A)  # [n, Dm, N]
+        b = (dt[s:e] * x[s:e])[:, :, None] * B[s:e, None, :]
+        b[0].addcmul_(a[0], h)
+        shift, n = 1, e - s
+        while shift < n:  # after this step b[t] holds the inputs of tokens t - 2 * shift < r <= t, decayed to t
+            b[shift:].addcmul_(a[shift:], b[:-shift].clone())
+            if 2 * shift < n:
+                a[shift:] = a[shift:] * a[:-shift]
+            shift *= 2
+        out[s:e] = torch.linalg.vecdot(b, C[s:e, None, :])
+        h = b[-1]
+    return out, h
+
+
+# ---- gated delta rule ---------------------------------------------------------------------------
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -132,13 +295,73 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     kf = kf.repeat_interleave(rep, dim=1)
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    for _, a, b, slot, init in _requests(md):
-        S = state[slot].float() if init else v.new_zeros(state.shape[1:], dtype=torch.float32)  # [Hv, K, V]
-        for t in range(a, b):
-            S = S * torch.exp(gf[t])[:, None, None]
-            kv_mem = (S * kf[t][:, :, None]).sum(1)  # [Hv, V]
-            delta = (vf[t] - kv_mem) * bf[t][:, None]
-            S = S + kf[t][:, :, None] * delta[:, None, :]
-            o[t] = (S * qf[t][:, :, None]).sum(1).to(v.dtype)
+    for lo, hi, slots, S in _decode_groups(state, md):  # S [n, Hv, K, V]
+        S.mul_(torch.exp(gf[lo:hi])[..., None, None])
+        kv_mem = (kf[lo:hi].unsqueeze(-2) @ S).squeeze(-2)  # [n, Hv, V]
+        S.addcmul_(kf[lo:hi].unsqueeze(-1), ((vf[lo:hi] - kv_mem) * bf[lo:hi, :, None]).unsqueeze(-2))
+        o[lo:hi] = (qf[lo:hi].unsqueeze(-2) @ S).squeeze(-2).to(v.dtype)
+        state.index_copy_(0, slots, S.to(state.dtype))
+    for a, b, slot, init in _prefills(md):
+        out, S = _gdr_chunked(qf[a:b], kf[a:b], vf[a:b], gf[a:b], bf[a:b], _initial(state, slot, init))
+        o[a:b] = out.to(v.dtype)
         state[slot] = S.to(state.dtype)
     return o
+
+
+def _diagonal_blocks(X: torch.Tensor, size: int) -> torch.Tensor:
+    """The diagonal `size` x `size` blocks of X [..., m, m] (m a multiple of size), as a view
+    [..., m // size, size, size]."""
+    k = X.shape[-1] // size
+    return X.unflatten(-1, (k, size)).unflatten(-3, (k, size)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for A [..., n, n] strictly lower triangular, with matmuls only (any torch device):
+    the inverses of diagonal blocks of size b give those of size 2b, [[X, 0], [Y, Z]]^-1 =
+    [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]], from b = 1 up to n (padded to a power of two with I)."""
+    n = A.shape[-1]
+    m = 1 << (n - 1).bit_length()
+    M = F.pad(A, (0, m - n, 0, m - n))
+    inv = torch.eye(m, dtype=A.dtype, device=A.device).expand(M.shape).contiguous()
+    b = 1
+    while b < m:
+        Mb, Ib = _diagonal_blocks(M, 2 * b), _diagonal_blocks(inv, 2 * b)
+        Ib[..., b:, :b] = -(Ib[..., b:, b:] @ Mb[..., b:, :b] @ Ib[..., :b, :b])
+        b *= 2
+    return inv[..., :n, :n]
+
+
+def _gdr_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, fp32, heads expanded: q, k [L, H, K] (normalised, q scaled), v [L, H, V], g, beta
+    [L, H], S [H, K, V] (initial state) -> (o [L, H, V], final state [H, K, V]).
+
+    Inside a chunk, with gamma_t the summed log decay from its start and S0 the entering state,
+    the delta-rule corrections u_t = beta_t (v_t - k_t^T S_{t, before the update}) solve the unit
+    lower triangular system (I + A) U = beta V - diag(beta exp(gamma)) K S0 with
+    A[t, s] = beta_t exp(g_{s+1} + ... + g_t) k_t . k_s (s < t); then
+    o_t = exp(gamma_t) q_t S0 + sum_{s <= t} exp(g_{s+1} + ... + g_t) (q_t . k_s) u_s and the state
+    after the chunk is exp(gamma_end) S0 + sum_s exp(g_{s+1} + ... + g_end) k_s u_s^T."""
+    L, H = k.shape[:2]
+    Vd = v.shape[-1]
+    cs, nc, pad = _chunked(L)
+    # Chunk-major, contiguous: [nc, H, cs, *].
+    q, k, v = (_pad(t, pad).reshape(nc, cs, H, -1).transpose(1, 2).contiguous() for t in (q, k, v))
+    g, beta = (_pad(t, pad).reshape(nc, cs, H).transpose(1, 2).contiguous() for t in (g, beta))  # [nc, H, cs]
+    seg = _segsum(g)
+    decay = seg.exp()  # [nc, H, cs, cs], 0 above the diagonal
+    gamma = g.cumsum(-1)
+    kb = k * beta.unsqueeze(-1)
+    T = _unit_lower_inverse(((kb @ k.transpose(-1, -2)) * decay).tril(-1))
+    w = T @ (v * beta.unsqueeze(-1))  # [nc, H, cs, V]
+    kd = T @ (kb * gamma.exp().unsqueeze(-1))  # [nc, H, cs, K]
+    qk = (q @ k.transpose(-1, -2)) * decay
+    qd = q * gamma.exp().unsqueeze(-1)
+    k_end = (k * seg[..., -1, :].exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [nc, H, K, cs]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [nc, H, 1, 1]
+    out = q.new_empty(nc, H, cs, Vd)
+    for c in range(nc):
+        u = w[c] - kd[c] @ S
+        out[c] = qd[c] @ S + qk[c] @ u
+        S = S * chunk_decay[c] + k_end[c] @ u
+    return out.transpose(1, 2).reshape(nc * cs, H, Vd)[:L], S

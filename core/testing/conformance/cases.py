@@ -8,14 +8,23 @@ model runner orders them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from portside.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from portside.contract import AttentionMetadata, Platform, is_quantized_kv, kv_cache_torch_dtype, kv_row_bytes
+from portside.contract import (
+    AttentionMetadata,
+    Platform,
+    RecurrentMetadata,
+    is_quantized_kv,
+    kv_cache_torch_dtype,
+    kv_row_bytes,
+)
 
 Request = tuple[int, int]  # (num_cached, num_new)
 
@@ -245,3 +254,68 @@ def engine_config(
     cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     config = EngineConfig(model=model, cache=cache, scheduler=scheduler, device=platform.name)
     return platform.check_and_update_config(config)
+
+
+# ---- recurrent layers ---------------------------------------------------------------------------
+
+# A recurrent kernel (chunked scans, a different summation order) against core's fp32 reference on
+# the same rounded inputs, elementwise |got - want| <= atol + rtol * |want|; outputs and states O(1).
+RECURRENT_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"atol": 2e-4, "rtol": 2e-4},
+    torch.float16: {"atol": 3e-2, "rtol": 3e-2},
+    torch.bfloat16: {"atol": 5e-2, "rtol": 5e-2},
+}
+
+
+def recurrent_metadata(lengths: list[int], slots: list[int], has_initial_state: list[bool],
+                       device: torch.device | str = "cpu") -> RecurrentMetadata:
+    """A step's `RecurrentMetadata`: request i has lengths[i] tokens, state slot slots[i]; the
+    leading one-token requests are its decodes (decodes must come first, as the runner orders)."""
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    num_decodes = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+    return RecurrentMetadata(
+        state_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        has_initial_state=torch.tensor(has_initial_state, dtype=torch.bool, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        query_start_loc_cpu=qsl,
+        state_slots_cpu=list(slots),
+        has_initial_state_cpu=list(has_initial_state),
+        num_decodes=num_decodes,
+    )
+
+
+# Inputs of the recurrent kernels, fp32 on the CPU, scaled as trained models' are (outputs and
+# states O(1)); `gen` seeds them.
+
+
+def conv_inputs(T: int, C: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(x [T, C], weight [C, K], bias [C]) for `causal_conv1d`."""
+    return torch.randn(T, C, generator=gen), torch.randn(C, K, generator=gen) / math.sqrt(K), torch.randn(C, generator=gen) * 0.1
+
+
+def ssd_inputs(T: int, H: int, G: int, P: int, N: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(x, dt, A, B, C, D, dt_bias) for `ssd_scan`: softplus(dt + dt_bias) about 0.1 to 1, A in [-7.4, -1]."""
+    x = torch.randn(T, H, P, generator=gen)
+    dt = torch.randn(T, H, generator=gen) - 1.0
+    A = -torch.exp(torch.rand(H, generator=gen) * 2)
+    B, C = (torch.randn(T, G, N, generator=gen) / math.sqrt(N) for _ in range(2))
+    return x, dt, A, B, C, torch.randn(H, generator=gen), torch.rand(H, generator=gen) * 0.5
+
+
+def selective_inputs(T: int, Dm: int, N: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(x, dt, A, B, C, D, z, dt_bias) for `selective_scan`, A as Mamba-1 initialises it (S4D-real)."""
+    x = torch.randn(T, Dm, generator=gen)
+    dt = torch.randn(T, Dm, generator=gen) - 2.0
+    A = -torch.arange(1, N + 1, dtype=torch.float32).repeat(Dm, 1) * (0.5 + torch.rand(Dm, 1, generator=gen))
+    B, C = (torch.randn(T, N, generator=gen) / math.sqrt(N) for _ in range(2))
+    return x, dt, A, B, C, torch.randn(Dm, generator=gen), torch.randn(T, Dm, generator=gen), torch.randn(Dm, generator=gen) * 0.2
+
+
+def gdr_inputs(T: int, Hk: int, Hv: int, K: int, V: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta) for `gated_delta_rule`: g = -softplus(...) / 2 <= 0, beta in (0, 1)."""
+    q, k = torch.randn(T, Hk, K, generator=gen), torch.randn(T, Hk, K, generator=gen)
+    v = torch.randn(T, Hv, V, generator=gen)
+    g = -F.softplus(torch.randn(T, Hv, generator=gen)) * 0.5
+    return q, k, v, g, torch.sigmoid(torch.randn(T, Hv, generator=gen))
