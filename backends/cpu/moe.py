@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from portside.backends.cpu import native_ops
 from portside.backends.cpu.lora import CpuLoRAOps
 from portside.backends.cpu.quant import CpuQuantOps
+from portside.backends.cpu.recurrent import CpuRecurrentOps
 from portside.contract import ModelOps
 
 
@@ -72,7 +73,7 @@ def _moe_experts_fake(x, w13, w2, topk_weights, topk_ids, activation="silu"):  #
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-class CpuModelOps(CpuLoRAOps, CpuQuantOps, ModelOps):
+class CpuModelOps(CpuRecurrentOps, CpuLoRAOps, CpuQuantOps, ModelOps):
     """`ModelOps` with `moe_experts` grouped by expert (above), the quantized linears of
     `quant.CpuQuantOps` and the multi-LoRA kernels of `lora.CpuLoRAOps`; routing stays core's
     reference."""

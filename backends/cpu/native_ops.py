@@ -33,7 +33,9 @@ waits. It holds:
 - `portside_cpu_native::set_caching_allocator`: the caching CPU allocator
   (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`);
 - `portside_cpu_native::quant_linear` / `quant_linear_w8a8`: linears over quantized weights
-  (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`).
+  (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`);
+- `portside_cpu_native::causal_conv1d` / `ssd_scan` / `selective_scan` / `gated_delta_rule`: the
+  recurrent layers' kernels (`csrc/recurrent.cpp`, `recurrent.CpuRecurrentOps`).
 
 The operators are C++ torch operators, so a compiled graph (`cpp_wrapper`) calls them through the
 dispatcher without a trip through Python: 121 linears and 30 attention calls a step for the
@@ -72,8 +74,10 @@ SOURCES = (
     CSRC / "token_bitmask.cpp",
     CSRC / "moe.cpp",
     CSRC / "quant_gemm.cpp",
+    CSRC / "recurrent.cpp",
 )
-INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "amx_tiles.h")
+INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "amx_tiles.h",
+            CSRC / "recurrent.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 
 
