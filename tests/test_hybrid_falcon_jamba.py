@@ -1,7 +1,9 @@
-"""Jamba (Mamba-1 layers, attention every few layers, experts every few layers) against
-transformers, on tiny random-weight models of several shapes: state sizes 4-16, dt ranks 2 and 6,
-convolution kernels 2 and 4, expand 1 and 2, biases on or off; attention first, between or last,
-experts in every other layer, every layer or none.
+"""Falcon-H1 (attention and a Mamba-2 mixer side by side in every layer, µP multipliers) and Jamba
+(Mamba-1 layers, attention every few layers, experts every few layers) against transformers, on
+tiny random-weight models of several shapes: Mamba heads 4/6/8 over 1/2/4 groups, state sizes
+4-16, convolution kernels 2-4, the mixer wider than 2 x hidden, its gated norm before or after
+the gate or absent, biases on or off; Jamba's attention first, between or last, experts in every
+other layer, every layer or none.
 
 - prompt logits through a hand-built `ForwardContext` (reference attention, state slots holding
   garbage until written), whole and in chunks that continue from the state, two sequences in one
@@ -30,11 +32,32 @@ from portside.runner.inputs import attention_metadata
 from portside.testing.tiny import hf_greedy, hf_logits
 from portside.testing.tiny_hybrid import make_tiny_hybrid
 
+_FALCON = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256)
+# every multiplier away from 1, each a different value (one applied in the wrong place shows)
+_MUP = dict(embedding_multiplier=0.8, lm_head_multiplier=1.3, key_multiplier=0.7, attention_in_multiplier=1.1,
+            attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8,
+            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], mlp_multipliers=[1.2, 0.9])
 _JAMBA = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256)
 
 # name -> (config class, architecture, config kwargs)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # 4 Mamba heads of 8 over 2 groups, state 8; the gated norm normalises, then gates
+    "falcon-mup": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        _FALCON, **_MUP, num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=2,
+        mamba_rms_norm=True, mamba_norm_before_gate=True)),
+    # mamba_d_ssm 96 (not expand x hidden): 6 heads of 16, one group, state 16, kernel 3; gate, then
+    # norm; attention head_dim 16 (not hidden / heads)
+    "falcon-wide": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        _FALCON, **_MUP, seed=1, num_hidden_layers=2, head_dim=16, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=3, mamba_rms_norm=True, mamba_norm_before_gate=False)),
+    # no gated norm (y * silu(z)); in_proj bias but none on out_proj; attention and MLP biases; MQA;
+    # 8 heads of 4 over 4 groups, state 4, kernel 2
+    "falcon-plain": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        _FALCON, seed=2, num_hidden_layers=3, num_key_value_heads=1, mamba_d_ssm=32, mamba_n_heads=8,
+        mamba_d_state=4, mamba_n_groups=4, mamba_d_conv=2, mamba_rms_norm=False, mamba_proj_bias=True,
+        projectors_bias=False, attention_bias=True, mlp_bias=True, ssm_multipliers=[0.9, 1.1, 1.3, 0.7, 0.95])),
     # attention in layers 1 and 3, 4 experts top-2 in layers 0 and 2; state 8, dt rank 2, kernel 4
     "jamba-moe": ("JambaConfig", "JambaForCausalLM", dict(
         _JAMBA, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -51,8 +74,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         expert_layer_offset=0, num_experts=8, num_experts_per_tok=1, mamba_d_state=16)),
 }
 
-# Model-level fp32 logit tolerance: transformers scans a prompt in parallel, portside's reference
-# token by token.
+# Model-level fp32 logit tolerance: transformers scans a prompt in chunks (Mamba-2's SSD) or in
+# parallel, portside's reference token by token.
 LOGIT_TOLERANCE = {"atol": 2e-4, "rtol": 1e-4}
 # bf16: each row's mean error against transformers' fp32 logits; the median row at most this much
 # above transformers' bf16 own (the median: a near-tied top-1 expert that bf16 flips moves one
@@ -63,7 +86,7 @@ PROMPT = [5, 17, 250, 31, 99, 8, 120, 64, 300, 2, 45, 77, 1, 390, 12, 13, 14, 20
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-FAST = {"jamba-moe", "jamba-dense"}  # the other shapes' logits under -m slow
+FAST = {"falcon-mup", "jamba-moe"}  # the other shapes' logits under -m slow
 
 
 def _param(name: str, fast: set[str]) -> Any:
@@ -157,7 +180,8 @@ def test_bf16_no_further_from_fp32_than_transformers_bf16(case: Path) -> None:
 
 
 def test_layout(tmp_path: Path) -> None:
-    """Attention, Mamba and expert layers where the config puts them; the cache specs count them."""
+    """Jamba's attention, Mamba and expert layers where its config puts them; the cache specs count
+    them; the SSM state in the model's dtype unless --mamba-ssm-cache-dtype says otherwise."""
     from portside.model.moe import SparseMoEBlock
 
     model = _load(_make("jamba-moe", tmp_path / "j"))
@@ -168,12 +192,23 @@ def test_layout(tmp_path: Path) -> None:
     assert (kv.num_layers, kv.num_kv_heads, kv.head_size) == (2, 2, 8)
     assert (state.num_layers, state.kind, state.shapes, state.dtypes) == (
         2, "mamba", ((64, 3), (64, 8)), (torch.float32, torch.float32))
+    folder = _make("falcon-wide", tmp_path / "f")
+    falcon = _load(folder, torch.bfloat16)
+    kv, state = falcon.kv_cache_spec(), falcon.state_spec()
+    assert (kv.num_layers, kv.head_size, kv.dtype) == (2, 16, torch.bfloat16)
+    # conv: x (96) + B and C (1 group of 16); SSM: 6 heads x 16 x state 16, in the model's dtype by default
+    assert (state.num_layers, state.kind, state.shapes, state.dtypes) == (
+        2, "mamba2", ((128, 2), (6, 16, 16)), (torch.bfloat16, torch.bfloat16))
+    for path in (folder, tmp_path / "j"):  # --mamba-ssm-cache-dtype float32
+        config = ModelConfig(path=str(path), max_model_len=256, dtype=torch.bfloat16)
+        state = load_model(config, torch.device("cpu"), mamba_ssm_cache_dtype="float32").state_spec()
+        assert state.dtypes == (torch.bfloat16, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["jamba-moe"])
+@pytest.mark.parametrize("name", ["falcon-mup", _param("jamba-moe", set())])
 def test_tensor_parallel_logits(name: str, tmp_path: Path) -> None:
-    """Two ranks (threads with real collectives): attention heads, Mamba channels (conv, state)
-    and experts split."""
+    """Two ranks (threads with real collectives): attention and Mamba heads, groups, conv
+    channels, state and experts split."""
     from test_models import ThreadCommunicator
 
     path = _make(name, tmp_path / name)
@@ -207,6 +242,8 @@ def test_tensor_parallel_logits(name: str, tmp_path: Path) -> None:
 def test_sizes_that_do_not_split_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"Mamba intermediate size \(64\) is not divisible by the tensor-parallel size \(3\)"):
         _load(_make("jamba-moe", tmp_path / "j"), comm=SingleRankCommunicator(), tp_rank=0, tp_size=3)
+    with pytest.raises(ValueError, match=r"6 heads do not split over 4"):
+        _load(_make("falcon-wide", tmp_path / "f"), comm=SingleRankCommunicator(), tp_rank=0, tp_size=4)
 
 
 def test_checkpoint_tensors_missing_or_extra(tmp_path: Path) -> None:
@@ -215,8 +252,8 @@ def test_checkpoint_tensors_missing_or_extra(tmp_path: Path) -> None:
     for name, dropped in (("jamba-moe", "model.layers.0.mamba.dt_proj.bias"),
                           ("jamba-moe", "model.layers.2.mamba.in_proj.weight"),
                           ("jamba-moe", "model.layers.2.feed_forward.router.weight"),
-                          ("jamba-dense", "model.layers.2.mamba.conv1d.weight"),
-                          ("jamba-dense", "model.layers.1.mamba.in_proj.bias")):
+                          ("falcon-plain", "model.layers.1.mamba.in_proj.bias"),
+                          ("falcon-plain", "model.layers.2.mamba.conv1d.weight")):
         path = tmp_path / name
         if not path.exists():
             _make(name, path)
@@ -225,6 +262,10 @@ def test_checkpoint_tensors_missing_or_extra(tmp_path: Path) -> None:
         model.check_loaded(model.load_weights(tensors.items()))
         with pytest.raises(ValueError, match=rf"checkpoint is missing 1 tensors.*{dropped.replace('.', '[.]')}"):
             model.check_loaded(model.load_weights([(n, t) for n, t in tensors.items() if n != dropped]))
+    with pytest.raises(ValueError, match=r"mamba\.norm\.weight.*has no place"):  # falcon-plain: no gated norm
+        model.load_weights([("model.layers.0.mamba.norm.weight", torch.ones(32))])
+    with pytest.raises(ValueError, match=r"in_proj.*10 rows"):  # rows that are not z, x, B, C and dt
+        model.load_weights([("model.layers.0.mamba.in_proj.weight", torch.zeros(10, 32))])
     jamba = _load(tmp_path / "jamba-moe")
     with pytest.raises(ValueError, match=r"in_proj.*10 rows, expected 128 \(64 \+ 64\)"):  # not x then z
         jamba.load_weights([("model.layers.0.mamba.in_proj.weight", torch.zeros(10, 32))])
@@ -237,7 +278,7 @@ def test_checkpoint_tensors_missing_or_extra(tmp_path: Path) -> None:
 # ---- the engine ----------------------------------------------------------------------------
 
 # 10-40 s each on 2 cores (transformers' generate is most of it): one of each under the fast set
-ENGINE_BATCHED = [_param(c, {"jamba-dense"}) for c in sorted(CASES)]
+ENGINE_BATCHED = [_param(c, {"falcon-mup"}) for c in sorted(CASES)]
 ENGINE_CHUNKED = [_param(c, {"jamba-moe"}) for c in sorted(CASES)]
 
 

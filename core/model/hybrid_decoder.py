@@ -145,12 +145,13 @@ class HybridForCausalLM(DecoderForCausalLM):
 
     def state_spec(self) -> StateSpec:
         """Each recurrent layer's (conv state, SSM state): the conv's inputs in the model's dtype,
-        the SSM state in fp32."""
+        the SSM state in `ModelArgs.ssm_state_dtype` (--mamba-ssm-cache-dtype, else the
+        checkpoint config's mamba_ssm_cache_dtype, else the model's dtype)."""
         mixers: list[Any] = [self._mixer(self._layer(i)) for i in range(self.num_layers) if self._state_idx[i] is not None]
         if not mixers:
             return StateSpec(num_layers=0, shapes=(), dtypes=(), kind=self.state_kind)
         return StateSpec(num_layers=len(mixers), shapes=tuple(mixers[0].state_shapes()),
-                         dtypes=(self.dtype, torch.float32), kind=self.state_kind)
+                         dtypes=(self.dtype, self.config.ssm_state_dtype(self.dtype)), kind=self.state_kind)
 
     def use_kv_scales(self, enabled: bool) -> None:
         for attn in self._attention_layers():

@@ -61,6 +61,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "NemotronHForCausalLM": Architecture("portside.model.nemotron_h", "NemotronHForCausalLM", ("recurrent", "moe"), ()),
     # hybrids: Mamba-1 layers beside attention layers, experts every few layers (Jamba)
     "JambaForCausalLM": Architecture("portside.model.jamba", "JambaForCausalLM", ("recurrent", "moe"), ()),
+    # hybrids: attention and a Mamba-2 mixer side by side in every layer (Falcon-H1)
+    "FalconH1ForCausalLM": Architecture("portside.model.falcon_h1", "FalconH1ForCausalLM", ("recurrent",), ()),
     # hybrids: gated short convolutions beside attention
     "Lfm2ForCausalLM": Architecture("portside.model.lfm2", "Lfm2ForCausalLM", ("recurrent",), ()),
     "Lfm2MoeForCausalLM": Architecture("portside.model.lfm2", "Lfm2MoeForCausalLM", ("recurrent", "moe"), ()),
