@@ -19,8 +19,9 @@ import torch
 from portside.model.layers import LinearBase
 
 # portside's names of the linear layers adapters may target (Hugging Face's q/k/v and gate/up
-# land in the fused ones through the model's own checkpoint-name mapping)
-LORA_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# land in the fused ones through the model's own checkpoint-name mapping; up_proj: an MLP without
+# a gate, Nemotron-H's); `portside.lora.targets.lora_layers` leaves out recurrent mixers' layers
+LORA_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "up_proj")
 
 
 @dataclass

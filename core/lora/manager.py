@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from portside.config import LoRAConfig
-from portside.lora.layers import LORA_MODULES, LoRALayer, LoRAState
-from portside.model.layers import LinearBase
+from portside.lora.layers import LoRALayer, LoRAState
+from portside.lora.targets import LoRATargets
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,10 @@ class LoRAModelManager:
         self.model = model
         self.config = config
         self.state = LoRAState(ops)
+        self.targets = LoRATargets(model)  # the attention and MLP projections, as adapters name them
         self.layers: dict[str, LoRALayer] = {
             name: LoRALayer.attach(m, self.state, config.max_loras, config.max_lora_rank)
-            for name, m in model.named_modules()
-            if isinstance(m, LinearBase) and name.rsplit(".", 1)[-1] in LORA_MODULES
+            for name, m in self.targets.layers.items()
         }
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no linear layer LoRA adapters can target")
@@ -45,7 +45,8 @@ class LoRAModelManager:
         """An adapter's weights as this rank's layers take them (ValueError naming what is wrong)."""
         from portside.lora.peft import load_peft_adapter
 
-        adapter = load_peft_adapter(lora_request.lora_path, max_rank=self.config.max_lora_rank, dtype=self._dtype)
+        adapter = load_peft_adapter(lora_request.lora_path, max_rank=self.config.max_lora_rank, dtype=self._dtype,
+                                    targets=self.targets)
         resolved: Resolved = {}
         for hf_name, (a, b) in adapter.weights.items():
             for target, part, b_part in self.model.checkpoint_tensors(hf_name + ".weight", b):  # type: ignore[operator]
@@ -53,7 +54,7 @@ class LoRAModelManager:
                 layer = self.layers.get(module)
                 if layer is None:
                     raise ValueError(f"{lora_request.lora_path}: {hf_name} is not a layer portside applies LoRA to "
-                                     f"(supported: attention q/k/v/o and MLP gate/up/down projections)")
+                                     f"(LoRA covers the attention and MLP projections)")
                 try:
                     resolved.setdefault(module, {})[part] = layer.shard(part, a, b_part)
                 except ValueError as e:

@@ -10,7 +10,12 @@ then computes ``y = x W^T + scaling * (x A^T) B^T``, with ``scaling = lora_alpha
 
 `load_peft_adapter` returns a `LoRAAdapter` whose B already carries that scaling, so that the
 layers only add ``(x A^T) B^T``; everything it cannot serve exactly is refused with a ValueError
-naming the folder and the fix. `validate_against` checks the shapes against a base model's config.
+naming the folder and the fix. Given the model's `LoRATargets` (`portside.lora.targets`: the
+layers the LoRA manager wraps, reached through the model's own checkpoint mapping), every
+adapted module is checked against that model's layers: a module it lacks or of other sizes, and
+one LoRA does not cover (a recurrent mixer's projections, experts), are refused naming the module.
+Without it, only Llama-style and Phi-3 projection names are admitted. `validate_against` checks
+an adapter against the model a config describes.
 """
 
 from __future__ import annotations
@@ -22,25 +27,28 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from portside.lora.targets import LoRATargets
 
 __all__ = [
     "AdapterNotFoundError",
     "LoRAAdapter",
     "SUPPORTED_MODULES",
+    "check_fit",
     "load_peft_adapter",
     "validate_against",
 ]
 
-# The linear layers LoRA may target: Llama-style separate projections and Phi-3's fused ones
+# The module names an adapter loaded without its model may target (Llama-style separate
+# projections and Phi-3's fused ones); with the model's `LoRATargets`, its own layers decide
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
-_FUSED_MODULES = ("qkv_proj", "gate_up_proj")
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head")
-_FUSED_MODEL_TYPES = ("phi3",)  # HF model types whose layers store qkv_proj / gate_up_proj
 
 # adapter_config.json keys that change the computation beyond y += scaling * B A x: refused when set
 _UNSUPPORTED_OPTIONS = {
@@ -87,18 +95,20 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def load_peft_adapter(path: str | os.PathLike, *, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+def load_peft_adapter(path: str | os.PathLike, *, max_rank: int, dtype: torch.dtype = torch.float32,
+                      targets: LoRATargets | None = None) -> LoRAAdapter:
     """Read the adapter `peft` saved in the folder `path`, B scaled, tensors cast to `dtype`.
 
     Raises ValueError (AdapterNotFoundError for missing files) naming the folder and the fix for:
     a rank above `max_rank`, a peft type other than LoRA, DoRA, trained biases, `modules_to_save`,
-    `fan_in_fan_out`, target modules other than `SUPPORTED_MODULES` (embeddings and the LM head
-    included), tensors not named as peft names them, mismatched A/B shapes, and unreadable files.
+    `fan_in_fan_out`, LoRA on embeddings or the LM head, tensors not named as peft names them,
+    mismatched A/B shapes, and unreadable files; then, given the serving model's `targets`,
+    modules that do not fit it (`check_fit`), else target modules other than `SUPPORTED_MODULES`.
     """
     folder = Path(path)
     config = _read_config(folder)
-    _check_config(folder, config)
-    pairs = _pair_tensors(folder, _read_tensors(folder))
+    _check_config(folder, config, by_name=targets is None)
+    pairs = _pair_tensors(folder, _read_tensors(folder), by_name=targets is None)
 
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):
@@ -125,7 +135,7 @@ def load_peft_adapter(path: str | os.PathLike, *, max_rank: int, dtype: torch.dt
         scale = module_alpha / math.sqrt(rank) if rslora else module_alpha / rank
         weights[module] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
         scalings[module] = scale
-    return LoRAAdapter(
+    adapter = LoRAAdapter(
         rank=largest,
         scaling=alpha / math.sqrt(r) if rslora else alpha / r,
         target_modules=tuple(sorted({m.rsplit(".", 1)[-1] for m in weights})),
@@ -133,51 +143,40 @@ def load_peft_adapter(path: str | os.PathLike, *, max_rank: int, dtype: torch.dt
         scalings=scalings,
         path=str(folder),
     )
+    if targets is not None:
+        check_fit(adapter, targets)
+    return adapter
 
 
 def validate_against(adapter: LoRAAdapter, hf_config: Any) -> None:
-    """Check that every adapted module exists in the base model and has its in/out sizes.
+    """Check the adapter against the model `hf_config` describes (a transformers config or a
+    config.json's dict; a multimodal model's `text_config` is used), built on the meta device:
+    `check_fit` on its `LoRATargets`."""
+    from portside.lora.targets import LoRATargets
 
-    `hf_config` is a transformers config or the dict of a config.json (a multimodal model's
-    `text_config` is used). Raises ValueError ("this adapter was trained for another model")
-    listing what does not fit: a layer the model does not have, a module it does not have (fused
-    or separate projections, MoE MLPs), or in/out sizes that differ from hidden_size,
-    intermediate_size, heads x head_dim and KV heads x head_dim.
-    """
-    cfg = _config_dict(hf_config)
-    hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    inter = cfg.get("intermediate_size")
-    q, kv = heads * head_dim, kv_heads * head_dim
-    sizes = {  # module -> (in, out)
-        "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-        "qkv_proj": (hidden, q + 2 * kv),
-        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-        "gate_up_proj": (hidden, 2 * inter if inter else None),
-    }
-    model_type = cfg.get("model_type", "")
-    fused = model_type in _FUSED_MODEL_TYPES
-    problems = []
-    for name, (a, b) in adapter.weights.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)", name)
-        if m is None or m[3] not in (ATTENTION_MODULES if m[2] == "self_attn" else MLP_MODULES):
-            problems.append(f"{name} is not a projection of a decoder layer")
-            continue
-        layer, block, kind = int(m[1]), m[2], m[3]
-        if layer >= layers:
-            problems.append(f"{name}: the model has {layers} layers")
-        elif kind in (_FUSED_MODULES if not fused else ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            have = "fused qkv_proj / gate_up_proj" if fused else "separate q/k/v and gate/up projections"
-            problems.append(f"{name}: {model_type or 'the model'} has {have}")
-        elif block == "mlp" and _is_moe_layer(cfg, layer):
-            problems.append(f"{name}: layer {layer}'s MLP is a mixture of experts")
-        elif (a.shape[1], b.shape[0]) != sizes[kind]:
-            problems.append(f"{name} maps {a.shape[1]} -> {b.shape[0]}, the model's {sizes[kind][0]} -> {sizes[kind][1]}")
-    if problems:
-        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-        raise _error(Path(adapter.path), f"this adapter was trained for another model ({shown})",
+    check_fit(adapter, LoRATargets.for_config(hf_config))
+
+
+def check_fit(adapter: LoRAAdapter, targets: LoRATargets) -> None:
+    """Check that every adapted module is one of the model's LoRA layers (or a part of one), with
+    its in/out sizes. Raises ValueError listing what does not fit, each naming the module: "this
+    adapter was trained for another model (...)" for modules the model does not have (another
+    layer count, fused or separate projections, a mixture of experts where the adapter has an
+    MLP) or of other sizes; "LoRA covers the attention and MLP layers only" for modules the model
+    has but LoRA does not cover (a recurrent mixer's projections, experts, routers)."""
+    found = targets.problems(adapter.weights)
+    folder = Path(adapter.path)
+    if found[targets.ANOTHER_MODEL]:
+        raise _error(folder, f"this adapter was trained for another model ({_shown(found[targets.ANOTHER_MODEL])})",
                      "serve it with the base model it was trained on")
+    if found[targets.NOT_COVERED]:
+        raise _error(folder, f"{_shown(found[targets.NOT_COVERED])}; LoRA covers the attention and MLP layers only",
+                     "train with target_modules that name only attention and MLP projections (e.g. "
+                     "'self_attn.out_proj' rather than 'out_proj' where a recurrent layer has an out_proj too)")
+
+
+def _shown(problems: list[str]) -> str:
+    return "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
 
 
 def _error(folder: Path, problem: str, fix: str, cls: type[ValueError] = ValueError) -> ValueError:
@@ -199,8 +198,9 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _check_config(folder: Path, config: dict[str, Any]) -> None:
-    """Refuse what portside cannot serve exactly, before reading any tensor."""
+def _check_config(folder: Path, config: dict[str, Any], by_name: bool) -> None:
+    """Refuse what portside cannot serve exactly, before reading any tensor (`by_name`: target
+    modules outside `SUPPORTED_MODULES` too, when no model is there to check them against)."""
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise _error(folder, f"peft_type is {peft_type!r}, and only LORA adapters are supported",
@@ -223,14 +223,14 @@ def _check_config(folder: Path, config: dict[str, Any]) -> None:
     targets = config.get("target_modules")
     if isinstance(targets, list | tuple):  # a string is a regex (or "all-linear"): the tensor names tell
         for target in targets:
-            _check_module_kind(folder, str(target).rsplit(".", 1)[-1], f"target module {target!r}")
+            _check_module_kind(folder, str(target).rsplit(".", 1)[-1], f"target module {target!r}", by_name)
 
 
-def _check_module_kind(folder: Path, kind: str, what: str) -> None:
+def _check_module_kind(folder: Path, kind: str, what: str, by_name: bool = True) -> None:
     if kind in _EMBEDDING_MODULES:
-        raise _error(folder, f"LoRA on embeddings or the LM head is not supported ({what})",
-                     f"train with target_modules among {', '.join(SUPPORTED_MODULES)}")
-    if kind not in SUPPORTED_MODULES:
+        hint = f"among {', '.join(SUPPORTED_MODULES)}" if by_name else "naming attention and MLP projections only"
+        raise _error(folder, f"LoRA on embeddings or the LM head is not supported ({what})", f"train with target_modules {hint}")
+    if by_name and kind not in SUPPORTED_MODULES:
         raise _error(folder, f"{what} is not supported",
                      f"train with target_modules among {', '.join(SUPPORTED_MODULES)}")
 
@@ -253,8 +253,9 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
                  AdapterNotFoundError)
 
 
-def _pair_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (A, B) from peft's tensor names, every name and shape checked."""
+def _pair_tensors(folder: Path, tensors: dict[str, torch.Tensor],
+                  by_name: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, B) from peft's tensor names, every name (`by_name`: its kind too) and shape checked."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         m = _TENSOR_NAME.fullmatch(name)
@@ -265,7 +266,7 @@ def _pair_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> dict[str, t
             raise _error(folder, f"tensor {name!r} is not named as peft names LoRA weights "
                                  "(base_model.model.<module>.lora_A.weight / .lora_B.weight)",
                          "give an adapter saved by peft's save_pretrained")
-        _check_module_kind(folder, m["module"].rsplit(".", 1)[-1], f"module {m['module']!r}")
+        _check_module_kind(folder, m["module"].rsplit(".", 1)[-1], f"module {m['module']!r}", by_name)
         found.setdefault(m["module"], {})[m["ab"]] = tensor
     if not found:
         raise _error(folder, "its weights file holds no LoRA tensors", "re-save the adapter with peft")
@@ -293,20 +294,3 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
         if re.match(rf"(.*\.)?({key})$", module):
             return patterns[key]
     return default
-
-
-def _config_dict(hf_config: Any) -> dict[str, Any]:
-    if isinstance(hf_config, Mapping):
-        cfg = dict(hf_config)
-        return dict(cfg["text_config"]) if isinstance(cfg.get("text_config"), Mapping) else cfg
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    return text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
-
-
-def _is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
-    """Whether `layer`'s MLP is sparse (Qwen-MoE's mlp_only_layers / decoder_sparse_step kept dense)."""
-    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
-        return False
-    if layer in (cfg.get("mlp_only_layers") or []):
-        return False
-    return (layer + 1) % (cfg.get("decoder_sparse_step") or 1) == 0

@@ -3,8 +3,6 @@ first names it, so a bad adapter is the request's ValueError and never a failed 
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from portside.config import LoRAConfig
@@ -15,6 +13,7 @@ class LoRARegistry:
         self.config = config
         self.model_path = model_path
         self._known: dict[int, Any] = {}  # lora_int_id -> the LoRARequest first seen with it
+        self._targets: Any = None  # the served model's LoRATargets, built on first use (meta device)
 
     def check(self, lora_request: Any) -> None:
         """ValueError naming the problem unless `lora_request` (None: none) can run."""
@@ -32,12 +31,12 @@ class LoRARegistry:
                 raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already the adapter {known.lora_name!r} at "
                                  f"{known.lora_path!r}; give {lora_request.lora_path!r} another id")
             return
-        from portside.lora.peft import load_peft_adapter, validate_against
+        from portside.lora.peft import load_peft_adapter
+        from portside.lora.targets import LoRATargets
 
-        adapter = load_peft_adapter(lora_request.lora_path, max_rank=self.config.max_lora_rank)
-        with open(os.path.join(self.model_path, "config.json")) as f:
-            hf = json.load(f)
-        validate_against(adapter, hf.get("text_config", hf))
+        if self._targets is None:
+            self._targets = LoRATargets.for_folder(self.model_path)
+        load_peft_adapter(lora_request.lora_path, max_rank=self.config.max_lora_rank, targets=self._targets)
         self._known[lora_request.lora_int_id] = lora_request
 
     def forget(self, lora_int_id: int) -> None:
