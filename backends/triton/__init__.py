@@ -8,6 +8,9 @@ A kernel library, not a platform. Modules:
   sliding windows and logit softcaps;
 - `moe`: fused mixture-of-experts (grouped GEMMs over expert-sorted tokens), `TritonModelOps`;
 - `lora`: batched multi-LoRA shrink and expand (grouped GEMMs over slot-sorted tokens);
+- `recurrent`: the recurrent-layer kernels (causal conv1d, Mamba-2 / Mamba-1 scans, gated delta
+  rule) over a step's ragged requests and their state slots, `TritonRecurrentOps`; the scans'
+  kernels (a token at a time, and chunked as matmuls) in `recurrent_scans`;
 - `quant`: quantized linear layers (`TritonQuantOps`, the kernel chosen per weight) on
   `dequant_gemm` (weight-only) and `scaled_mm` (W8A8), which share `quant_gemm`;
 - `attention`: `TritonAttentionBackend`, the kernels behind the `AttentionBackend` contract;

@@ -27,6 +27,7 @@ import triton.language as tl
 from portside.backends.triton.launch import ArchInfo, MoeLaunch, choose_moe_launch, detect_arch
 from portside.backends.triton.lora import TritonLoRAOps
 from portside.backends.triton.quant import TritonQuantOps
+from portside.backends.triton.recurrent import TritonRecurrentOps
 from portside.contract import ModelOps
 
 __all__ = ["align_pairs", "fused_experts", "TritonModelOps"]
@@ -186,11 +187,12 @@ def fused_experts(
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-class TritonModelOps(TritonLoRAOps, TritonQuantOps, ModelOps):
+class TritonModelOps(TritonRecurrentOps, TritonLoRAOps, TritonQuantOps, ModelOps):
     """`ModelOps` whose `moe_experts` is the fused Triton kernel, whose quantized linear layers
-    are the Triton kernels of `portside.backends.triton.quant` and whose multi-LoRA shrink and
-    expand are those of `portside.backends.triton.lora`; routing (`select_experts`, a softmax and
-    a top-k) stays core's torch reference."""
+    are the Triton kernels of `portside.backends.triton.quant`, whose multi-LoRA shrink and
+    expand are those of `portside.backends.triton.lora` and whose recurrent-layer kernels are
+    those of `portside.backends.triton.recurrent`; routing (`select_experts`, a softmax and a
+    top-k) stays core's torch reference."""
 
     name = "triton"
 
