@@ -322,7 +322,7 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     n = A.shape[-1]
     m = 1 << (n - 1).bit_length()
     M = F.pad(A, (0, m - n, 0, m - n))
-    inv = torch.eye(m, dtype=A.dtype, device=A.device).expand(M.shape).contiguous()
+    inv = torch.eye(m, dtype=A.dtype, device=A.device).expand(M.shape).clone()  # a copy: XLA keeps contiguous() a view
     b = 1
     while b < m:
         Mb, Ib = _diagonal_blocks(M, 2 * b), _diagonal_blocks(inv, 2 * b)
