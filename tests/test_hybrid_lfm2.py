@@ -335,9 +335,8 @@ def _peft_greedy(base: Path, adapter: Path, prompt: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_lora_on_attention_equals_peft(lfm2: Path, tmp_path: Path) -> None:
-    """An adapter on q/k/v (LFM2 names them as Llama does) beside the base model in one batch.
-    LFM2's out_proj and w1/w2/w3 are refused by portside's adapter checks (named as Llama's
-    o_proj and gate/up/down only), with a message naming the target."""
+    """An adapter on q/k/v (LFM2 names them as Llama does) beside the base model in one batch, then
+    one on LFM2's own MLP names (w1/w2/w3: checked against the model's layers, `portside.lora.targets`)."""
     adapter = make_tiny_lora(lfm2, tmp_path / "qkv", target_modules=("q_proj", "k_proj", "v_proj"))
     llm = LLM(model=str(lfm2), device="cpu", max_model_len=64, block_size=4, enable_lora=True, max_loras=1,
               max_lora_rank=8, max_num_batched_tokens=8)
@@ -349,9 +348,9 @@ def test_lora_on_attention_equals_peft(lfm2: Path, tmp_path: Path) -> None:
     assert outs[2].outputs[0].token_ids == _peft_greedy(lfm2, adapter, prompts[2])
     assert outs[0].outputs[0].token_ids != hf_greedy(lfm2, prompts[0], MAX_TOKENS)  # the adapter matters
     mlp = make_tiny_lora(lfm2, tmp_path / "mlp", target_modules=("w1", "w2", "w3"))
-    with pytest.raises(ValueError, match="target module 'w[123]' is not supported"):
-        llm.generate([{"prompt_token_ids": prompts[1]}], GREEDY, lora_request=LoRARequest("mlp", 2, str(mlp)),
-                     use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": prompts[1]}], GREEDY, lora_request=LoRARequest("mlp", 2, str(mlp)),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == _peft_greedy(lfm2, mlp, prompts[1])
 
 
 @pytest.mark.slow
