@@ -6,33 +6,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from portside.engine.kv_report import cache_report
+from portside.testing.tiny_hybrid import write_real_shaped_config
 
 BUDGET = 8 * 2**30
 SEQ = 4096
-HYBRID = (["linear_attention"] * 3 + ["full_attention"]) * 6  # 24 layers, 18 Gated DeltaNet
-
-
-def _qwen3_next(path: Path, layer_types: list[str]) -> Path:
-    import transformers
-
-    config = transformers.Qwen3NextConfig(
-        vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, layer_types=layer_types, num_experts=0, intermediate_size=5120)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    config.save_pretrained(path)
-    return path
 
 
 def test_qwen3_next_shaped_hybrid_holds_nearly_3x_the_sequences(tmp_path):
-    hybrid = cache_report(_qwen3_next(tmp_path / "hybrid", HYBRID), torch.bfloat16)
-    full = cache_report(_qwen3_next(tmp_path / "full", ["full_attention"] * 24), torch.bfloat16)
+    hybrid = cache_report(write_real_shaped_config(tmp_path / "hybrid", "qwen3_next", True), torch.bfloat16)
+    full = cache_report(write_real_shaped_config(tmp_path / "full", "qwen3_next", False), torch.bfloat16)
     assert hybrid.kv.num_layers == 6 and hybrid.state is not None and hybrid.state.num_layers == 18
     assert full.state is None and full.kv.num_layers == 24
     assert hybrid.bytes_per_token * 4 == full.bytes_per_token
@@ -45,23 +32,11 @@ def test_qwen3_next_shaped_hybrid_holds_nearly_3x_the_sequences(tmp_path):
     assert fp32.sequences(BUDGET, SEQ) < hybrid.sequences(BUDGET, SEQ)
 
 
-def _granite_hybrid(path: Path, layer_types: list[str]) -> Path:
-    import transformers
-
-    config = transformers.GraniteMoeHybridConfig(
-        vocab_size=100352, hidden_size=1536, num_hidden_layers=24, num_attention_heads=12, num_key_value_heads=4,
-        mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
-        num_local_experts=0, shared_intermediate_size=4096, layer_types=layer_types, position_embedding_type="nope")
-    config.architectures = ["GraniteMoeHybridForCausalLM"]
-    config.save_pretrained(path)
-    return path
-
-
 def test_granite_4_h_shaped_hybrid_holds_over_3x_the_sequences(tmp_path):
     """Granite 4.0-H-Tiny's layer shapes, 24 layers of which 18 Mamba-2: 132 sequences of 4k tokens
     in 8 GiB against 42 with attention everywhere (3.1x); 108 with float32 SSM state (2.6x)."""
-    hybrid = cache_report(_granite_hybrid(tmp_path / "hybrid", (["mamba"] * 3 + ["attention"]) * 6), torch.bfloat16)
-    full = cache_report(_granite_hybrid(tmp_path / "full", ["attention"] * 24), torch.bfloat16)
+    hybrid = cache_report(write_real_shaped_config(tmp_path / "hybrid", "granite_hybrid", True), torch.bfloat16)
+    full = cache_report(write_real_shaped_config(tmp_path / "full", "granite_hybrid", False), torch.bfloat16)
     assert hybrid.state is not None and hybrid.state.num_layers == 18 and hybrid.state.kind == "mamba2"
     # conv state over x, B and C (3072 + 2 x 128 channels) x 3, SSM state 48 x 64 x 128, both bf16
     assert hybrid.state.bytes_per_layer == (3328 * 3 + 48 * 64 * 128) * 2
@@ -71,7 +46,7 @@ def test_granite_4_h_shaped_hybrid_holds_over_3x_the_sequences(tmp_path):
 
 
 def test_portside_devices_reports_a_models_cache(tmp_path):
-    path = _qwen3_next(tmp_path / "hybrid", HYBRID)
+    path = write_real_shaped_config(tmp_path / "hybrid", "qwen3_next", True)
     out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), "--max-model-len", "4096",
                           "--kv-cache-memory", str(BUDGET)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -82,7 +57,7 @@ def test_portside_devices_reports_a_models_cache(tmp_path):
 
 @pytest.mark.parametrize("flag", [["--dtype", "nope"], ["--mamba-ssm-cache-dtype", "int3"]])
 def test_portside_devices_refuses_a_bad_report_flag(tmp_path, flag):
-    path = _qwen3_next(tmp_path / "hybrid", HYBRID)
+    path = write_real_shaped_config(tmp_path / "hybrid", "qwen3_next", True)
     out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), *flag],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "error:" in out.stderr and flag[0] in out.stderr

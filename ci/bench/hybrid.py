@@ -2,10 +2,12 @@
 side by side in one run.
 
 Models (random weights, the tiny test tokenizer's vocabulary, fp32; `--archs` picks):
-- `qwen3_next`: Qwen3-Next-shaped, hidden 1024, 8 layers (6 Gated DeltaNet, 2 gated attention), GDN
-  8 key / 16 value heads of 64, attention 8 / 2 heads of 128, dense MLP 2816;
-- `granite_hybrid`: Granite-4.0-H-shaped, hidden 1024, 8 layers (6 Mamba-2, 2 attention), Mamba-2 32
-  heads of 64 with state 64, attention 8 / 2 heads of 128, dense MLP 2816.
+- `qwen3_next`: Qwen3-Next-80B-A3B's proportions, hidden 1024, 8 layers (6 Gated DeltaNet, 2 gated
+  attention), GDN 8 key / 16 value heads of 128, attention 8 / 2 heads of 256, 64 experts top-8 of
+  256 and a shared expert of 512;
+- `granite_hybrid`: Granite-4.0-H-Tiny's proportions, hidden 1024, 8 layers (6 Mamba-2, 2 attention),
+  Mamba-2 32 heads of 64 with state 128, attention 8 / 2 heads of 128, a shared MLP of 1024 and 64
+  experts top-6 of 512.
 
 Figures, per model: throughput (N prompts x P tokens -> G new tokens, EOS ignored), batch-1 decode
 ms/token, and the prefill of one 2k-token prompt (portside: generate 1 token; transformers: one
@@ -37,20 +39,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu import RESULTS, _best, _decode_ms, load_info, make_prompts  # noqa: E402
 from machine import cpu_details, cpu_name  # noqa: E402
 
-from portside.testing.tiny_hybrid import make_tiny_hybrid  # noqa: E402
+from portside.engine.kv_report import cache_report  # noqa: E402
+from portside.testing.tiny_hybrid import REAL_SHAPED, make_tiny_hybrid, write_real_shaped_config  # noqa: E402
 
-ATTN = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2816,
-            max_position_embeddings=4096)
+# Layer shapes in real checkpoints' proportions, scaled to 8 layers of hidden 1024: real head dims and
+# state sizes (they set the recurrent kernels' share of a step), experts where the family has them.
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Qwen3-Next-80B-A3B: GDN 16/32 heads of 128, attention 16/2 heads of 256, 512 experts top-10 of 512 + shared
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         hidden_size=1024, num_hidden_layers=8, linear_num_key_heads=8, linear_num_value_heads=16,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=0,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, **ATTN)),
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, max_position_embeddings=4096,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+        norm_topk_prob=True, intermediate_size=2816, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)),
+    # Granite-4.0-H-Tiny: Mamba-2 48 heads of 64 with state 128 (chunk 256), attention 12/4 heads of 128, a
+    # shared MLP and 64 experts top-6 of 512
     "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
-        hidden_size=1024, num_hidden_layers=8, mamba_n_heads=32, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1,
-        mamba_d_conv=4, mamba_expand=2, num_local_experts=0, shared_intermediate_size=2816,
-        layer_types=(["mamba"] * 3 + ["attention"]) * 2, position_embedding_type="rope",
-        **{k: v for k, v in ATTN.items() if k != "head_dim"})),
+        hidden_size=1024, num_hidden_layers=8, mamba_n_heads=32, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=4096, num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
+        shared_intermediate_size=1024, layer_types=(["mamba"] * 3 + ["attention"]) * 2, position_embedding_type="rope")),
 }
 
 
@@ -123,6 +131,20 @@ def bench_transformers(path: str, prompts: list[list[int]], gen: int, decode_tok
     return info
 
 
+def memory(budget: float = 8 * 2**30, seq: int = 4096) -> dict[str, Any]:
+    """The KV budget report of real-shaped 24-layer models (18 recurrent layers) against the same models
+    with attention in every layer: sequences of `seq` tokens in `budget` bytes, bf16, SSM state auto / fp32."""
+    rows: dict[str, Any] = {}
+    for family in REAL_SHAPED:
+        with tempfile.TemporaryDirectory() as d:
+            hybrid = write_real_shaped_config(Path(d) / "h", family, True)
+            full = cache_report(write_real_shaped_config(Path(d) / "f", family, False), torch.bfloat16).sequences(budget, seq)
+            for state in ("auto", "float32"):
+                n = cache_report(hybrid, torch.bfloat16, mamba_ssm_cache_dtype=state).sequences(budget, seq)
+                rows[f"{family} (state {state})"] = {"hybrid": n, "all_attention": full, "ratio": n / full}
+    return rows
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [f"# Hybrid models on the cpu: portside vs transformers ({result['machine']['cpu']})", "",
              f"{result['machine']['threads']} threads; workload {result['workload']}; fp32, random weights.", "",
@@ -135,6 +157,9 @@ def table(result: dict[str, Any]) -> str:
                          f"{r['prefill_2k_s']:.3f} | {r['output_tok_s'] / hf['output_tok_s']:.2f}x | "
                          f"{hf['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x | "
                          f"{hf['prefill_2k_s'] / r['prefill_2k_s']:.2f}x |")
+    lines += ["", "KV budget: sequences of 4096 tokens in 8 GiB, bf16, 24 layers (18 recurrent) vs attention in every layer",
+              "", "| model | hybrid | all attention | ratio |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {v['hybrid']} | {v['all_attention']} | {v['ratio']:.2f}x |" for k, v in result["memory"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -156,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                      "prefill_len": args.prefill_len},
         "runs": {},
+        "memory": memory(),
     }
     print("machine:", json.dumps(result["machine"]), flush=True)
     for arch in args.archs.split(","):

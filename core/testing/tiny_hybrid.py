@@ -19,7 +19,22 @@ import torch
 from portside.testing.tiny import widen_init
 from portside.testing.tiny_tokenizer import CHATML_TEMPLATE, make_tiny_tokenizer
 
-__all__ = ["make_tiny_hybrid"]
+__all__ = ["REAL_SHAPED", "make_tiny_hybrid", "write_real_shaped_config"]
+
+# 24-layer configs with real checkpoints' layer shapes (no weights: for the KV budget report), each
+# as a hybrid (18 recurrent layers, attention every 4th) or with attention in every layer.
+REAL_SHAPED: dict[str, tuple[str, str, dict[str, Any], tuple[str, str]]] = {
+    # Qwen3-Next-80B-A3B's layer shapes (dense MLP: the experts do not change the cache)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=0, intermediate_size=5120), ("linear_attention", "full_attention")),
+    # Granite 4.0-H-Tiny's
+    "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=1536, num_hidden_layers=24, num_attention_heads=12, num_key_value_heads=4,
+        mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        num_local_experts=0, shared_intermediate_size=4096, position_embedding_type="nope"), ("mamba", "attention")),
+}
 
 
 def make_tiny_hybrid(
@@ -56,3 +71,16 @@ def make_tiny_hybrid(
         model.tie_weights()
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def write_real_shaped_config(path: str | os.PathLike, family: str, hybrid: bool) -> Path:
+    """config.json of `REAL_SHAPED[family]`: 18 recurrent layers and 6 attention layers (`hybrid`),
+    else 24 attention layers."""
+    import transformers
+
+    config_class, architecture, kwargs, (recurrent, attention) = REAL_SHAPED[family]
+    types = ([recurrent] * 3 + [attention]) * 6 if hybrid else [attention] * 24
+    config = getattr(transformers, config_class)(layer_types=types, **kwargs)
+    config.architectures = [architecture]
+    config.save_pretrained(str(path))
+    return Path(path)
