@@ -277,9 +277,16 @@ def _step_inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def make_graph_runner(model_fn: ModelFn, config) -> GraphRunner:
-    """The runner `CpuOptions.graph` names (option cpu_graph)."""
+    """The runner `CpuOptions.graph` names (option cpu_graph); the eager one for a hybrid model
+    (layers with a recurrent state), which the compiled runners do not trace."""
     runner = {"inductor": InductorGraphRunner, "openvino": OpenVinoGraphRunner, "eager": EagerGraphRunner}
-    return runner[cpu_options(config).graph](model_fn, config)
+    cls = runner[cpu_options(config).graph]
+    spec_fn = getattr(model_fn, "state_spec", None)
+    if not cls.supports_recurrent_state and spec_fn is not None and spec_fn() is not None:
+        logger.info("cpu_graph=%s: this model's layers keep a recurrent state, which the %s runner does not trace; "
+                    "it runs in the eager runner", cpu_options(config).graph, cls.name)
+        cls = EagerGraphRunner
+    return cls(model_fn, config)
 
 
 class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
@@ -293,6 +300,7 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
     the first step after it is built (`_take_native`)."""
 
     supports_pipeline_stages = True  # op by op: a stage's `embed` reads its input when called
+    supports_recurrent_state = True  # op by op (the fused decode step takes Llama-family models only)
 
     def __init__(self, model_fn: ModelFn, config) -> None:
         super().__init__(model_fn, config)

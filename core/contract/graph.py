@@ -97,6 +97,13 @@ class GraphRunner(ABC):
     captures or compiles the embedding leaves this False; the engine then runs such stages with
     `EagerGraphRunner`. The same goes for a vision-language model's steps with image rows:
     `inputs_embeds` then holds the step's token embeddings with the images' merged in."""
+    supports_recurrent_state: ClassVar[bool] = False
+    """Hybrid models (layers with a recurrent state, `portside.contract.recurrent`): whether it runs
+    them op by op, handing the model each step's context as it got it (its `state_caches` and
+    `recurrent` metadata: the kernels update the states in place, and which slot each request
+    uses changes every step). A runner that captures or fuses steps leaves this False; the engine
+    then runs such models with `EagerGraphRunner`. `capture`'s dummy contexts carry the states too
+    (every request in the scratch slot)."""
 
     def __init__(self, model_fn: ModelFn, config: EngineConfig) -> None:
         self.model_fn = model_fn
@@ -129,6 +136,7 @@ class EagerGraphRunner(GraphRunner):
 
     name = "eager"
     supports_pipeline_stages = True
+    supports_recurrent_state = True
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``model_fn(input_ids, positions, ctx)``."""

@@ -140,15 +140,16 @@ class ModelRunner:
         config = self.config
         self.graph_runner: GraphRunner
         # the model itself: callable as ModelFn, and a PiecewiseModel for graph runners that need one
-        if self.state_spec is not None:  # the platforms' graphs and fused steps know attention layers only
-            logger.info("%s: %d %s layers keep a recurrent state; the model runs eagerly",
-                        self.model.config.architecture, self.state_spec.num_layers, self.state_spec.kind)
-            self.graph_runner = EagerGraphRunner(self.model, config)
-        elif self.lora is None:
+        if self.lora is None:
             self.graph_runner = self.platform.graph_runner(self.model, config)
             if self.pp_size > 1 and not self.graph_runner.supports_pipeline_stages:
                 logger.info("pipeline parallelism: the %s graph runner cannot run a stage; the stage runs eagerly",
                             self.graph_runner.name)
+                self.graph_runner = EagerGraphRunner(self.model, config)
+            if self.state_spec is not None and not self.graph_runner.supports_recurrent_state:
+                logger.info("%s: %d %s layers keep a recurrent state, which the %s graph runner does not run; "
+                            "the model runs eagerly", self.model.config.architecture, self.state_spec.num_layers,
+                            self.state_spec.kind, self.graph_runner.name)
                 self.graph_runner = EagerGraphRunner(self.model, config)
         else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
@@ -254,8 +255,14 @@ class ModelRunner:
             self.draft.initialize_kv_cache(num_blocks)
 
     def _dummy_decode_context(self, num_decodes: int) -> ForwardContext:
-        return dummy_decode_context(self.attn_backend, self.kv_caches, self.scratch_block, self.block_size, self.device,
-                                    num_decodes)
+        ctx = dummy_decode_context(self.attn_backend, self.kv_caches, self.scratch_block, self.block_size, self.device,
+                                   num_decodes)
+        if self.states is not None:  # every dummy request in the scratch slot, from zeros
+            md = ctx.metadata
+            ctx.state_caches = self.states.tensors
+            ctx.recurrent = self.states.metadata([self.states.num_slots] * num_decodes, [False] * num_decodes,
+                                                 md.query_start_loc, md.query_start_loc_cpu, num_decodes)
+        return ctx
 
     # ---- one step: prepare -> forward -> sampling handoff -----------------------------------
 
