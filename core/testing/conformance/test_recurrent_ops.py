@@ -91,7 +91,7 @@ def _compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: st
                          f"elements out of tolerance {tol}, max abs err {err.max().item():.3e}")  # fmt: skip
 
 
-def _run(ops: ModelOps, kernel: str, device: torch.device, dtype: torch.dtype, step: str, tokens: list[torch.Tensor],
+def _run(ops: ModelOps, kernel: str, platform: type[Platform], dtype: torch.dtype, step: str, tokens: list[torch.Tensor],
          params: list[torch.Tensor | None], pools: list[torch.Tensor], call, what: str) -> None:
     """Calls `call(ops or None, tokens, params, pools, md)` on the platform (per-token inputs in
     `dtype` on its device, as views of one tensor in the strided step; parameters rounded to
@@ -99,6 +99,7 @@ def _run(ops: ModelOps, kernel: str, device: torch.device, dtype: torch.dtype, s
     values in fp32, on the CPU), and compares the outputs, the touched slots, the untouched slots
     and the inputs."""
     lengths, init, slots = STEPS[step]
+    device = platform.device(0)
     tokens = [t.to(dtype) for t in tokens]
     params = [None if t is None else t.to(dtype).float() for t in params]
     dev_tokens = _fused([t.to(device, copy=True) for t in tokens], step == STRIDED)
@@ -106,6 +107,7 @@ def _run(ops: ModelOps, kernel: str, device: torch.device, dtype: torch.dtype, s
     originals = [t.clone() for t in dev_tokens + dev_params if t is not None]
     dev_pools = [p.to(device, copy=True) for p in pools]
     got = call(ops, dev_tokens, dev_params, dev_pools, recurrent_metadata(list(lengths), list(slots), list(init), device))
+    platform.synchronize()  # a lazy device (XLA) runs the step once, not again for every slot read below
     ref_pools = [p.to(torch.float32, copy=True) for p in pools]
     want = call(None, [t.float() for t in tokens], params, ref_pools, recurrent_metadata(list(lengths), list(slots), list(init)))
     where = f"{type(ops).__name__}.{kernel} ({what}, step {step!r}: lengths {list(lengths)}, {dtype})"
@@ -130,7 +132,7 @@ def _ops_or_ref(ops: ModelOps | None):
 
 
 def test_causal_conv1d_matches_reference(conformance_platform: type[Platform], recurrent_ops) -> None:
-    device, gen = conformance_platform.device(0), torch.Generator().manual_seed(21)
+    gen = torch.Generator().manual_seed(21)
     for dtype, ops in recurrent_ops.items():
         for (C, K), activation in zip(CONV_SHAPES, ("silu", None, "silu")):
             for step, (lengths, _, _) in STEPS.items():
@@ -140,12 +142,12 @@ def test_causal_conv1d_matches_reference(conformance_platform: type[Platform], r
                     return _ops_or_ref(o).causal_conv1d(t[0], p[0].to(t[0].dtype), p[1].to(t[0].dtype), pools[0], md,
                                                         activation)  # fmt: skip
 
-                _run(ops, "causal_conv1d", device, dtype, step, [x], [w, bias], [_pool((C, K - 1), dtype, gen)], call,
+                _run(ops, "causal_conv1d", conformance_platform, dtype, step, [x], [w, bias], [_pool((C, K - 1), dtype, gen)], call,
                      f"C={C}, K={K}, activation={activation!r}")  # fmt: skip
 
 
 def test_ssd_scan_matches_reference(conformance_platform: type[Platform], recurrent_ops) -> None:
-    device, gen = conformance_platform.device(0), torch.Generator().manual_seed(22)
+    gen = torch.Generator().manual_seed(22)
     for dtype, ops in recurrent_ops.items():
         for (H, G, P, N), limit in zip(SSD_SHAPES, ((0.0, math.inf), (0.05, 0.6))):
             for state_dtype in _state_dtypes(dtype):
@@ -155,13 +157,13 @@ def test_ssd_scan_matches_reference(conformance_platform: type[Platform], recurr
                     def call(o, t, p, pools, md, limit=limit):
                         return _ops_or_ref(o).ssd_scan(t[0], t[1], p[0], t[2], t[3], pools[0], md, p[1], p[2], True, limit)
 
-                    _run(ops, "ssd_scan", device, dtype, step, [x, dt, B, C], [A, D, dt_bias],
+                    _run(ops, "ssd_scan", conformance_platform, dtype, step, [x, dt, B, C], [A, D, dt_bias],
                          [_pool((H, P, N), state_dtype, gen)], call,
                          f"H={H}, G={G}, P={P}, N={N}, dt_limit={limit}, state {state_dtype}")  # fmt: skip
 
 
 def test_selective_scan_matches_reference(conformance_platform: type[Platform], recurrent_ops) -> None:
-    device, gen = conformance_platform.device(0), torch.Generator().manual_seed(23)
+    gen = torch.Generator().manual_seed(23)
     for dtype, ops in recurrent_ops.items():
         for (Dm, N), gate in zip(SELECTIVE_SHAPES, (True, False)):
             for state_dtype in _state_dtypes(dtype):
@@ -172,13 +174,13 @@ def test_selective_scan_matches_reference(conformance_platform: type[Platform], 
                         return _ops_or_ref(o).selective_scan(t[0], t[1], p[0], t[2], t[3], pools[0], md, p[1],
                                                              t[4] if gate else None, p[2])  # fmt: skip
 
-                    _run(ops, "selective_scan", device, dtype, step, [x, dt, B, C, z], [A, D, dt_bias],
+                    _run(ops, "selective_scan", conformance_platform, dtype, step, [x, dt, B, C, z], [A, D, dt_bias],
                          [_pool((Dm, N), state_dtype, gen)], call,
                          f"Dm={Dm}, N={N}, z={'given' if gate else None}, state {state_dtype}")  # fmt: skip
 
 
 def test_gated_delta_rule_matches_reference(conformance_platform: type[Platform], recurrent_ops) -> None:
-    device, gen = conformance_platform.device(0), torch.Generator().manual_seed(24)
+    gen = torch.Generator().manual_seed(24)
     for dtype, ops in recurrent_ops.items():
         for Hk, Hv, K, V, l2 in GDR_SHAPES:
             for state_dtype in _state_dtypes(dtype):
@@ -190,6 +192,6 @@ def test_gated_delta_rule_matches_reference(conformance_platform: type[Platform]
                     def call(o, t, p, pools, md, l2=l2, K=K):
                         return _ops_or_ref(o).gated_delta_rule(*t, pools[0], md, K**-0.5, l2)
 
-                    _run(ops, "gated_delta_rule", device, dtype, step, [q, k, v, g, beta], [],
+                    _run(ops, "gated_delta_rule", conformance_platform, dtype, step, [q, k, v, g, beta], [],
                          [_pool((Hv, K, V), state_dtype, gen)], call,
                          f"Hk={Hk}, Hv={Hv}, K={K}, V={V}, use_qk_l2norm={l2}, state {state_dtype}")  # fmt: skip
