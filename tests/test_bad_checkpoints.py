@@ -58,8 +58,16 @@ def _assert_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
 @pytest.mark.slow
 def test_unknown_architecture(moe: Path, tmp_path: Path) -> None:
     path = _copy(moe, tmp_path / "m")
+    _edit_config(path, architectures=["XverseForCausalLM"])
+    _assert_exit_2(_generate(path), "XverseForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@pytest.mark.slow
+def test_architecture_that_does_not_match_the_configs_fields(moe: Path, tmp_path: Path) -> None:
+    """A supported architecture whose config is another model type's: named, exit 2, no traceback."""
+    path = _copy(moe, tmp_path / "m")
     _edit_config(path, architectures=["FalconH1ForCausalLM"])
-    _assert_exit_2(_generate(path), "FalconH1ForCausalLM", "Qwen3MoeForCausalLM")
+    _assert_exit_2(_generate(path), "FalconH1ForCausalLM", "'qwen3_moe' config", "correct 'architectures'")
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Bamba (IBM): Mamba-2 layers with attention layers at `attn_layer_indices`, each layer followed
 by a gated MLP. Attention rotates half of each head (partial rotary 0.5, as transformers fixes
 it for Bamba). The layer (`Mamba2HybridLayer`) and the Mamba-2 mixer built from the ``mamba_*``
-fields (`mamba2_from_mamba_fields`) are Granite 4.0-H's too (`portside.model.granite_hybrid`).
+fields (`mamba2_from_mamba_fields`) are Granite 4.0-H's too (`portside.model.granite_h`).
 
 Checkpoint names (Hugging Face's): model.embed_tokens, model.layers.i.{input_layernorm,
 pre_ff_layernorm, mamba.* | self_attn.*, feed_forward.{gate,up,down}_proj}, model.final_layernorm,

@@ -56,7 +56,7 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     # expert blocks (Nemotron-H)
     "Mamba2ForCausalLM": Architecture("portside.model.mamba2", "Mamba2ForCausalLM", ("recurrent",), ()),
     "BambaForCausalLM": Architecture("portside.model.bamba", "BambaForCausalLM", ("recurrent",), ()),
-    "GraniteMoeHybridForCausalLM": Architecture("portside.model.granite_hybrid", "GraniteMoeHybridForCausalLM",
+    "GraniteMoeHybridForCausalLM": Architecture("portside.model.granite_h", "GraniteMoeHybridForCausalLM",
                                                 ("recurrent", "moe"), ()),
     "NemotronHForCausalLM": Architecture("portside.model.nemotron_h", "NemotronHForCausalLM", ("recurrent", "moe"), ()),
     # hybrids: Mamba-1 layers beside attention layers, experts every few layers (Jamba)
@@ -141,8 +141,14 @@ def load_model(
     if pp_size > 1:
         stage = pipeline_stages(args.num_layers, pp_size, pipeline_layers)[pp_rank]
     with torch.device(device):
-        model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops,
-                    **({"stage": stage} if stage is not None else {}))
+        try:
+            model = cls(args, comm or SingleRankCommunicator(), tp_rank, tp_size, model_config.dtype, ops=ops,
+                        **({"stage": stage} if stage is not None else {}))
+        except AttributeError as e:  # an architecture's fields missing from the config (mismatched model_type)
+            raise ValueError(
+                f"{folder}: config.json names architecture {args.architecture!r}, but its fields are those of a "
+                f"{getattr(args.hf_config, 'model_type', '?')!r} config, which {args.architecture} cannot be built "
+                f"from ({e}); correct 'architectures' or 'model_type' in config.json") from None
         if qc is not None:  # the format's checkpoint tensors, on the device too
             prepare_model_for_format(model, qc, ops)
     load_checkpoint(model, folder)
