@@ -131,3 +131,15 @@ def test_forks_share_nothing_with_recurrent_layers():
     assert _run(kv, parent, 9) is not None
     child = _req("c", list(range(9)))
     assert kv.get_fork_blocks(parent, child) == ([], 0)
+
+
+def test_saving_a_checkpoint_never_blocks_an_allocation():
+    """With no slot left over for a checkpoint, the step runs without saving (no wait, no preemption)."""
+    kv = KVCacheManager(32, BS, enable_prefix_caching=True, num_state_slots=2)
+    a = _req("a", list(range(13)))
+    assert kv.allocate_slots(a, 4) is not None  # a's working slot, and a checkpoint at 4 (the last free slot)
+    assert len(kv.take_state_copies()[1]) == 1 and kv.state.num_free == 0
+    a.num_computed_tokens = 4  # (its block not cached yet: the checkpoint is still held)
+    assert kv.allocate_slots(a, 4) is not None  # ends on a boundary again: no slot to save into, runs anyway
+    assert kv.take_state_copies() == ([], [])
+    kv.check_integrity()

@@ -185,8 +185,7 @@ class KVCacheManager:
         num_reclaimed = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
             return None
-        if self.state is not None and self.state.slots_needed(request.request_id, bool(new_computed), num_tokens) \
-                > self.state.num_free:
+        if self.state is not None and self.state.slots_needed(request.request_id, bool(new_computed)) > self.state.num_free:
             return None
         queries, hits = self._pending_lookups.pop(request.request_id, (0, 0))
         self.prefix_cache_stats.queries += queries

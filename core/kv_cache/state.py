@@ -79,16 +79,14 @@ class StateSlots:
 
     # ---- allocation --------------------------------------------------------------------------
 
-    def slots_needed(self, req_id: str, with_hit: bool, end: int) -> int:
-        """Free slots an allocation for the request needs (its working slot, its hit's checkpoint
-        leaving the free list, a checkpoint at `end`)."""
-        n = 0
-        if req_id not in self.working:
-            n += 1
-            hit = self._hit.get(req_id) if with_hit else None
-            if hit is not None and hit.ref_cnt == 0:
-                n += 1
-        return n + (1 if self._saves_at(req_id, end) else 0)
+    def slots_needed(self, req_id: str, with_hit: bool) -> int:
+        """Free slots an allocation for the request needs: its working slot, and its hit's
+        checkpoint leaving the free list. (A checkpoint to save is taken only if a slot is left
+        over: saving is never a reason to wait or to preempt.)"""
+        if req_id in self.working:
+            return 0
+        hit = self._hit.get(req_id) if with_hit else None
+        return 1 + (1 if hit is not None and hit.ref_cnt == 0 else 0)
 
     def _saves_at(self, req_id: str, end: int) -> bool:
         return self.enable_prefix_caching and end > 0 and end % self.block_size == 0 \
