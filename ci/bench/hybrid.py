@@ -72,10 +72,10 @@ def _post_init(model: torch.nn.Module) -> None:
 
 
 def bench_portside(path: str, prompts: list[list[int]], gen: int, decode_tokens: int, prefill: list[int],
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int, dtype: str = "float32") -> dict[str, Any]:
     from portside import LLM, SamplingParams
 
-    llm = LLM(model=path, device="cpu", max_model_len=max(len(prefill), len(prompts[0]) + gen) + 8,
+    llm = LLM(model=path, device="cpu", dtype=dtype, max_model_len=max(len(prefill), len(prompts[0]) + gen) + 8,
               max_num_seqs=max(16, len(prompts)), max_num_batched_tokens=2048, enable_prefix_caching=False)
 
     def run(ps, n):
@@ -99,10 +99,10 @@ def bench_portside(path: str, prompts: list[list[int]], gen: int, decode_tokens:
 
 
 def bench_transformers(path: str, prompts: list[list[int]], gen: int, decode_tokens: int, prefill: list[int],
-                       repeats: int) -> dict[str, Any]:
+                       repeats: int, dtype: str = "float32") -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor(prompts)
 
@@ -147,7 +147,8 @@ def memory(budget: float = 8 * 2**30, seq: int = 4096) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"# Hybrid models on the cpu: portside vs transformers ({result['machine']['cpu']})", "",
-             f"{result['machine']['threads']} threads; workload {result['workload']}; fp32, random weights.", "",
+             f"{result['machine']['threads']} threads; workload {result['workload']}; {result['dtype']}, random weights.",
+             "",
              "| model | engine | tok/s | decode ms/token | prefill 2k s | tok/s ratio | decode speedup | prefill speedup |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for arch, runs in result["runs"].items():
@@ -172,12 +173,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
     ap.add_argument("--out", default=str(RESULTS / "hybrid"), help="output path without extension")
     args = ap.parse_args(argv)
     result: dict[str, Any] = {
         "machine": {"cpu": cpu_name(), **cpu_details(), "python": _platform.python_version(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "cores": os.cpu_count()},
         "load_before": load_info(),
+        "dtype": args.dtype,
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                      "prefill_len": args.prefill_len},
         "runs": {},
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prefill = make_prompts(400, 1, args.prefill_len, seed=1)[0]
         runs = result["runs"][arch] = {}
         for name, fn in (("transformers", bench_transformers), ("portside", bench_portside)):
-            runs[name] = fn(path, prompts, args.gen_len, args.decode_tokens, prefill, args.repeats)
+            runs[name] = fn(path, prompts, args.gen_len, args.decode_tokens, prefill, args.repeats, args.dtype)
             print(arch, name, json.dumps(runs[name]), flush=True)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
