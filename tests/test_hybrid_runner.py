@@ -52,3 +52,26 @@ def test_a_runner_without_recurrent_state_support_falls_back_to_core_eager(lfm2,
     runner, ids = _run(lfm2, "eager")
     assert type(runner) is EagerGraphRunner
     assert ids == [hf_greedy(lfm2, p, 8) for p in PROMPTS]
+
+
+def test_the_attention_feature_check_reads_hybrid_models(tmp_path, lfm2):
+    """A backend that refuses a feature (`AttentionBackend.unsupported_features`) gets each layer's
+    features from a hybrid model too (none for a recurrent layer), so the check passes, not crashes."""
+    import torch
+
+    from portside.config import ModelConfig
+    from portside.contract import Platform
+    from portside.model.registry import load_model
+    from portside.runner.kv_cache import check_attention_features
+
+    class Refusing:
+        name = "refusing"
+        unsupported_features = frozenset({"logit_softcap"})
+
+    qwen3_next = make_tiny_hybrid(tmp_path / "qn", "Qwen3NextConfig", "Qwen3NextForCausalLM", hidden_size=32,
+                                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, num_experts=0, layer_types=["linear_attention", "full_attention"])
+    for path in (lfm2, qwen3_next):
+        model = load_model(ModelConfig(path=str(path)), torch.device("cpu"))
+        check_attention_features(model, Platform, Refusing())

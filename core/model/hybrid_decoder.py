@@ -132,6 +132,11 @@ class HybridForCausalLM(DecoderForCausalLM):
 
     post_attention = pre_attention  # type: ignore[assignment]
 
+    def attention_features(self, i: int) -> dict[str, Any]:
+        """Layer i's attention features (the runner's feature check); none for a layer without attention."""
+        attn = self._layer(i).self_attn
+        return attn.features if attn is not None else {}
+
     # ---- caches -----------------------------------------------------------------------------
 
     def _attention_layers(self) -> list[DecoderAttention]:
