@@ -249,6 +249,9 @@ class DecoderForCausalLM(nn.Module):
     scale_embeddings: ClassVar[bool] = False  # Gemma: embeddings times sqrt(hidden), in the model's dtype
     # checkpoint name fragment -> portside's, applied before the q/k/v and gate/up fusing
     renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # the parameters under `model.*`, built as (model class, args, tp, dtype, stage): a family with
+    # layers of its own (hybrid models) passes its module, with `DecoderModel`'s attribute names
+    model_module: ClassVar[Callable[..., nn.Module]] = DecoderModel
 
     def __init__(
         self,
@@ -264,8 +267,8 @@ class DecoderForCausalLM(nn.Module):
         self.config = args
         self.dtype = dtype
         self.stage = stage or PipelineStage(0, 1, 0, args.num_layers)
-        tp = TP(comm or SingleRankCommunicator(), tp_rank, tp_size, ops or ModelOps())
-        self.model = DecoderModel(type(self), args, tp, dtype, self.stage)
+        self.tp = tp = TP(comm or SingleRankCommunicator(), tp_rank, tp_size, ops or ModelOps())
+        self.model = cast(DecoderModel, self.model_module(type(self), args, tp, dtype, self.stage))
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm) \
             if self.stage.is_last else None
         if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:

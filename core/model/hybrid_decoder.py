@@ -18,11 +18,11 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from portside.contract import Communicator, ForwardContext, KVCacheSpec, ModelOps, SingleRankCommunicator, StateSpec
+from portside.contract import Communicator, ForwardContext, KVCacheSpec, ModelOps, StateSpec
 from portside.model.args import ModelArgs
 from portside.model.decoder import TP, DecoderAttention, DecoderForCausalLM
 from portside.model.decoder import MissingLayer as _Missing
-from portside.model.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from portside.model.layers import RMSNorm, VocabParallelEmbedding
 from portside.model.pipeline import PipelineStage
 
 __all__ = ["HybridForCausalLM", "HybridLayer", "NoRope"]
@@ -73,6 +73,7 @@ class HybridForCausalLM(DecoderForCausalLM):
     mixer_name: ClassVar[str] = "mamba"  # the recurrent mixer's attribute (and checkpoint name) in a layer
     state_kind: ClassVar[str] = "mamba"  # `StateSpec.kind`
     renames: ClassVar[tuple[tuple[str, str], ...]] = (("model.final_layernorm.", "model.norm."),)
+    model_module = HybridModel
 
     def __init__(
         self,
@@ -84,17 +85,7 @@ class HybridForCausalLM(DecoderForCausalLM):
         ops: ModelOps | None = None,
         stage: PipelineStage | None = None,
     ) -> None:
-        nn.Module.__init__(self)
-        self.config = args
-        self.dtype = dtype
-        self.stage = stage or PipelineStage(0, 1, 0, args.num_layers)
-        self.tp = tp = TP(comm or SingleRankCommunicator(), tp_rank, tp_size, ops or ModelOps())
-        self.model = HybridModel(type(self), args, tp, dtype, self.stage)  # type: ignore[assignment]  # same names
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm) \
-            if self.stage.is_last else None
-        if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.embed_scale = None
+        super().__init__(args, comm, tp_rank, tp_size, dtype, ops, stage)
         # each layer's ordinal among this stage's attention layers and among its recurrent layers
         self._attn_idx: list[int | None] = []
         self._state_idx: list[int | None] = []

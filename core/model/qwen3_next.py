@@ -24,13 +24,12 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from portside.contract import Communicator, ForwardContext, KVCacheSpec, ModelOps, SingleRankCommunicator, StateSpec
+from portside.contract import Communicator, ForwardContext, KVCacheSpec, ModelOps, StateSpec
 from portside.model.args import ModelArgs
 from portside.model.decoder import TP, DecoderAttention, DecoderForCausalLM, GatedMLP, MissingLayer, PipelineStage
 from portside.model.gated_deltanet import GatedDeltaNet
 from portside.model.layers import (
     GemmaRMSNorm,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -141,6 +140,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
     gdn_layout: ClassVar[str] = "qkvz"  # `GatedDeltaNet`
     always_renormalize: ClassVar[bool] = False  # the router renormalises its top-k whatever the config says
     skipped_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)  # multi-token-prediction heads (not used)
+    model_module = Qwen3NextModel
 
     def __init__(
         self,
@@ -152,7 +152,6 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         ops: ModelOps | None = None,
         stage: PipelineStage | None = None,
     ) -> None:
-        nn.Module.__init__(self)  # DecoderForCausalLM's attributes, with this family's layers
         if args.hf_config is None:
             raise ValueError(f"{type(self).__name__} needs the whole transformers config (args.hf_config)")
         types = args.layer_types
@@ -160,17 +159,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         if len(types) != args.num_layers or unknown:
             raise ValueError(f"{args.architecture}: layer_types must list {args.num_layers} layers of "
                              f"{' / '.join(_LAYER_TYPES)}; got {list(types) if not unknown else unknown}")
-        self.config = args
-        self.dtype = dtype
-        self.stage = stage or PipelineStage(0, 1, 0, args.num_layers)
-        tp = TP(comm or SingleRankCommunicator(), tp_rank, tp_size, ops or ModelOps())
-        self.model = Qwen3NextModel(type(self), args, tp, dtype, self.stage)  # type: ignore[assignment]  # its layers
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp.rank, tp.size, dtype, tp.comm) \
-            if self.stage.is_last else None
-        if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.embed_scale = None
-        self.tp_size = tp_size
+        super().__init__(args, comm, tp_rank, tp_size, dtype, ops, stage)
         # each layer of this stage: its ordinal among the stage's attention or linear layers
         self.ordinals: list[int] = []
         counts = [0, 0]
@@ -204,7 +193,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The attention layers' cache (0 layers: a stage of linear layers only)."""
-        kv_heads = max(1, self.config.num_kv_heads // self.tp_size)  # as `QKVParallelLinear` splits them
+        kv_heads = max(1, self.config.num_kv_heads // self.tp.size)  # as `QKVParallelLinear` splits them
         return KVCacheSpec(num_layers=self.num_attention_layers, num_kv_heads=kv_heads, head_size=self.config.head_dim,
                            dtype=self.dtype)
 
