@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu import RESULTS, _best, _decode_ms, load_info, make_prompts  # noqa: E402
+from cpu import RESULTS, _best, _decode_ms, _hf_model, bench_hf_static, load_info, make_prompts  # noqa: E402
 from machine import cpu_details, cpu_name  # noqa: E402
 
 from portside.engine.kv_report import cache_report  # noqa: E402
@@ -100,24 +100,9 @@ def bench_portside(path: str, prompts: list[list[int]], gen: int, decode_tokens:
 
 def bench_transformers(path: str, prompts: list[list[int]], gen: int, decode_tokens: int, prefill: list[int],
                        repeats: int, dtype: str = "float32") -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor(prompts)
-
-    def run(x, n):
-        with torch.inference_mode():
-            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0, eos_token_id=None)
-
-    run(ids[:2], 4)
-    t = time.perf_counter()
-    out = run(ids, gen)
-    elapsed = time.perf_counter() - t
-    assert out.shape[1] == ids.shape[1] + gen
-    info: dict[str, Any] = {"output_tok_s": len(prompts) * gen / elapsed, "throughput_s": elapsed}
-    info["decode_ms_per_token"] = _decode_ms(lambda n: run(ids[:1], n), decode_tokens)
+    """`cpu.py`'s static-batch transformers run, plus one forward over the 2k-token prompt."""
+    info = bench_hf_static(path, prompts, gen, decode_tokens, dtype)
+    model = _hf_model(path, dtype)
     x = torch.tensor([prefill])
 
     def forward():
