@@ -24,11 +24,10 @@ import pytest
 import torch
 
 from portside import LLM, SamplingParams
-from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
-from portside.contract import ForwardContext, RecurrentMetadata, SingleRankCommunicator
+from portside.contract import SingleRankCommunicator
 from portside.model.registry import load_model
-from portside.runner.inputs import attention_metadata
+from portside.testing.hybrid_steps import HandSteps
 from portside.testing.tiny import hf_greedy, hf_logits
 from portside.testing.tiny_hybrid import make_tiny_hybrid
 
@@ -107,51 +106,11 @@ def _load(path: Path, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
     return load_model(ModelConfig(path=str(path), max_model_len=256, dtype=dtype), torch.device("cpu"), **kwargs)
 
 
-class _Steps:
-    """Two sequences through a model with a private paged cache and state slots 1 and 3."""
-
-    def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 64, num_slots: int = 4) -> None:
-        self.model, self.backend, self.bs = model, ReferenceAttentionBackend(), block_size
-        spec, state = model.kv_cache_spec(), model.state_spec()
-        shape = self.backend.cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
-        self.kv = [torch.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
-        # garbage in every slot: a request without an initial state must not read its slot
-        self.states = [tuple(torch.randn(num_slots + 1, *s).to(d) for s, d in zip(state.shapes, state.dtypes))
-                       for _ in range(state.num_layers)]
-        self.tables = [list(range(i, num_blocks, 2)) for i in range(2)]
-        self.done = [0, 0]
-
-    @torch.no_grad()
-    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Each (sequence, tokens) after its earlier tokens (one-token decodes first): every row's logits."""
-        ids, pos, slots, qsl, lens = [], [], [], [0], []
-        for s, toks in chunks:
-            start = self.done[s]
-            ids += toks
-            pos += range(start, start + len(toks))
-            slots += [self.tables[s][p // self.bs] * self.bs + p % self.bs for p in range(start, start + len(toks))]
-            qsl.append(qsl[-1] + len(toks))
-            lens.append(start + len(toks))
-        decodes = sum(1 for s, toks in chunks if len(toks) == 1 and self.done[s] > 0)
-        meta = self.backend.prepare(attention_metadata([self.tables[s] for s, _ in chunks], slots, qsl, lens, decodes,
-                                                       self.bs, torch.device("cpu")))
-        init = [self.done[s] > 0 for s, _ in chunks]
-        state_slots = [2 * s + 1 for s, _ in chunks]
-        rmd = RecurrentMetadata(state_slots=torch.tensor(state_slots), has_initial_state=torch.tensor(init),
-                                query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_start_loc_cpu=qsl,
-                                state_slots_cpu=state_slots, has_initial_state_cpu=init, num_decodes=decodes)
-        ctx = ForwardContext(self.backend, self.kv, meta, state_caches=self.states, recurrent=rmd)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), ctx)
-        for s, toks in chunks:
-            self.done[s] += len(toks)
-        return self.model.compute_logits(hidden)
-
-
 def test_prompt_logits_whole_and_in_chunks(case: Path) -> None:
     model = _load(case)
     expected = hf_logits(case, PROMPT)
-    torch.testing.assert_close(_Steps(model).step([(0, PROMPT)]), expected, **LOGIT_TOLERANCE)
-    seq = _Steps(model)
+    torch.testing.assert_close(HandSteps(model).step([(0, PROMPT)]), expected, **LOGIT_TOLERANCE)
+    seq = HandSteps(model)
     got = [seq.step([(0, PROMPT[:5])]), seq.step([(0, PROMPT[5:6])]), seq.step([(0, PROMPT[6:15])]),
            seq.step([(0, PROMPT[15:])])]
     torch.testing.assert_close(torch.cat(got), expected, **LOGIT_TOLERANCE)
@@ -161,7 +120,7 @@ def test_two_sequences_in_one_step(case: Path) -> None:
     """A decode of one sequence and a prefill of another in the same step, each in its own slot."""
     model = _load(case)
     other = PROMPT[::-1][:9]
-    seq = _Steps(model)
+    seq = HandSteps(model)
     seq.step([(0, PROMPT[:10])])
     rows = seq.step([(0, PROMPT[10:11]), (1, other)])
     torch.testing.assert_close(rows[0], hf_logits(case, PROMPT[:11])[-1], **LOGIT_TOLERANCE)
@@ -175,7 +134,7 @@ def test_bf16_no_further_from_fp32_than_transformers_bf16(case: Path) -> None:
     hf_bf16 = AutoModelForCausalLM.from_pretrained(str(case), dtype=torch.bfloat16).eval()
     with torch.no_grad():
         theirs = (hf_bf16(torch.tensor([PROMPT])).logits[0].float() - reference).abs().mean(-1).median()
-    ours = (_Steps(_load(case, torch.bfloat16)).step([(0, PROMPT)]) - reference).abs().mean(-1).median()
+    ours = (HandSteps(_load(case, torch.bfloat16)).step([(0, PROMPT)]) - reference).abs().mean(-1).median()
     assert ours <= BF16_ERROR_RATIO * theirs, (float(ours), float(theirs))
 
 
@@ -219,7 +178,7 @@ def test_tensor_parallel_logits(name: str, tmp_path: Path) -> None:
     def rank(r: int) -> None:
         try:
             model = _load(path, comm=ThreadCommunicator(r, 2, shared), tp_rank=r, tp_size=2)
-            seq = _Steps(model)
+            seq = HandSteps(model)
             results[r] = (model, torch.cat([seq.step([(0, PROMPT[:7])]), seq.step([(0, PROMPT[7:])])]))
         except BaseException as e:  # noqa: BLE001 - surfaced below
             shared["barrier"].abort()

@@ -24,12 +24,11 @@ import pytest
 import torch
 
 from portside import LLM, SamplingParams
-from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
-from portside.contract import ForwardContext, RecurrentMetadata, SingleRankCommunicator
+from portside.contract import SingleRankCommunicator
 from portside.model.args import ModelArgs
 from portside.model.registry import load_model
-from portside.runner.inputs import attention_metadata
+from portside.testing.hybrid_steps import HandSteps
 from portside.testing.tiny import hf_greedy, hf_logits
 from portside.testing.tiny_hybrid import make_tiny_hybrid
 
@@ -124,46 +123,9 @@ def _load(path: Path, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
     return load_model(ModelConfig(path=str(path), max_model_len=256, dtype=dtype), torch.device("cpu"), **kwargs)
 
 
-class _Steps:
-    """Sequences through a model with a private paged cache and state slots (garbage at first:
-    a request without an initial state must not read its slot)."""
-
-    def __init__(self, model: Any, block_size: int = 4, num_blocks: int = 32, num_slots: int = 4) -> None:
-        self.model, self.backend, self.bs = model, ReferenceAttentionBackend(), block_size
-        spec, state = model.kv_cache_spec(), model.state_spec()
-        shape = self.backend.cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
-        self.kv = [torch.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
-        gen = torch.Generator().manual_seed(0)
-        self.states = [tuple(torch.randn(num_slots + 1, *s, generator=gen).to(d) for s, d in zip(state.shapes, state.dtypes))
-                       for _ in range(state.num_layers)]
-        self.tables = [list(range(s, num_blocks, 2)) for s in range(2)]  # two sequences, interleaved blocks
-        self.done = [0, 0]
-
-    @torch.no_grad()
-    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Compute each (sequence, tokens) after its earlier tokens (one-token continuations
-        first); fp32 logits of every row."""
-        ids, pos, slots, qsl, lens = [], [], [], [0], []
-        for s, toks in chunks:
-            start = self.done[s]
-            ids += toks
-            pos += range(start, start + len(toks))
-            slots += [self.tables[s][p // self.bs] * self.bs + p % self.bs for p in range(start, start + len(toks))]
-            qsl.append(qsl[-1] + len(toks))
-            lens.append(start + len(toks))
-        decodes = sum(1 for s, toks in chunks if len(toks) == 1 and self.done[s] > 0)
-        meta = self.backend.prepare(attention_metadata([self.tables[s] for s, _ in chunks], slots, qsl, lens, decodes,
-                                                       self.bs, torch.device("cpu")))
-        init = [self.done[s] > 0 for s, _ in chunks]
-        state_slots = [3 - 2 * s for s, _ in chunks]  # slots 3 and 1
-        rmd = RecurrentMetadata(state_slots=torch.tensor(state_slots), has_initial_state=torch.tensor(init),
-                                query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_start_loc_cpu=qsl,
-                                state_slots_cpu=state_slots, has_initial_state_cpu=init, num_decodes=decodes)
-        ctx = ForwardContext(self.backend, self.kv, meta, state_caches=self.states, recurrent=rmd)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), ctx)
-        for s, toks in chunks:
-            self.done[s] += len(toks)
-        return self.model.compute_logits(hidden)
+def _steps(model: Any) -> HandSteps:
+    """Sequence 0 in state slot 3, sequence 1 in slot 1 (the other order from the other families' tests)."""
+    return HandSteps(model, num_blocks=32, state_slots=(3, 1))
 
 
 def test_prompt_logits_whole_and_in_chunks(case: Path) -> None:
@@ -171,8 +133,8 @@ def test_prompt_logits_whole_and_in_chunks(case: Path) -> None:
     sequence's 9-token prefill), 9 and 8 tokens continuing from the saved state."""
     model = _load(case)
     expected = hf_logits(case, PROMPT)
-    torch.testing.assert_close(_Steps(model).step([(0, PROMPT)]), expected, **LOGIT_TOLERANCE)
-    seq = _Steps(model)
+    torch.testing.assert_close(_steps(model).step([(0, PROMPT)]), expected, **LOGIT_TOLERANCE)
+    seq = _steps(model)
     first = seq.step([(0, PROMPT[:5])])
     mixed = seq.step([(0, PROMPT[5:6]), (1, OTHER)])
     got = torch.cat([first, mixed[:1], seq.step([(0, PROMPT[6:15])]), seq.step([(0, PROMPT[15:])])])
@@ -199,7 +161,7 @@ def test_bf16_no_further_from_fp32_than_transformers_bf16(case: Path) -> None:
     hf_bf16 = AutoModelForCausalLM.from_pretrained(str(case), dtype=torch.bfloat16).eval()
     with torch.no_grad():
         theirs = (hf_bf16(torch.tensor([PROMPT])).logits[0].float() - reference).abs().mean(-1)
-    ours = (_Steps(_load(case, torch.bfloat16)).step([(0, PROMPT)]) - reference).abs().mean(-1)
+    ours = (_steps(_load(case, torch.bfloat16)).step([(0, PROMPT)]) - reference).abs().mean(-1)
     keep = torch.ones(len(PROMPT), dtype=torch.bool)
     keep[int((ours - theirs).argmax())] = False
     assert ours[keep].mean() <= BF16_ERROR_RATIO * theirs[keep].mean(), (ours, theirs)
@@ -225,7 +187,7 @@ def test_tensor_parallel_logits(name: str, ranks: int, tmp_path: Path) -> None:
     def rank(r: int) -> None:
         try:
             model = _load(path, comm=ThreadCommunicator(r, ranks, shared), tp_rank=r, tp_size=ranks)
-            seq = _Steps(model)
+            seq = _steps(model)
             results[r] = (model, torch.cat([seq.step([(0, PROMPT[:7])]), seq.step([(0, PROMPT[7:])])]))
         except BaseException as e:  # noqa: BLE001 - surfaced below
             shared["barrier"].abort()
