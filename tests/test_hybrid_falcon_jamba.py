@@ -16,7 +16,6 @@ other layer, every layer or none.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 
 from portside import LLM, SamplingParams
 from portside.config import ModelConfig
-from portside.contract import SingleRankCommunicator
+from portside.contract import Communicator, SingleRankCommunicator
 from portside.model.registry import load_model
 from portside.testing.hybrid_steps import HandSteps
 from portside.testing.tiny import hf_greedy, hf_logits
@@ -168,30 +167,19 @@ def test_layout(tmp_path: Path) -> None:
 def test_tensor_parallel_logits(name: str, tmp_path: Path) -> None:
     """Two ranks (threads with real collectives): attention and Mamba heads, groups, conv
     channels, state and experts split."""
-    from test_models import ThreadCommunicator
+    from test_models import run_ranks
 
     path = _make(name, tmp_path / name)
     expected = hf_logits(path, PROMPT)
-    shared = {"slots": [None] * 2, "barrier": threading.Barrier(2)}
-    results: list[Any] = [None, None]
 
-    def rank(r: int) -> None:
-        try:
-            model = _load(path, comm=ThreadCommunicator(r, 2, shared), tp_rank=r, tp_size=2)
-            seq = HandSteps(model)
-            results[r] = (model, torch.cat([seq.step([(0, PROMPT[:7])]), seq.step([(0, PROMPT[7:])])]))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            shared["barrier"].abort()
-            results[r] = e
+    def rank(comm: Communicator, r: int) -> Any:
+        model = _load(path, comm=comm, tp_rank=r, tp_size=2)
+        seq = HandSteps(model)
+        return (model, torch.cat([seq.step([(0, PROMPT[:7])]), seq.step([(0, PROMPT[7:])])]))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    results = run_ranks(2, rank)
     whole = _load(path).state_spec()
     for r in range(2):
-        assert not isinstance(results[r], BaseException), results[r]
         model, logits = results[r]
         torch.testing.assert_close(logits, expected, **LOGIT_TOLERANCE)
         half = model.state_spec()

@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -164,29 +163,17 @@ def test_prompt_logits_bf16(lfm2: Path) -> None:
 def test_tensor_parallel_logits_equal_transformers(tmp_path: Path) -> None:
     """Two ranks (threads with real collectives): each holds half of the convolution channels
     (its slice of B, C and x, of the taps and of the state) and half of the heads."""
-    from test_models import ThreadCommunicator
+    from test_models import run_ranks
 
     path = _make(tmp_path / "moe", "lfm2_moe")
     expected = hf_logits(path, PROMPT)
-    shared = {"slots": [None] * 2, "barrier": threading.Barrier(2)}
-    results: list[Any] = [None, None]
 
-    def rank(r: int) -> None:
-        try:
-            comm: Communicator = ThreadCommunicator(r, 2, shared)
-            model = load_model(ModelConfig(path=str(path), max_model_len=256), torch.device("cpu"), comm, r, 2)
-            results[r] = (model, HandSequence(model).logits(PROMPT, [9, 10]))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            shared["barrier"].abort()
-            results[r] = e
+    def rank(comm: Communicator, r: int) -> Any:
+        model = load_model(ModelConfig(path=str(path), max_model_len=256), torch.device("cpu"), comm, r, 2)
+        return (model, HandSequence(model).logits(PROMPT, [9, 10]))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    results = run_ranks(2, rank)
     for r in range(2):
-        assert not isinstance(results[r], BaseException), results[r]
         model, logits = results[r]
         torch.testing.assert_close(logits, expected, **LOGIT_TOLERANCE[torch.float32])
         assert model.state_spec().shapes == ((32, 2),)  # 64 channels over 2 ranks, L_cache 3

@@ -16,7 +16,6 @@ top-k with a correction bias, a latent space and a shared expert), muP multiplie
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 
 from portside import LLM, SamplingParams
 from portside.config import ModelConfig
-from portside.contract import SingleRankCommunicator
+from portside.contract import Communicator, SingleRankCommunicator
 from portside.model.args import ModelArgs
 from portside.model.registry import load_model
 from portside.testing.hybrid_steps import HandSteps
@@ -177,30 +176,19 @@ TP_CASES = [("mamba2", 2), ("mamba2-groups-tied", 2), ("granite-moe", 2), ("bamb
 
 @pytest.mark.parametrize(("name", "ranks"), TP_CASES)
 def test_tensor_parallel_logits(name: str, ranks: int, tmp_path: Path) -> None:
-    from test_models import ThreadCommunicator
+    from test_models import run_ranks
 
     path = _make(name, tmp_path / name)
     expected = hf_logits(path, PROMPT)
-    shared = {"slots": [None] * ranks, "barrier": threading.Barrier(ranks)}
-    results: list[Any] = [None] * ranks
 
-    def rank(r: int) -> None:
-        try:
-            model = _load(path, comm=ThreadCommunicator(r, ranks, shared), tp_rank=r, tp_size=ranks)
-            seq = _steps(model)
-            results[r] = (model, torch.cat([seq.step([(0, PROMPT[:7])]), seq.step([(0, PROMPT[7:])])]))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            shared["barrier"].abort()
-            results[r] = e
+    def rank(comm: Communicator, r: int) -> Any:
+        model = _load(path, comm=comm, tp_rank=r, tp_size=ranks)
+        seq = _steps(model)
+        return (model, torch.cat([seq.step([(0, PROMPT[:7])]), seq.step([(0, PROMPT[7:])])]))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    results = run_ranks(ranks, rank)
     whole = _load(path).state_spec()
     for r in range(ranks):
-        assert not isinstance(results[r], BaseException), results[r]
         model, logits = results[r]
         torch.testing.assert_close(logits, expected, **LOGIT_TOLERANCE)
         (conv, _), (heads, head_dim, state) = model.state_spec().shapes

@@ -19,6 +19,7 @@ import torch
 from portside import LLM, SamplingParams
 from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
+from portside.contract import Communicator
 from portside.model.registry import load_model, read_model_args
 from portside.testing.paged import PagedSequence
 from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model
@@ -162,31 +163,18 @@ def test_tensor_parallel_logits_equal_transformers(arch: str, tmp_path: Path) ->
     """Two ranks (threads with real collectives): experts split along their intermediate
     dimension, OLMoE's full-width q/k norm over the gathered heads, Phi-3's fused checkpoint
     tensors split per rank."""
-    import threading
-
-    from test_models import ThreadCommunicator
+    from test_models import run_ranks
 
     path = make_tiny_model(tmp_path / arch, arch)
     expected = hf_logits(path, PROMPT)
-    shared = {"slots": [None] * 2, "barrier": threading.Barrier(2)}
-    results: list[Any] = [None, None]
 
-    def rank(r: int) -> None:
-        try:
-            model = load_model(ModelConfig(path=str(path), max_model_len=512), torch.device("cpu"),
-                               ThreadCommunicator(r, 2, shared), r, 2)
-            results[r] = (model, PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            shared["barrier"].abort()
-            results[r] = e
+    def rank(comm: Communicator, r: int) -> Any:
+        model = load_model(ModelConfig(path=str(path), max_model_len=512), torch.device("cpu"),
+                           comm, r, 2)
+        return (model, PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    results = run_ranks(2, rank)
     for r in range(2):
-        assert not isinstance(results[r], BaseException), results[r]
         model, logits = results[r]
         torch.testing.assert_close(logits, expected, **LOGIT_TOLERANCE[torch.float32])
         if model.config.num_experts:  # each rank holds half of every expert

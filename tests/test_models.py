@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -185,28 +186,39 @@ class ThreadCommunicator(Communicator):
         self.shared["barrier"].wait()
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])  # 4 > 2 KV heads: KV heads are replicated
-def test_tensor_parallel_logits_equal_single_rank(tiny_qwen2: Path, tp_size: int) -> None:
-    expected = hf_logits(tiny_qwen2, PROMPT)
-    shared = {"slots": [None] * tp_size, "barrier": threading.Barrier(tp_size)}
-    results: list[Any] = [None] * tp_size
+def run_ranks(world_size: int, fn: Callable[[Communicator, int], Any], timeout: float = 120) -> list[Any]:
+    """`fn(comm, rank)` on one thread per rank, over `ThreadCommunicator` collectives; the results in
+    rank order. A rank that raises aborts the others' barrier, and the test fails with its error."""
+    shared: dict[str, Any] = {"slots": [None] * world_size, "barrier": threading.Barrier(world_size)}
+    results: list[Any] = [None] * world_size
 
     def rank(r: int) -> None:
         try:
-            comm = ThreadCommunicator(r, tp_size, shared)
-            model = load_model(ModelConfig(path=str(tiny_qwen2)), torch.device("cpu"), comm, r, tp_size)
-            results[r] = (model, PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT))
+            results[r] = fn(ThreadCommunicator(r, world_size, shared), r)
         except BaseException as e:  # noqa: BLE001 - surfaced below
             shared["barrier"].abort()
             results[r] = e
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp_size)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=timeout)
+    for result in results:
+        assert not isinstance(result, BaseException), result
+    return results
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])  # 4 > 2 KV heads: KV heads are replicated
+def test_tensor_parallel_logits_equal_single_rank(tiny_qwen2: Path, tp_size: int) -> None:
+    expected = hf_logits(tiny_qwen2, PROMPT)
+
+    def rank(comm: Communicator, r: int) -> Any:
+        model = load_model(ModelConfig(path=str(tiny_qwen2)), torch.device("cpu"), comm, r, tp_size)
+        return (model, PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT))
+
+    results = run_ranks(tp_size, rank)
     for r in range(tp_size):
-        assert not isinstance(results[r], BaseException), results[r]
         model, logits = results[r]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
         # each rank holds a shard, never the whole model
