@@ -178,12 +178,20 @@ def test_concurrent_adapters_match_peft(srv: ServerProcess, tiny_llama: Path, or
             # requests finish (and free their adapters' slots) at different steps
             n, delay = (24, 0.0) if i < 2 else ((12, 16, 20, 24)[j], 0.15 * j)
             jobs.append((m, prompt, n, (i + j) % 2 == 1, delay))
-    before = srv.metrics()
-    answers = fire(srv, jobs)
-    after = srv.wait_idle()
-    for job, got in zip(jobs, answers, strict=True):
-        check(tok, job, got, want[job[0]][prompts.index(job[1])])
-    assert after["portside_num_preemptions_total"] > before["portside_num_preemptions_total"]  # the pool was short
+    # the pool is short only while enough of these run at once; on a loaded machine the requests can
+    # reach the engine spread out enough that none is preempted, so the round is repeated (every
+    # answer checked each time) until one preempts
+    preempted = 0.0
+    for _ in range(4):
+        before = srv.metrics()
+        answers = fire(srv, jobs)
+        after = srv.wait_idle()
+        for job, got in zip(jobs, answers, strict=True):
+            check(tok, job, got, want[job[0]][prompts.index(job[1])])
+        preempted = after["portside_num_preemptions_total"] - before["portside_num_preemptions_total"]
+        if preempted:
+            break
+    assert preempted > 0, "no round preempted: the KV pool was never short"
 
     # the prefix cache: a new prompt computed under adapter a, then asked of a again, of the other
     # adapters and of the base model at once: only a's own request reuses a's blocks
