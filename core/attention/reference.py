@@ -10,7 +10,9 @@ Per-layer attention features (`portside.contract.ATTENTION_FEATURES`), as Huggin
 computes them:
 
 - ``sliding_window=W``: a query at position p sees keys at positions ``p - W < k <= p``;
-- ``logit_softcap=c``: scores become ``c * tanh(scores / c)`` before the mask and the softmax.
+- ``logit_softcap=c``: scores become ``c * tanh(scores / c)`` before the mask and the softmax;
+- ``sinks=s`` ([num_heads] fp32, gpt-oss): head h's softmax has one more logit, ``s[h]``, whose
+  probability is dropped (it adds to the denominator only).
 
 The math that needs no cache layout (`attend`, `attention_through_read_kv`, `encoder_attention`)
 is `portside.ops.attention`'s, which the contract's defaults call; it is re-exported here.
@@ -88,6 +90,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its whole cached sequence.
 
@@ -107,7 +110,7 @@ def paged_attention(
         cache = _bytes(kv_cache)
         k = _values(cache[0, blocks].reshape(-1, num_kv_heads, cache.shape[-1])[:seq_len], kv_cache.dtype)  # (S, kvh, D)
         v = _values(cache[1, blocks].reshape(-1, num_kv_heads, cache.shape[-1])[:seq_len], kv_cache.dtype)
-        o = attend(query[start:end], k, v, scale, sliding_window, logit_softcap)
+        o = attend(query[start:end], k, v, scale, sliding_window, logit_softcap, sinks)
         out[start:end] = o.to(query.dtype)
     return out
 
@@ -117,7 +120,7 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     name = "reference"
     graph_support = GraphCaptureSupport.NEVER
-    features = frozenset({"sliding_window", "logit_softcap"})
+    features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2", "int8"})
 
     def kv_cache_shape(
@@ -133,10 +136,10 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     def forward(
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
-        sliding_window: int | None = None, logit_softcap: float | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_attention(
             query, kv_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale,
-            sliding_window, logit_softcap,
+            sliding_window, logit_softcap, sinks,
         )

@@ -48,6 +48,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture("portside.model.gemma", "Gemma2ForCausalLM", (*_WINDOW, "logit_softcap"), ()),
     "Gemma3ForCausalLM": Architecture("portside.model.gemma", "Gemma3ForCausalLM", _WINDOW, ("logit_softcap",)),
     "Phi3ForCausalLM": Architecture("portside.model.phi3", "Phi3ForCausalLM"),
+    # learned attention sinks, alternating sliding / full layers, biased experts with a clamped SwiGLU
+    "GptOssForCausalLM": Architecture("portside.model.gpt_oss", "GptOssForCausalLM", ("sinks", *_WINDOW, "moe"), ()),
     # hybrids: Gated DeltaNet linear attention beside gated full attention
     "Qwen3NextForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3NextForCausalLM", ("recurrent", "moe"), ()),
     "Qwen3_5ForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5ForCausalLM", ("recurrent",), ()),

@@ -24,8 +24,11 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]: per-head logits in the softmax's denominator only
 ) -> torch.Tensor:
-    """Causal attention of one request's queries over its keys, in fp32; returns [Q, H, D] fp32."""
+    """Causal attention of one request's queries over its keys, in fp32; returns [Q, H, D] fp32.
+    With `sinks`, each head's softmax runs over its scores and one more logit, the head's sink,
+    whose probability is dropped (gpt-oss: the output shrinks by sigmoid(lse - sink))."""
     q_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]  # query heads per KV head (GQA)
     k = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
@@ -38,7 +41,12 @@ def attend(
     hidden = k_pos > q_pos
     if sliding_window is not None:
         hidden |= k_pos <= q_pos - sliding_window
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().to(q.device).view(-1, 1, 1).expand(-1, q_len, 1)  # (H, Q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
