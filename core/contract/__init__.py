@@ -19,6 +19,8 @@ One module per part (each name is also importable from here):
 - `options`: `BackendOption` (what `Platform.backend_options` declares), `check_backend_options`;
 - `attention`: `AttentionBackend`, `AttentionMetadata`, `ForwardContext`, `KVCacheSpec`,
   `GraphCaptureSupport`, `ATTENTION_FEATURES`, `EncoderAttention`;
+- `latent`: `LatentKVCacheSpec`, `LatentAttention` (multi-head latent attention, mixed into
+  `AttentionBackend`);
 - `kv_quant`: 8-bit KV caches, `KV_CACHE_DTYPES` and the reference formats (`quantize_kv`, ...);
 - `graph`: `GraphRunner`, `EagerGraphRunner`, `ModelFn`, `PiecewiseModel`;
 - `collectives`: `Communicator`, `SingleRankCommunicator`, `TorchDistributedCommunicator`;
@@ -37,6 +39,7 @@ from portside.contract import (
     collectives,
     graph,
     kv_quant,
+    latent,
     memory,
     model_ops,
     options,
@@ -66,6 +69,7 @@ from portside.contract.kv_quant import (
     kv_row_bytes,
     quantize_kv,
 )
+from portside.contract.latent import LatentAttention, LatentKVCacheSpec
 from portside.contract.memory import HUGE_PAGE, host_memory, host_zeros, release_free_memory
 from portside.contract.model_ops import (
     LoRAMapping,
@@ -82,5 +86,5 @@ from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, Sta
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
 # every part's public names, in the order of the module map above
-__all__ = [name for part in (platform, options, attention, kv_quant, graph, collectives, model_ops, recurrent, sampling, memory)
+__all__ = [name for part in (platform, options, attention, latent, kv_quant, graph, collectives, model_ops, recurrent, sampling, memory)
            for name in part.__all__]

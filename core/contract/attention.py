@@ -15,7 +15,9 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from portside.contract.kv_quant import is_quantized_kv, kv_row_bytes
+from portside.contract.kv_quant import is_quantized_kv
+from portside.contract.kv_spec import KVCacheSpec
+from portside.contract.latent import LatentAttention
 from portside.contract.memory import host_zeros
 from portside.ops.attention import attention_through_read_kv
 from portside.ops.attention import encoder_attention as reference_encoder_attention
@@ -41,36 +43,6 @@ keyword arguments of these names (never when a layer does not use them; semantic
 
 EncoderAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 """(query, key, value, cu_seqlens, max_seqlen, scale) -> out: `AttentionBackend.encoder_attention`."""
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """What one attention layer stores per token; the pool is sized from this."""
-
-    num_layers: int
-    """Attention layers on this rank (its pipeline stage's)."""
-    num_kv_heads: int
-    """KV heads per tensor-parallel rank."""
-    head_size: int
-    """Values per head."""
-    dtype: torch.dtype
-    """The model's dtype."""
-    cache_dtype: torch.dtype | None = None
-    """What the cache holds (`--kv-cache-dtype`, an 8-bit dtype); None: `dtype`."""
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        """The cache tensor's dtype."""
-        return self.cache_dtype or self.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of every layer for one token (`kv_row_bytes` per head and layer)."""
-        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_size, self.storage_dtype)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """`bytes_per_token` times `block_size`."""
-        return self.bytes_per_token * block_size
 
 
 @dataclass
@@ -134,7 +106,7 @@ class GraphCaptureSupport(enum.Enum):
 _Plan = TypeVar("_Plan")
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(LatentAttention, ABC):
     """Paged attention for one platform. Stateless apart from configuration.
 
     The cache of one layer is a single tensor whose shape the backend chooses (see
