@@ -225,7 +225,7 @@ def test_forward_context_dispatch(backend_features, features, forward_gets):
 
 
 def test_reference_backend_takes_both_features():
-    assert ReferenceAttentionBackend.features == {"sliding_window", "logit_softcap"}
+    assert ReferenceAttentionBackend.features == {"sliding_window", "logit_softcap", "sinks"}
     assert AttentionBackend.features == frozenset() and AttentionBackend.unsupported_features == frozenset()
 
 
@@ -238,14 +238,14 @@ def test_kit_feature_settings_change_the_result(block_size, feature):
     """Every setting the kit tries moves the reference beyond the loosest tolerance (so a backend
     ignoring it fails), except a window longer than every sequence, which must change nothing."""
     tol = TOLERANCES[torch.bfloat16]
-    for features in feature_settings(feature, block_size):
+    for features in feature_settings(feature, block_size, H):
         for requests in feature_batches(block_size).values():
             md, pool, seqs, (q, k, v), reqs = paged_batch(torch.Generator().manual_seed(3), requests, block_size)
             cache = canonical_cache(md, pool, seqs, reqs, block_size)
             write_kv(cache, k, v, md.slot_mapping)
             args = (q, cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, SCALE)  # scores ~N(0, 1)
             moved = (paged_attention(*args, **features) - paged_attention(*args)).abs().max()  # type: ignore[arg-type]
-            if features.get("sliding_window", 0) >= max(md.seq_lens_cpu) and "logit_softcap" not in features:
+            if features.get("sliding_window", 0) >= max(md.seq_lens_cpu) and features.keys() == {"sliding_window"}:
                 assert moved == 0, features
             else:
                 assert moved > tol["atol"] + tol["rtol"], (features, requests)

@@ -26,7 +26,8 @@ dequantize each row as they read it.
 Both take the attention features (`portside.backend_api.ATTENTION_FEATURES`). A sliding window
 is a mask, and only the blocks holding keys inside some query's window are gathered (a windowed
 decode reads the last `window` keys only; the native kernel skips the rest too). SDPA cannot
-soft-cap scores, so a soft-capped layer computes its scores explicitly (`_attend`, fp32).
+soft-cap scores nor add attention sinks (gpt-oss: a per-head logit in the softmax's denominator),
+so such a layer computes its scores explicitly (`_attend`, fp32), its decodes batched in torch.
 
 Encoder attention (non-causal, no cache; `AttentionBackend.encoder_attention`) is SDPA over the
 sequences batched by length (`encoder_attention.py`), for both classes.
@@ -134,7 +135,7 @@ def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.
 class CpuAttentionBackend(AttentionBackend):
     name = "torch-sdpa"
     graph_support = GraphCaptureSupport.NEVER
-    features = frozenset({"sliding_window", "logit_softcap"})
+    features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     kv_cache_dtypes = KV_CACHE_DTYPES
 
     def kv_cache_shape(
@@ -180,11 +181,12 @@ class CpuAttentionBackend(AttentionBackend):
 
     def forward(
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
-        sliding_window: int | None = None, logit_softcap: float | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         plan = self.prepared(metadata, TorchAttentionPlan)
         self._write(kv_cache, key, value, plan.keep, plan.slots)
-        return _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap)
+        return _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap,
+                             sinks=sinks)
 
     def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
         """Non-causal attention within each sequence (vision encoders): one SDPA per sequence
@@ -195,23 +197,23 @@ class CpuAttentionBackend(AttentionBackend):
 def _attend_batch(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
     plan: TorchAttentionPlan, scale: float, window: int | None, softcap: float | None, decodes: bool = True,
-    native: bool = False,
+    native: bool = False, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The torch path over a cache already written: the decodes in one call (unless not
     `decodes`: the caller attends them), each prefill chunk in one. query [T, H, D] -> [T, H, D].
 
     A request's first chunk (no earlier keys) attends over the step's own `key` / `value` when the
-    cache holds them unchanged (same dtype, not 8-bit) and no feature needs a mask (no soft-cap, a
-    window no shorter than the chunk): causal SDPA without a mask or a gather, one call for each
+    cache holds them unchanged (same dtype, not 8-bit) and no feature needs a mask (no soft-cap nor
+    sinks, a window no shorter than the chunk): causal SDPA without a mask or a gather, one call for each
     run of consecutive chunks of one length (`TorchAttentionPlan.causal_runs`); with `native` (the
     native kernels' backend), bf16 ones on AMX tiles where the CPU has them (`native_causal`)."""
     out = torch.empty(query.shape, dtype=query.dtype)  # contiguous whatever query's strides
     nd = plan.num_decodes
     if nd and decodes:
         tables, mask = _decode_view(plan, md, window)
-        out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale, softcap)
+        out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale, softcap, sinks)
     done: set[int] = set()
-    if plan.prefills and softcap is None and query.dtype == key.dtype == value.dtype == kv_cache.dtype:
+    if plan.prefills and softcap is None and sinks is None and query.dtype == key.dtype == value.dtype == kv_cache.dtype:
         for start, n, length, members in plan.causal_runs():
             if window is None or window >= length:
                 end = start + n * length
@@ -219,7 +221,7 @@ def _attend_batch(
                 done.update(members)
     for i, p in enumerate(plan.prefills):
         if i not in done:
-            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale, window, softcap)
+            out[p.start : p.end] = _prefill(query[p.start : p.end], kv_cache, p, scale, window, softcap, sinks)
     return out
 
 
@@ -322,15 +324,16 @@ class NativeAttentionBackend(CpuAttentionBackend):
 
     def forward(
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
-        sliding_window: int | None = None, logit_softcap: float | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         plan = metadata.backend_data
         if not isinstance(plan, TorchAttentionPlan) or (plan.native_slots is None and not plan.torch_only):
             plan = self.prepare(metadata).backend_data
         if plan.torch_only:
-            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logit_softcap)
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logit_softcap, sinks)
         native = _native(kv_cache, query, key, value)
-        if native and plan.native_step is not None:
+        native_decode = native and sinks is None  # the C decode kernels take no sinks: torch attends those
+        if native_decode and plan.native_step is not None:
             return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale,
                                     sliding_window, logit_softcap)
         if native:
@@ -340,9 +343,9 @@ class NativeAttentionBackend(CpuAttentionBackend):
                 plan.keep, plan.slots = valid_slots(plan.native_slots)
             self._write(kv_cache, key, value, plan.keep, plan.slots)
         out = _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap,
-                            decodes=not native, native=native)
+                            decodes=not native_decode, native=native, sinks=sinks)
         nd = plan.num_decodes
-        if nd and native:
+        if nd and native_decode:
             kernels.paged_decode(out[:nd], _dense_rows(query[:nd]), kv_cache, plan.native_tables, plan.native_lens,
                                  scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
         return out
@@ -397,28 +400,35 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of q (..., L, D) over k, v (..., S, D) with a boolean mask (True: visible), in k's
     dtype; with `softcap` the scores are soft-capped (cap * tanh(scores / cap)) before the mask,
-    which SDPA cannot do, so they are computed explicitly, in fp32."""
-    if softcap is None:
+    and with `sinks` (fp32, broadcast to (..., L, 1): each query row's head's sink) one more logit
+    joins each row's softmax and its probability is dropped; SDPA can do neither, so the scores
+    are then computed explicitly, in fp32."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (..., L, S)
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.softmax(torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v.float()).to(k.dtype)
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, scale: float, window: int | None = None,
-             softcap: float | None = None) -> torch.Tensor:
+             softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One request's query chunk (the last Q of its seq_len tokens), causal. q: (Q, H, D)."""
     blocks, k0, mask = p.view(window)
     kv = _gather_kv(kv_cache, blocks)[:, : p.seq_len - k0]  # (2, S', kvh, D)
-    return _attend_chunk(q, kv[0], kv[1], mask, scale, softcap)
+    return _attend_chunk(q, kv[0], kv[1], mask, scale, softcap, sinks)
 
 
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                  softcap: float | None) -> torch.Tensor:
+                  softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One request's queries q (Q, H, D) over its keys k, v (S, KVH, D); mask (Q, S) bool.
 
     Without a soft-cap this is one 4-D SDPA call over head-major views with `enable_gqa`, which
@@ -427,14 +437,15 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     num_q, num_heads, d = q.shape
     kvh = k.shape[1]
     group = num_heads // kvh
-    if softcap is None:
+    if softcap is None and sinks is None:
         o = F.scaled_dot_product_attention(q.to(k.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                            enable_gqa=group > 1)  # (1, H, Q, D)
         return o[0].transpose(0, 1).to(q.dtype)
     qg = q.view(num_q, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * num_q, d)  # (kvh, G*Q, D)
     mask = mask if group == 1 else mask.repeat(group, 1)  # row g*Q + j is query token j
-    o = _attend(qg, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)  # (kvh, G*Q, D)
+    row_sinks = None if sinks is None else sinks.view(kvh, group).repeat_interleave(num_q, dim=1)[..., None]
+    o = _attend(qg, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap, row_sinks)  # (kvh, G*Q, D)
     return o.view(kvh, group, num_q, d).permute(2, 0, 1, 3).reshape(num_q, num_heads, d).to(q.dtype)
 
 
@@ -455,7 +466,7 @@ def attend_read_kv(
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A batch of single-token queries. q: (B, H, D); tables (B, n); mask (B, 1, 1, n*bs)."""
     batch, num_heads, d = q.shape
     kvh = kv_cache.shape[3]
@@ -463,5 +474,5 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask:
     kv = kv.view(2, batch, -1, kvh, d).transpose(2, 3)  # (2, B, kvh, S, D)
     group = num_heads // kvh
     qg = q.view(batch, kvh, group, d)  # (B, kvh, G, D): the group is the query axis
-    o = _attend(qg, kv[0], kv[1], mask, scale, softcap)
+    o = _attend(qg, kv[0], kv[1], mask, scale, softcap, None if sinks is None else sinks.view(kvh, group, 1))
     return o.reshape(batch, num_heads, d).to(q.dtype)

@@ -42,7 +42,8 @@ class TritonAttentionBackend(AttentionBackend):
     step, so they run eagerly.
 
     Features: ``sliding_window`` and ``logit_softcap`` are kernel arguments (constexpr flags), so
-    a layer's values are baked into a captured graph like its scale.
+    a layer's values are baked into a captured graph like its scale; ``sinks`` (a layer's
+    per-head logits, a device tensor) join each row's softmax denominator in the kernel.
 
     Encoder attention (non-causal, no cache: vision towers) is one launch of the varlen flash
     kernel of `encoder_attention.py` (any head size; fp32, fp16, bf16).
@@ -54,7 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     graph_support = GraphCaptureSupport.DECODE_ONLY
-    features = frozenset({"sliding_window", "logit_softcap"})
+    features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def __init__(self, arch: ArchInfo | None = None, num_splits: int | None = None) -> None:
@@ -106,6 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _kv.write_kv(kv_cache, key, value, metadata.slot_mapping)
         query = query.contiguous() if query.stride(-1) != 1 else query
@@ -130,6 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=splits,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            sinks=sinks,
         )
 
     def encoder_attention(

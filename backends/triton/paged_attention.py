@@ -17,7 +17,9 @@ kernel merges the slices. Maxima are kept in base-2 units (scores are scaled by 
 Per-layer features (constexpr flags: a layer without them compiles exactly the plain kernel):
 ``SLIDING_WINDOW`` hides keys at or before ``q_pos - window``, and the KV loop starts at the
 first block the tile's earliest query can see (its blocks before are never read);
-``SOFTCAP`` maps scores to ``cap * tanh(scores / cap)`` before the mask.
+``SOFTCAP`` maps scores to ``cap * tanh(scores / cap)`` before the mask; ``SINKS`` adds each
+head's sink logit (gpt-oss, fp32 [num_heads]) to the softmax's denominator only: after the KV loop
+(or in the reduce kernel, over the merged splits), ``l += exp(sink - m)``.
 
 Numerics: every load is upcast to fp32 at once (the interpreter computes bf16 wrongly, and
 fp32 accumulation is wanted anyway); outputs are cast on store. Head sizes that are not powers
@@ -101,6 +103,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_num_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    sinks_ptr,  # [num_heads] fp32, times log2(e) (SINKS)
     num_reqs,
     scale_log2,  # softmax scale * log2(e)
     window,  # sliding window (SLIDING_WINDOW): a query at p sees keys p - window < k <= p
@@ -125,6 +128,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,  # 0: the cache holds the model's dtype; 1: fp8 e4m3fn, 2: e5m2 (as uint8)
 ):
     pid_q = tl.program_id(0)
@@ -207,6 +211,9 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if SINKS:  # the sink's share of the denominator (no value)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            l_i += tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = (q_start + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -224,6 +231,7 @@ def _reduce_splits_kernel(
     part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
     part_sum_ptr,
     out_ptr,  # [num_tokens, num_heads, head_size]
+    sinks_ptr,  # [num_heads] fp32, times log2(e) (SINKS)
     num_heads,
     stride_ot,
     stride_oh,
@@ -231,6 +239,7 @@ def _reduce_splits_kernel(
     HEAD_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -244,6 +253,8 @@ def _reduce_splits_kernel(
     m_all = tl.max(m, axis=0)  # finite: some split sees the row's own key
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
     total = tl.sum(l * w, axis=0)
+    if SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + head) - m_all)
     out = tl.sum(acc * w[:, None], axis=0) / total  # (D,)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD)
 
@@ -260,9 +271,11 @@ def paged_attention(
     num_splits: int = 1,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of each request's query tokens over its cached sequence (with a
-    sliding window and a logit softcap when given: semantics in `portside.attention.reference`)."""
+    sliding window, a logit softcap and attention sinks ([num_heads] logits) when given:
+    semantics in `portside.attention.reference`)."""
     num_tokens, num_heads, head_size = query.shape
     kv_fp8 = KV_FP8.get(kv_cache.dtype, 0)
     if kv_fp8:
@@ -277,6 +290,9 @@ def paged_attention(
     assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window} must be >= 1"
     assert logit_softcap is None or logit_softcap > 0, f"logit softcap {logit_softcap} must be > 0"
     cap = logit_softcap or 1.0
+    if sinks is not None:
+        assert sinks.shape == (num_heads,), f"sinks {tuple(sinks.shape)}: one per query head ({num_heads})"
+        sinks = (sinks.float() * _LOG2E).contiguous()  # base-2 units, as the kernel keeps its maxima
     group = num_heads // num_kv_heads
     group_p2 = next_power_of_2(group)
     block_m = max(launch.block_m, group_p2)
@@ -300,6 +316,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        out if sinks is None else sinks,  # unused without SINKS
         num_reqs,
         scale * _LOG2E,
         sliding_window or 0,
@@ -324,6 +341,7 @@ def paged_attention(
         PRECISION=launch.input_precision,
         SLIDING_WINDOW=sliding_window is not None,
         SOFTCAP=logit_softcap is not None,
+        SINKS=sinks is not None,
         KV_FP8=kv_fp8,
         **launch.kernel_options(),
     )
@@ -333,6 +351,7 @@ def paged_attention(
             part_max,
             part_sum,
             out,
+            out if sinks is None else sinks,
             num_heads,
             out.stride(0),
             out.stride(1),
@@ -340,6 +359,7 @@ def paged_attention(
             HEAD_P2=head_p2,
             NUM_SPLITS=num_splits,
             SPLITS_P2=max(2, next_power_of_2(num_splits)),
+            SINKS=sinks is not None,
             num_warps=4,
         )
     return out

@@ -33,8 +33,9 @@ HEAD_SIZES = (64, 128)
 POOL_BYTES = 16 * 2**20  # per case: the block pool is as large as this allows (<= MAX_POOL)
 MAX_POOL = 4096
 FULL_ENV = "PORTSIDE_CONFORMANCE_FULL"  # "1": every dtype x block size x GQA x head size
-# What the feature check tries: each of `ATTENTION_FEATURES`, and both together (as Gemma 2 has them).
-FEATURE_SETS = ("sliding_window", "logit_softcap", "sliding_window+logit_softcap")
+# What the feature check tries: each of `ATTENTION_FEATURES`, and the pairs models have (Gemma 2: window and
+# soft-cap; gpt-oss: window and sinks).
+FEATURE_SETS = ("sliding_window", "logit_softcap", "sinks", "sliding_window+logit_softcap", "sliding_window+sinks")
 SOFTCAP = 1.5  # small enough that capping changes most scores (random q, k give scores ~N(0, 1))
 
 
@@ -56,15 +57,20 @@ def feature_batches(block_size: int) -> dict[str, tuple[Request, ...]]:
     return {name: reqs for name, reqs in batches(block_size).items() if name in ("decodes", "mixed")}
 
 
-def feature_settings(feature: str, block_size: int) -> list[dict[str, object]]:
+def feature_settings(feature: str, block_size: int, num_heads: int = 8) -> list[dict[str, object]]:
     """The values the kit tries for one of `FEATURE_SETS`, as `ForwardContext.attention` keyword
-    arguments. Windows: the token itself only, ending inside a block, crossing a block boundary,
-    longer than every sequence."""
+    arguments (on the host: the caller moves tensors to the device). Windows: the token itself
+    only, ending inside a block, crossing a block boundary, longer than every sequence. Sinks:
+    one fp32 logit per query head (`num_heads`), from well below to well above the scores
+    (random q, k give scores ~N(0, 1)), so some heads barely see theirs and others mostly do."""
     windows = sorted({1, block_size // 2 + 2, block_size + 3, 8 * block_size})
+    sinks = torch.linspace(-3.0, 4.0, num_heads)
     settings: dict[str, list[dict[str, object]]] = {
         "sliding_window": [{"sliding_window": w} for w in windows],
         "logit_softcap": [{"logit_softcap": SOFTCAP}],
+        "sinks": [{"sinks": sinks}],
         "sliding_window+logit_softcap": [{"sliding_window": block_size // 2 + 2, "logit_softcap": SOFTCAP}],
+        "sliding_window+sinks": [{"sliding_window": w, "sinks": sinks} for w in (1, block_size + 3)],
     }
     return settings[feature]
 

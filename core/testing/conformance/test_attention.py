@@ -125,8 +125,9 @@ def _run_batch(platform: type[Platform], case: AttentionCase, batch: str, reques
     v = torch.randn(t, kvh, d, generator=gen).to(dtype)
     scale = d**-0.5
     ctx = ForwardContext(backend, [cache], backend.prepare(md))  # what a model's layer 0 gets
+    on_device = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in features.items()}  # sinks
     with platform.inference_mode():
-        out = ctx.attention(0, q.to(device), k.to(device), v.to(device), scale, **features)
+        out = ctx.attention(0, q.to(device), k.to(device), v.to(device), scale, **on_device)
     platform.synchronize()
 
     reference_write_kv(ref_cache, k, v, md.slot_mapping.cpu())
@@ -166,7 +167,7 @@ def test_paged_attention_matches_reference(conformance_platform: type[Platform],
 def test_attention_features_match_reference(conformance_platform: type[Platform], feature_case) -> None:
     feature, case = feature_case
     gen = torch.Generator().manual_seed(4321)
-    for features in feature_settings(feature, case.block_size):
+    for features in feature_settings(feature, case.block_size, case.num_heads):
         for batch, requests in feature_batches(case.block_size).items():
             _run_batch(conformance_platform, case, batch, requests, gen, features)
 
