@@ -24,6 +24,8 @@ from portside.backends.cpu.lora import CpuLoRAOps
 from portside.backends.cpu.quant import CpuQuantOps
 from portside.backends.cpu.recurrent import CpuRecurrentOps
 from portside.contract import ModelOps
+from portside.ops.moe import ACTIVATIONS, SWIGLU_OAI_ALPHA
+from portside.ops.moe import activate as reference_activate
 
 
 def moe_experts(
@@ -33,13 +35,18 @@ def moe_experts(
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int64
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,  # [E, 2I]
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    swiglu_alpha: float = SWIGLU_OAI_ALPHA,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]): [T, hidden] in x's dtype,
     summed in fp32 (`portside.ops.moe.moe_experts`, grouped by expert)."""
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # rows [n, hidden] -> [n, hidden]
-        gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(ModelOps.activate(gate, activation) * up, w2[e])
+        gate, up = F.linear(rows, w13[e], _row(w13_bias, e, rows.dtype)).chunk(2, dim=-1)  # [n, I] each
+        h = reference_activate(gate, activation, up, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        return F.linear(h, w2[e], _row(w2_bias, e, h.dtype))
 
     num_tokens, k = topk_ids.shape
     if num_tokens == 1:  # a decode: its k experts, nothing to sort
@@ -61,15 +68,21 @@ def moe_experts(
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, tokens, ys).to(x.dtype)
 
 
+def _row(bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias[e].to(dtype)
+
+
 # `torch.library.Library`, as `attention_op`: the dispatcher's plain Python kernel.
 _lib = torch.library.Library("portside_cpu", "FRAGMENT")
 _lib.define("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-            "str activation='silu') -> Tensor")
+            "str activation='silu', Tensor? w13_bias=None, Tensor? w2_bias=None, float swiglu_alpha=1.702, "
+            "float swiglu_limit=7.0) -> Tensor")  # fmt: skip
 _lib.impl("moe_experts", moe_experts, "CPU")
 
 
 @torch.library.register_fake("portside_cpu::moe_experts")
-def _moe_experts_fake(x, w13, w2, topk_weights, topk_ids, activation="silu"):  # noqa: ANN001, ANN202
+def _moe_experts_fake(x, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None,  # noqa: ANN001, ANN202
+                      swiglu_alpha=SWIGLU_OAI_ALPHA, swiglu_limit=7.0):  # noqa: ANN001
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -86,7 +99,24 @@ class CpuModelOps(CpuRecurrentOps, CpuLoRAOps, CpuQuantOps, ModelOps):
         take it once built (`moe_experts`)."""
         self.native = native_ops.wait("quantized weights are laid out for them") if wait else native_ops.ready()
 
-    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, activation: str = "silu") -> torch.Tensor:
+    def moe_experts(
+        self,
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation: str = "silu",
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_alpha: float = SWIGLU_OAI_ALPHA,
+        swiglu_limit: float = 7.0,
+    ) -> torch.Tensor:
+        if w13_bias is not None or w2_bias is not None or activation not in ACTIVATIONS:  # not in the native op
+            return torch.ops.portside_cpu.moe_experts(
+                x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit
+            )
         if not self.native and not torch.compiler.is_compiling():  # (a traced graph keeps its choice)
             self.native = native_ops.loaded()  # built in the background since (the step's start loaded it)
         native = self.native and x.dtype == w13.dtype == w2.dtype == torch.float32

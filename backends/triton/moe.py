@@ -5,9 +5,10 @@ flat index ``pair = t * top_k + j``, are grouped by expert and each expert's run
 multiple of ``BLOCK_M`` (`align_pairs`: torch ops on the device), so every ``BLOCK_M`` rows of
 the sorted list belong to one expert. Then, with ``I`` the intermediate size:
 
-1. ``h[pair] = act(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)``: one launch, the gate and up
-   tiles accumulated side by side in each program ([P, I] in x's dtype);
-2. ``y[pair] = topk_weights[pair] * (h[pair] @ w2[e]^T)``: the same kernel ([P, hidden]);
+1. ``h[pair] = act(gate, up)`` with ``gate, up = x[t] @ w13[e]^T (+ w13_bias[e])``: one launch,
+   the gate and up tiles accumulated side by side in each program ([P, I] in x's dtype);
+2. ``y[pair] = topk_weights[pair] * (h[pair] @ w2[e]^T (+ w2_bias[e]))``: the same kernel
+   ([P, hidden]);
 3. ``out[t] = sum_j y[t * top_k + j]`` (torch), [T, hidden] in x's dtype.
 
 Grids are bounds computed from shapes (``P + E * (BLOCK_M - 1)`` sorted rows at most); programs
@@ -29,10 +30,11 @@ from portside.backends.triton.lora import TritonLoRAOps
 from portside.backends.triton.quant import TritonQuantOps
 from portside.backends.triton.recurrent import TritonRecurrentOps
 from portside.contract import ModelOps
+from portside.ops.moe import SWIGLU_OAI_ALPHA
 
 __all__ = ["align_pairs", "fused_experts", "TritonModelOps"]
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 
 
 @triton.jit
@@ -44,6 +46,7 @@ def _moe_gemm_kernel(
     block_experts_ptr,  # [max_rows // BLOCK_M] int32: the expert of each BLOCK_M rows
     num_rows_ptr,  # [1] int32: sorted rows in use
     topk_weights_ptr,  # [P] fp32 (ROUTED_WEIGHT)
+    bias_ptr,  # HAS_BIAS: GATED: w13_bias [E, 2N]; else w2_bias [E, N]
     num_pairs,
     N,
     K,
@@ -52,10 +55,14 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_cm,
+    stride_be,
+    swiglu_alpha,
+    swiglu_limit,
     A_ROW_DIV: tl.constexpr,  # pair -> row of a: top_k (rows are tokens) or 1 (rows are pairs)
     GATED: tl.constexpr,
-    ACTIVATION: tl.constexpr,  # "silu" or "gelu_tanh" (GATED)
+    ACTIVATION: tl.constexpr,  # "silu", "gelu_tanh" or "swiglu_oai" (GATED)
     ROUTED_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,9 +100,17 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         if ACTIVATION == "silu":
             acc = acc * tl.sigmoid(acc) * acc_up
+        elif ACTIVATION == "swiglu_oai":
+            acc = tl.minimum(acc, swiglu_limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+            acc = acc * tl.sigmoid(swiglu_alpha * acc) * (acc_up + 1.0)
         else:
             # gelu_tanh(g) = g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))
             acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_up
@@ -138,8 +153,14 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [T, top_k] int64
     activation: str = "silu",
     launch: MoeLaunch | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I]
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    swiglu_alpha: float = SWIGLU_OAI_ALPHA,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    """`portside.ops.moe.moe_experts` in two Triton launches: [T, hidden] in x's dtype."""
+    """`portside.ops.moe.moe_experts` in two Triton launches: [T, hidden] in x's dtype. The
+    biases are added to the fp32 accumulators (before the activation, before the routing weight)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"MoE activation {activation!r} is not one of {ACTIVATIONS}")
     num_tokens, hidden = x.shape
@@ -159,8 +180,11 @@ def fused_experts(
     common = dict(
         BLOCK_M=bm, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, PRECISION=launch.input_precision, UPCAST=launch.upcast
     )
-    for a, w, c, row_div, gated in ((x, w13, h, top_k, True), (h, w2, y, 1, False)):
+    for a, w, c, row_div, gated, bias in ((x, w13, h, top_k, True, w13_bias), (h, w2, y, 1, False, w2_bias)):
         n = c.shape[1]
+        if bias is not None:
+            assert bias.shape == (num_experts, w.shape[1]), f"expert bias {tuple(bias.shape)} for weights {tuple(w.shape)}"
+            bias = bias if bias.stride(-1) == 1 else bias.contiguous()
         _moe_gemm_kernel[(sorted_pairs.shape[0] // bm, triton.cdiv(n, launch.block_n))](
             a,
             w,
@@ -169,6 +193,7 @@ def fused_experts(
             block_experts,
             num_rows,
             weights,
+            weights if bias is None else bias,
             num_pairs,
             n,
             a.shape[1],
@@ -177,10 +202,14 @@ def fused_experts(
             w.stride(1),
             w.stride(2),
             c.stride(0),
+            0 if bias is None else bias.stride(0),
+            float(swiglu_alpha),
+            float(swiglu_limit),
             A_ROW_DIV=row_div,
             GATED=gated,
             ACTIVATION=activation,
             ROUTED_WEIGHT=not gated,
+            HAS_BIAS=bias is not None,
             **common,
             **launch.kernel_options(),
         )
@@ -208,8 +237,16 @@ class TritonModelOps(TritonRecurrentOps, TritonLoRAOps, TritonQuantOps, ModelOps
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_alpha: float = SWIGLU_OAI_ALPHA,
+        swiglu_limit: float = 7.0,
     ) -> torch.Tensor:
         if self._arch is None:
             self._arch = detect_arch(x.device)
         launch = choose_moe_launch(self._arch, topk_ids.numel(), w13.shape[0], x.dtype)
-        return fused_experts(x, w13, w2, topk_weights, topk_ids, activation, launch)
+        return fused_experts(
+            x, w13, w2, topk_weights, topk_ids, activation, launch, w13_bias=w13_bias, w2_bias=w2_bias,
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        )  # fmt: skip

@@ -6,6 +6,8 @@ the helpers a kernel needs to read or produce its layout).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -54,16 +56,47 @@ class ModelOps(RecurrentKernels):
 
     # ---- mixture-of-experts (`portside.ops.moe`) ---------------------------------------------
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """An override of a mixture-of-experts method written before its keyword-only options
+        existed (see `MOE_OPTIONS`) keeps working: called without them it runs as written; called
+        with one it cannot take, the reference runs instead (a plugin is never handed an option
+        it would ignore, nor crashes on one)."""
+        super().__init_subclass__(**kwargs)
+        for name, options in MOE_OPTIONS.items():
+            method = getattr(cls, name)
+            if getattr(ModelOps, name, None) is method or getattr(method, "_moe_options_wrapped", False):
+                continue
+            params = inspect.signature(method).parameters
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                continue
+            missing = tuple(option for option in options if option not in params)
+            if missing:
+                setattr(cls, name, _fall_back_on_new_options(name, method, missing))
+
     @staticmethod
     def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
         """An expert's activation by name ("silu", "gelu_tanh"), for kernels that need it in torch."""
         return moe.activate(gate, activation)
 
     def select_experts(
-        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        scoring: str = "softmax",
+        *,
+        num_groups: int = 1,
+        topk_groups: int | None = None,
+        group_scoring: str = "max",
+        correction_bias: torch.Tensor | None = None,
+        scaling_factor: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
-        return moe.select_experts(router_logits, top_k, renormalize, scoring)
+        """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64); grouped
+        top-k, correction bias and scaling factor as `portside.ops.moe.select_experts`."""
+        return moe.select_experts(
+            router_logits, top_k, renormalize, scoring, num_groups=num_groups, topk_groups=topk_groups,
+            group_scoring=group_scoring, correction_bias=correction_bias, scaling_factor=scaling_factor,
+        )  # fmt: skip
 
     def moe_experts(
         self,
@@ -73,9 +106,18 @@ class ModelOps(RecurrentKernels):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_alpha: float = moe.SWIGLU_OAI_ALPHA,
+        swiglu_limit: float = 7.0,
     ) -> torch.Tensor:
-        """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] -> [T, hidden] in x's dtype."""
-        return moe.moe_experts(x, w13, w2, topk_weights, topk_ids, activation)
+        """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] (biases w13_bias [E, 2I], w2_bias
+        [E, hidden]) -> [T, hidden] in x's dtype; activation "silu", "gelu_tanh" or "swiglu_oai"."""
+        return moe.moe_experts(
+            x, w13, w2, topk_weights, topk_ids, activation, w13_bias=w13_bias, w2_bias=w2_bias,
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        )  # fmt: skip
 
     def fused_moe(
         self,
@@ -87,10 +129,27 @@ class ModelOps(RecurrentKernels):
         renormalize: bool,
         scoring: str = "softmax",
         activation: str = "silu",
+        *,
+        num_groups: int = 1,
+        topk_groups: int | None = None,
+        group_scoring: str = "max",
+        correction_bias: torch.Tensor | None = None,
+        scaling_factor: float = 1.0,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_alpha: float = moe.SWIGLU_OAI_ALPHA,
+        swiglu_limit: float = 7.0,
     ) -> torch.Tensor:
-        """A mixture-of-experts layer: `select_experts`, then `moe_experts`."""
-        weights, ids = self.select_experts(router_logits, top_k, renormalize, scoring)
-        return self.moe_experts(x, w13, w2, weights, ids, activation)
+        """A mixture-of-experts layer: `select_experts` (with the routing options), then
+        `moe_experts` (with the expert options)."""
+        weights, ids = self.select_experts(
+            router_logits, top_k, renormalize, scoring, num_groups=num_groups, topk_groups=topk_groups,
+            group_scoring=group_scoring, correction_bias=correction_bias, scaling_factor=scaling_factor,
+        )  # fmt: skip
+        return self.moe_experts(
+            x, w13, w2, weights, ids, activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+        )  # fmt: skip
 
     # ---- quantized weights (`portside.quant`: canonical layouts in `portside.quant.weight`) ---
 
@@ -118,11 +177,19 @@ class ModelOps(RecurrentKernels):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_alpha: float = moe.SWIGLU_OAI_ALPHA,
+        swiglu_limit: float = 7.0,
     ) -> torch.Tensor:
         """`moe_experts` with stacked quantized experts (w13 [E, 2I, hidden], w2 [E, hidden, I]
-        as `QuantWeight`s; w13 a `QuantParts` [gate, up] where their act orders differ). Default:
-        each expert routed to through `quantized_linear`."""
-        return moe.moe_experts(x, w13, w2, topk_weights, topk_ids, activation, linear=self._expert_parts_linear)
+        as `QuantWeight`s; w13 a `QuantParts` [gate, up] where their act orders differ), with the
+        same options. Default: each expert routed to through `quantized_linear`."""
+        return moe.moe_experts(
+            x, w13, w2, topk_weights, topk_ids, activation, linear=self._expert_parts_linear, w13_bias=w13_bias,
+            w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        )  # fmt: skip
 
     def _expert_parts_linear(self, x: torch.Tensor, w: Any, e: int) -> torch.Tensor:
         if isinstance(w, torch.nn.ModuleList):  # `QuantParts`: each part's expert e, concatenated
@@ -146,3 +213,42 @@ class ModelOps(RecurrentKernels):
         """In place: out[t, out_offset : out_offset + N] += y[t] @ b[slot[t]].T for tokens with an
         adapter; y [T, R] (possibly a column slice of a wider tensor), b [S, N, R], out [T, M]."""
         lora.lora_expand(y, b, mapping, out, out_offset)
+
+
+_EXPERT_OPTIONS = ("w13_bias", "w2_bias", "swiglu_alpha", "swiglu_limit")
+MOE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "select_experts": ("num_groups", "topk_groups", "group_scoring", "correction_bias", "scaling_factor"),
+    "moe_experts": _EXPERT_OPTIONS,
+    "quantized_moe_experts": _EXPERT_OPTIONS,
+    "fused_moe": ("num_groups", "topk_groups", "group_scoring", "correction_bias", "scaling_factor", *_EXPERT_OPTIONS),
+}
+"""The keyword-only options each mixture-of-experts method gained after its first signature
+(an override without them is wrapped by `ModelOps.__init_subclass__`)."""
+
+
+def _option_used(name: str, value: Any) -> bool:
+    """Whether `value` of option `name` asks for something the option's default does not."""
+    defaults = {"num_groups": 1, "topk_groups": None, "group_scoring": "max", "scaling_factor": 1.0,
+                "swiglu_alpha": moe.SWIGLU_OAI_ALPHA, "swiglu_limit": 7.0}  # fmt: skip
+    if name in defaults:
+        return value != defaults[name]
+    return value is not None  # correction_bias, w13_bias, w2_bias
+
+
+def _fall_back_on_new_options(name: str, method: Any, missing: tuple[str, ...]) -> Any:
+    """`method` (an override lacking the options `missing`), called as written unless the call
+    uses one of them (or the "swiglu_oai" activation, which needs them): then the reference."""
+    reference = getattr(ModelOps, name)
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(self: ModelOps, *args: Any, **kwargs: Any) -> Any:
+        new = {k: kwargs.pop(k) for k in missing if k in kwargs}
+        bound = sig.bind_partial(self, *args, **kwargs).arguments if "activation" in sig.parameters else {}
+        activation = bound.get("activation")
+        if any(_option_used(k, v) for k, v in new.items()) or activation in moe.CLAMPED_ACTIVATIONS:
+            return reference(self, *args, **kwargs, **new)
+        return method(self, *args, **kwargs)
+
+    call._moe_options_wrapped = True  # type: ignore[attr-defined]
+    return call
