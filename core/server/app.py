@@ -25,6 +25,7 @@ from portside.server.errors import (
     http_exception_handler,
     unhandled_exception_handler,
 )
+from portside.server.harmony import use_harmony
 from portside.server.lora import ServedAdapters
 from portside.server.metrics import ServerMetrics
 from portside.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -50,6 +51,7 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     tool_parser: Any = None  # a ToolParser class: tool_choice "auto" parses the model's own calls
+    chat_format: str = "auto"  # --chat-format: "harmony" (gpt-oss), "template" (Jinja), "auto" (harmony for gpt-oss)
     trust_request_chat_template: bool = False  # render templates sent with a request (a client's code)
     # connection guards (`portside.server.connections`), applied when served through `run_server`
     read_timeout: float = 60.0
@@ -137,6 +139,7 @@ async def _serving_context(async_engine: Any, engine: SyncEngine, metrics: Serve
     c = ServingContext.create(async_engine, config.served_model_names, metrics, config.chat_template, config.tool_parser,
                               config.trust_request_chat_template)
     c.response_role = config.response_role
+    c.harmony = use_harmony(config.chat_format, getattr(getattr(getattr(engine, "config", None), "model", None), "path", None))
     c.allow_runtime_lora_updating = config.allow_runtime_lora_updating
     if config.media is not None:
         c.media = config.media

@@ -63,6 +63,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), mistral, or a plugin's",
     )  # fmt: skip
     g.add_argument(
+        "--chat-format", choices=("auto", "harmony", "template"), default="auto",
+        help="how chat prompts are rendered and replies parsed: harmony (gpt-oss's format, through openai-harmony: "
+             "reasoning_content, tool calls, reasoning_effort), template (the Jinja chat template), or auto: harmony for "
+             "gpt-oss models, else the template (default). Harmony needs the o200k_base vocabulary: offline, set "
+             "TIKTOKEN_ENCODINGS_BASE to a folder holding o200k_base.tiktoken",
+    )  # fmt: skip
+    g.add_argument(
         "--trust-request-chat-template", action="store_true",
         help="render chat templates that requests send (`chat_template`): code from clients, run under a time and size "
              "budget; refused by default",

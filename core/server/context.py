@@ -47,6 +47,7 @@ class ServingContext:
     response_role: str = "assistant"  # --response-role: the role of chat replies
     max_logprobs: int = 20  # --max-logprobs (the engine's max_logprobs; -1: no limit)
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config: for fields a request leaves unset
+    harmony: bool = False  # chat prompts and outputs in gpt-oss's harmony format (--chat-format; `portside.server.harmony`)
     media: Any = field(default_factory=MediaConnector)  # where image URLs may point (--allowed-*-media-*); default: data URLs only
 
     @classmethod

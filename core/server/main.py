@@ -15,6 +15,7 @@ from typing import Any
 
 from portside.server.app import ServerConfig, build_app
 from portside.server.connections import guarded_protocol
+from portside.server.harmony import load_encoding, use_harmony
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     if args.max_connections is not None and args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
+    if use_harmony(getattr(args, "chat_format", "auto"), args.model):  # gpt-oss without its vocabulary: exit 2 saying how, before the model loads
+        load_encoding()
     if args.otlp_traces_endpoint:  # without OpenTelemetry: exit 2 naming the install, before the model loads
         from portside.server.tracing import check_available
 
@@ -63,6 +66,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         served_model_names=list(names),
         tool_parser=tool_parser,
+        chat_format=getattr(args, "chat_format", "auto"),
         chat_template=read_chat_template(args.chat_template),
         api_key=args.api_key or None,
         max_connections=args.max_connections if args.max_connections is not None else default_max_connections(),

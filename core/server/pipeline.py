@@ -76,6 +76,7 @@ class Job:
     constraint: StructuredOutputsParams | None = None  # what the API imposes (tool_choice); a 400 beside the request's own
     constrain_reasoning: bool = True  # False: the constraint holds from the first token (the API splits no reasoning off)
     skip_special_tokens: bool | None = None  # None: the request's
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # what the API stops on besides the request's
     request_id: str = ""  # set by the pipeline, before submission
     created: int = 0  # idem: the response's `created`
 
@@ -193,9 +194,12 @@ async def sampling(ctx: ServingContext, req: SamplingFields, job: Job) -> list[S
     structured = await output_constraint(ctx, req, job.constraint)
     if structured is not None and not job.constrain_reasoning:
         structured = dataclasses.replace(structured, after_reasoning=False)
-    return [sampling_params(req, max_tokens=limit, logprobs=job.logprobs, renames={"max_tokens": job.max_tokens_field},
-                            structured=structured, skip_special_tokens=job.skip_special_tokens, defaults=ctx.default_sampling,
-                            prompt_logprobs=job.prompt_logprobs) for limit in limits]
+    params = [sampling_params(req, max_tokens=limit, logprobs=job.logprobs, renames={"max_tokens": job.max_tokens_field},
+                              structured=structured, skip_special_tokens=job.skip_special_tokens, defaults=ctx.default_sampling,
+                              prompt_logprobs=job.prompt_logprobs) for limit in limits]
+    for p in params:
+        p.stop_token_ids += [t for t in job.stop_token_ids if t not in p.stop_token_ids]
+    return params
 
 
 def resolve_max_tokens(requested: int | None, field_name: str, explicit: bool, prompt_len: int, max_model_len: int, prompt_param: str) -> int:

