@@ -229,3 +229,137 @@ def test_old_style_override_falls_back_to_the_reference_with_an_option(option):
     routed = option in ("groups", "correction_bias", "scaling")
     assert ops.calls == (["moe_experts"] if routed else ["select_experts"])  # the other ran as written
     assert not torch.allclose(got, ModelOps().fused_moe(x, logits, w13, w2, 2, True))  # the option did something
+
+
+# ---- the DeepseekMoE block (core/model/deepseek_moe.py) against transformers' MoE modules -----
+
+# (model type, config overrides): routing variants over 4 to 16 experts
+BLOCKS = [
+    ("deepseek_v2", dict(n_routed_experts=4, num_experts_per_tok=2, topk_method="greedy", n_shared_experts=1,
+                         routed_scaling_factor=1.0)),
+    ("deepseek_v2", dict(n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, n_shared_experts=2, routed_scaling_factor=16.0)),
+    ("deepseek_v3", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                         norm_topk_prob=True, routed_scaling_factor=2.5)),
+    ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                         norm_topk_prob=False, routed_scaling_factor=1.0)),
+    ("glm4_moe", dict(n_routed_experts=12, num_experts_per_tok=4, n_group=3, topk_group=2, n_shared_experts=1,
+                      norm_topk_prob=True, routed_scaling_factor=1.5)),
+    ("glm4_moe", dict(n_routed_experts=16, num_experts_per_tok=6, n_group=8, topk_group=4, n_shared_experts=2,
+                      norm_topk_prob=True, routed_scaling_factor=2.5)),
+]  # fmt: skip
+
+
+def hf_moe_block(model_type: str, overrides: dict, seed: int):
+    """transformers' MoE module for a tiny config (hidden 32, moe_intermediate 16), random weights
+    (and correction bias), with the checkpoint names its `state_dict` has under ``mlp.``."""
+    from transformers import AutoConfig
+
+    mod = {"deepseek_v2": ("deepseek_v2", "DeepseekV2Moe"), "deepseek_v3": ("deepseek_v3", "DeepseekV3MoE"),
+           "glm4_moe": ("glm4_moe", "Glm4MoeMoE")}[model_type]  # fmt: skip
+    module = __import__(f"transformers.models.{mod[0]}.modeling_{mod[0]}", fromlist=[mod[1]])
+    cfg = AutoConfig.for_model(model_type, hidden_size=32, moe_intermediate_size=16, intermediate_size=48,
+                               num_attention_heads=4, **overrides)  # fmt: skip
+    block = getattr(module, mod[1])(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+            scale = 0.1 if "correction_bias" in name else 0.3
+            t.copy_(torch.randn(t.shape, generator=gen) * scale)
+    return cfg, block
+
+
+def load_block(ours: torch.nn.Module, hf_state: dict[str, torch.Tensor]) -> None:
+    """Load transformers' ``mlp.*`` tensors into a DeepseekMoE through the decoder's name mapping."""
+    from types import SimpleNamespace
+
+    from portside.model.decoder import DecoderForCausalLM
+
+    params = dict(ours.named_parameters())
+    mapper = SimpleNamespace(renames=())
+    for name, tensor in hf_state.items():
+        for target, shard, part in DecoderForCausalLM.checkpoint_tensors(mapper, "mlp." + name, tensor):  # type: ignore[arg-type]
+            param = params[target.removeprefix("mlp.")]
+            param.weight_loader(param, part, shard)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type, overrides", BLOCKS)
+def test_deepseek_moe_block_matches_transformers(model_type, overrides, dtype):
+    from portside.contract import SingleRankCommunicator
+    from portside.model.deepseek_moe import DeepseekMoE
+
+    cfg, hf = hf_moe_block(model_type, overrides, seed=len(BLOCKS) + overrides["n_routed_experts"])
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    ours = DeepseekMoE(cfg, ModelOps(), SingleRankCommunicator(), 0, 1, dtype)
+    load_block(ours, hf_state)
+    x = torch.randn(11, 32, generator=torch.Generator().manual_seed(1))
+    if dtype == torch.bfloat16:  # transformers keeps the router (gate.weight, its bias) in fp32
+        hf = hf.to(dtype)
+        hf.gate.weight.data = hf_state["gate.weight"]
+        if hasattr(hf.gate, "e_score_correction_bias"):
+            hf.gate.e_score_correction_bias.data = hf_state["gate.e_score_correction_bias"]
+    with torch.no_grad():
+        want = hf(x.to(dtype))
+        got = ours(x.to(dtype))
+    assert got.dtype == dtype
+    # bf16: transformers sums the experts in bf16, portside in fp32: an error of the output's scale
+    scale = float(want.float().abs().max())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2 * scale)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("model_type, overrides", [BLOCKS[1], BLOCKS[4]])
+def test_deepseek_moe_block_tensor_parallel(model_type, overrides):
+    """Two ranks (threads): each a slice of every routed and shared expert, one all-reduce: the
+    single-rank output."""
+    import sys
+    from pathlib import Path
+
+    from portside.model.deepseek_moe import DeepseekMoE
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_models import run_ranks
+
+    cfg, hf = hf_moe_block(model_type, overrides, seed=3)
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(2))
+    calls: list[int] = []
+
+    def rank(comm, r):
+        ours = DeepseekMoE(cfg, ModelOps(), comm, r, 2, torch.float32)
+        load_block(ours, hf_state)
+        assert ours.experts.w13.shape[1] == 16 and ours.shared_experts.down_proj.weight.shape[1] == 8 * overrides["n_shared_experts"]
+        reduce = comm.all_reduce
+
+        def counted(t):
+            calls.append(r)
+            return reduce(t)
+
+        comm.all_reduce = counted
+        with torch.no_grad():
+            return ours(x)
+
+    outs = run_ranks(2, rank)
+    with torch.no_grad():
+        want = hf(x)
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert sorted(calls) == [0, 1]  # one all-reduce per rank
+
+
+def test_routing_options_from_configs():
+    from transformers import AutoConfig
+
+    from portside.model.deepseek_moe import routing_options
+
+    v2 = AutoConfig.for_model("deepseek_v2", topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                              routed_scaling_factor=16.0)  # fmt: skip
+    assert routing_options(v2) == dict(renormalize=False, scoring="softmax", scaling_factor=16.0, num_groups=8,
+                                       topk_groups=3, group_scoring="max")  # fmt: skip
+    v3 = AutoConfig.for_model("deepseek_v3", n_group=8, topk_group=4, routed_scaling_factor=2.5)
+    assert routing_options(v3) == dict(renormalize=True, scoring="sigmoid", scaling_factor=2.5, num_groups=8,
+                                       topk_groups=4, group_scoring="top2_sum")  # fmt: skip
+    assert routing_options(AutoConfig.for_model("deepseek_v2"))["scoring"] == "softmax"
+    with pytest.raises(ValueError, match="topk_method 'random'"):
+        routing_options(AutoConfig.for_model("deepseek_v2", topk_method="random"))
