@@ -32,13 +32,16 @@ __all__ = [
     "KVCacheSpec",
 ]
 
-ATTENTION_FEATURES = ("sliding_window", "logit_softcap")
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap", "sinks")
 """Per-layer attention features a model may ask for, passed to `AttentionBackend.forward` as
 keyword arguments of these names (never when a layer does not use them; semantics in
 `portside.attention.reference`):
 
 - ``sliding_window: int``: a query at position p sees keys at positions p - window < k <= p;
-- ``logit_softcap: float``: scores -> cap * tanh(scores / cap) before the mask and the softmax.
+- ``logit_softcap: float``: scores -> cap * tanh(scores / cap) before the mask and the softmax;
+- ``sinks: torch.Tensor``: [num_heads on this rank] fp32 learned logits (gpt-oss), one per query
+  head, that join each query's softmax denominator and contribute no value: the output is
+  ``sum_k exp(s_k) v_k / (exp(sink) + sum_k exp(s_k))``.
 """
 
 EncoderAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]

@@ -39,7 +39,11 @@ SWIGLU_LIMIT = 7.0
 
 
 class GptOssRMSNorm(RMSNorm):
-    """RMSNorm scaled in fp32, then cast (transformers keeps gpt-oss's norms in fp32)."""
+    """RMSNorm with an fp32 weight, scaled in fp32, then cast (transformers keeps gpt-oss's norms
+    in fp32 whatever the model's dtype)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(dim, eps, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         h = x.float()
