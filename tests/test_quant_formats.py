@@ -262,7 +262,7 @@ def test_quantized_weights_take_less_memory(llama: Path, tmp_path: Path) -> None
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, None, "GEMM"),
         ({"quant_method": "gptq", "bits": 3}, None, "3 bits"),
         ({"quant_method": "gptq", "bits": 4}, "awq", "drop --quantization"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-wise"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, None, "block-wise"),
         (None, "nf4", "not supported"),
     ],
 )

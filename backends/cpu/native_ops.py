@@ -34,8 +34,12 @@ waits. It holds:
   (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`);
 - `portside_cpu_native::quant_linear` / `quant_linear_w8a8`: linears over quantized weights
   (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`);
+- `portside_cpu_native::block_quant_linear`: linears over block-wise fp8 and mxfp4 weights,
+  decoded 32 columns at a time (`csrc/block_quant.cpp`, `block_quant`);
 - `portside_cpu_native::causal_conv1d` / `ssd_scan` / `selective_scan` / `gated_delta_rule`: the
   recurrent layers' kernels (`csrc/recurrent.cpp`, `recurrent.CpuRecurrentOps`).
+- `portside_cpu_native::mla_decode`: latent-attention (MLA) decodes over the paged latent cache
+  (`csrc/mla.cpp`, `mla.CpuLatentAttention`).
 
 The operators are C++ torch operators, so a compiled graph (`cpp_wrapper`) calls them through the
 dispatcher without a trip through Python: 121 linears and 30 attention calls a step for the
@@ -74,7 +78,9 @@ SOURCES = (
     CSRC / "token_bitmask.cpp",
     CSRC / "moe.cpp",
     CSRC / "quant_gemm.cpp",
+    CSRC / "block_quant.cpp",
     CSRC / "recurrent.cpp",
+    CSRC / "mla.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "amx_tiles.h",
             CSRC / "recurrent.h")
@@ -315,6 +321,8 @@ def load() -> Path:
             torch.library.register_fake("portside_cpu_native::moe_experts", _moe_experts_fake),
             torch.library.register_fake("portside_cpu_native::quant_linear", _quant_linear_fake),
             torch.library.register_fake("portside_cpu_native::quant_linear_w8a8", _quant_linear_w8a8_fake),
+            torch.library.register_fake("portside_cpu_native::mla_decode", _mla_decode_fake),
+            torch.library.register_fake("portside_cpu_native::block_quant_linear", _block_quant_linear_fake),
         )
     return target
 
@@ -348,6 +356,16 @@ def _quant_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 def _quant_linear_w8a8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                             input_scale: torch.Tensor | None, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _block_quant_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                             fmt: int, block_n: int, block_k: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _mla_decode_fake(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, latent_dim: int) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], latent_dim))
 
 
 def unavailable_reason() -> str | None:

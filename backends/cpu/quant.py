@@ -17,7 +17,8 @@ with the input columns sorted by group (``packed_qweight``) and the order (``pac
 gathered by it per call. The canonical buffers stay as loaded, so the reference still runs on the
 weight. Layers the kernels do not cover (other formats or shapes, no AVX2/FMA/F16C, no C++
 compiler) keep the reference (``super()``), as does a call it was not written for (x not 2-D, not
-fp32/bf16). fp8 activations (``act == "fp8"``), and int8 activations of non-int8 weights, are
+fp32/bf16). Block-scaled weights (block-wise fp8, mxfp4) go to `block_quant`. fp8 activations
+(``act == "fp8"``), and int8 activations of non-int8 weights, are
 rounded in torch first exactly as the reference does, then multiplied by the weight-only kernel.
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.backends.cpu import native_ops
+from portside.backends.cpu import block_quant, native_ops
 from portside.contract import QuantWeight, pack_int4, quantize_activation, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class CpuQuantOps:
 
     def prepare_quantized(self, weight: QuantWeight) -> QuantWeight:
         weight = super().prepare_quantized(weight)  # type: ignore[misc]
+        if block_quant.is_block_scaled(weight):  # block-wise fp8, mxfp4: native, else tiled torch
+            return block_quant.prepare(weight, self.native)
         if not self.native or not isa():
             return weight
         layout, why = plan(weight)
@@ -138,6 +141,8 @@ class CpuQuantOps:
 
     def quantized_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         layout = weight.layout
+        if isinstance(layout, block_quant.BlockLayout) and weight.qweight.dim() == 2 and x.dim() == 2:
+            return block_quant.linear(x, weight, weight.qweight, weight.scales, bias)
         if not isinstance(layout, CpuQuantLayout) or weight.qweight.dim() != 2 or x.dim() != 2 or x.dtype not in X_DTYPES:
             return super().quantized_linear(x, weight, bias)  # type: ignore[misc]
         return _linear(x, weight, layout, weight.qweight, _scales(weight), _zeros(weight), bias)
@@ -145,6 +150,8 @@ class CpuQuantOps:
     def _expert_linear(self, x: torch.Tensor, w: QuantWeight, e: int) -> torch.Tensor:
         """Expert e of stacked quantized experts: the kernel over its slice (no new QuantWeight)."""
         layout = w.layout
+        if isinstance(layout, block_quant.BlockLayout) and w.qweight.dim() == 3 and x.dim() == 2:
+            return block_quant.linear(x, w, w.qweight[e], w.scales[e], None)
         if not isinstance(layout, CpuQuantLayout) or w.qweight.dim() != 3 or x.dim() != 2 or x.dtype not in X_DTYPES or layout.permuted:
             return super()._expert_linear(x, w, e)  # type: ignore[misc]
         scales, zeros = _scales(w), _zeros(w)

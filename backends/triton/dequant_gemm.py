@@ -1,5 +1,7 @@
 """Weight-only quantized GEMM (the ``"dequant"`` path of `quant`): GPTQ, AWQ, compressed-tensors
-W4A16 / W8A16, ``--quantization int8`` and FP8 weights with ``act`` None.
+W4A16 / W8A16, ``--quantization int8``, FP8 weights with ``act`` None (per channel, or block-wise:
+a scale per ``block`` of rows x columns, ``SCALE_ROWS`` rows sharing a scale row) and MXFP4
+(e2m1 nibbles decoded arithmetically, e8m0 scale bytes per 32 columns).
 
 `_dequant_gemm_kernel` loads a [BLOCK_N, BLOCK_K] tile of codes (4-bit bytes split into their
 two nibbles with `tl.interleave`, low nibble first), subtracts the zero, scales it, rounds it to
@@ -19,7 +21,9 @@ import triton.language as tl
 from portside.backends.triton.launch import ArchInfo, QuantLaunch, choose_quant_launch, detect_arch
 from portside.backends.triton.quant_gemm import (
     QuantWeightT,
+    e2m1_to_f32,
     e4m3_bits_to_f32,
+    e8m0_to_f32,
     finish,
     gemm_output,
     gemm_tile,
@@ -35,7 +39,7 @@ __all__ = ["dequant_matmul"]
 def _dequant_gemm_kernel(
     x_ptr,  # [M, K] fp16/bf16/fp32, K contiguous
     q_ptr,  # [N, K] uint8 codes (BITS 8), [N, K // 2] (BITS 4) or [N, K] float8_e4m3fn (BITS 0; its bytes: FP8_BYTES)
-    s_ptr,  # [N, G] fp32 scales
+    s_ptr,  # [N, G] fp32 scales ([ceil(N / SCALE_ROWS), G] block-wise; uint8 e8m0 for MXFP4)
     z_ptr,  # [N, G] fp32 zeros (HAS_ZEROS)
     g_ptr,  # [K] int32 group of each input column (HAS_G_IDX)
     bias_ptr,  # [N] (HAS_BIAS)
@@ -65,6 +69,8 @@ def _dequant_gemm_kernel(
     ROUND_BF16: tl.constexpr,  # round to bf16 in fp32 arithmetic (the interpreter's casts truncate)
     FP8_BYTES: tl.constexpr,  # FP8 weights as uint8, decoded in integer ops (no fp8 type: NVIDIA < sm89)
     PRECISION: tl.constexpr,
+    SCALE_ROWS: tl.constexpr = 1,  # weight rows per scale row (block-wise fp8: the block's rows)
+    MXFP4: tl.constexpr = False,  # BITS 4 codes are e2m1 values, scales e8m0 bytes
 ):
     offs_m, offs_n, m_ok, n_ok, pid_k, k_start, k_end = gemm_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_x = offs_m.to(tl.int64) * stride_xm
@@ -84,9 +90,10 @@ def _dequant_gemm_kernel(
             q = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]: column 2j low, 2j + 1 high
         else:
             q = tl.load(q_ptr + rows_q[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        scale_rows = offs_n // SCALE_ROWS
         if SCALE_PER_TILE:  # the tile's columns share one group: a scale (and zero) per row
             g = k0 // group_size
-            scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)[:, None]
+            scale = tl.load(s_ptr + scale_rows * stride_sn + g, mask=n_ok, other=0)[:, None]
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + offs_n * stride_zn + g, mask=n_ok, other=0.0)[:, None]
         else:
@@ -95,14 +102,17 @@ def _dequant_gemm_kernel(
             else:
                 g = offs_k // group_size
             nk_ok = n_ok[:, None] & k_ok[None, :]
-            scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=nk_ok, other=0.0)
+            scale = tl.load(s_ptr + scale_rows[:, None] * stride_sn + g[None, :], mask=nk_ok, other=0)
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=nk_ok, other=0.0)
-        if FP8_BYTES:
+        if MXFP4:
+            scale = e8m0_to_f32(scale)
+            w = e2m1_to_f32(q)
+        elif FP8_BYTES:
             w = e4m3_bits_to_f32(q)
         else:
             w = q.to(tl.float32)
-        if BITS != 0:
+        if BITS != 0 and not MXFP4:
             if HAS_ZEROS:
                 w = w - zero
             else:
@@ -143,6 +153,7 @@ def dequant_matmul(
     scale_per_tile = g_idx is None and (scales.shape[-1] == 1 or w.group_size % launch.block_k == 0)
     c, grid, per, stride_cs, stride_cm = gemm_output(x, n, launch)
     bits = 0 if w.kind == "fp8" else w.bits
+    scale_rows = w.block[0] if w.kind == "fp8" and w.block is not None else 1
     fp8_bytes = bits == 0 and launch.fp8_bytes
     qweight = t["qweight"].view(torch.uint8) if fp8_bytes else t["qweight"]
     _dequant_gemm_kernel[grid](
@@ -154,6 +165,6 @@ def dequant_matmul(
         SCALE_PER_TILE=scale_per_tile, HAS_BIAS=bias is not None, SPLIT_K=grid[2],
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, UPCAST=launch.upcast,
         ROUND_BF16=launch.upcast and x.dtype == torch.bfloat16, FP8_BYTES=fp8_bytes, PRECISION=launch.input_precision,
-        **launch.kernel_options(),
+        SCALE_ROWS=scale_rows, MXFP4=w.kind == "mxfp4", **launch.kernel_options(),
     )  # fmt: skip
     return finish(c, bias, x.dtype)

@@ -4,7 +4,7 @@ layouts (`portside.quant.weight`) as they are, and the `ModelOps` overrides that
 Two paths, chosen per weight by `quant_path` (recorded in ``weight.layout`` at prepare time):
 
 - ``"dequant"``, weight-only (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, ``--quantization int8``,
-  FP8 weights with ``act`` None): `dequant_gemm.dequant_matmul` dequantizes each weight tile to
+  FP8 weights with ``act`` None, block-wise FP8 (DeepSeek-V3), MXFP4 (gpt-oss experts)): `dequant_gemm.dequant_matmul` dequantizes each weight tile to
   x's dtype in registers and multiplies it, fp32 accumulation;
 - ``"scaled_mm"``, W8A8 (``act`` "int8" with symmetric per-channel int8 codes, ``act`` "fp8"
   with FP8 weights and one scale per channel): `scaled_mm.quantize_rows` rounds x per token,
@@ -58,8 +58,12 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def quant_path(w: QuantWeightT) -> str | None:
     """"dequant", "scaled_mm", or None (the reference) for a 2-D `QuantWeight`."""
-    if w.kind not in ("int", "fp8") or w.qweight.dim() != 2 or w.scales is None:
+    if w.kind not in ("int", "fp8", "mxfp4") or w.qweight.dim() != 2 or w.scales is None:
         return None
+    if w.kind == "mxfp4":
+        return "dequant" if w.qweight.dtype == torch.uint8 and w.scales.dtype == torch.uint8 and w.act is None else None
+    if getattr(w, "block", None) is not None:  # block-wise fp8: weight-only
+        return "dequant" if w.kind == "fp8" and w.qweight.dtype == torch.float8_e4m3fn and w.act is None else None
     if w.kind == "int" and (w.bits not in (4, 8) or w.qweight.dtype != torch.uint8):
         return None
     if w.kind == "fp8" and w.qweight.dtype != torch.float8_e4m3fn:

@@ -107,6 +107,24 @@ def e4m3_bits_to_f32(b):
 
 
 @triton.jit
+def e2m1_to_f32(code):
+    """MXFP4 e2m1 codes (4-bit, sign at bit 3) -> their fp32 values (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m / 2) * 2^(e - 1)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def e8m0_to_f32(s):
+    """MXFP4 e8m0 scale bytes -> 2^(s - 127) in fp32 (s == 0: the subnormal 2^-127)."""
+    b = s.to(tl.int32)
+    return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def f32_to_e4m3_bits(v):
     """fp32 v, exactly a float8_e4m3fn value, -> that value's byte (int32 in [0, 256))."""
     bits = v.to(tl.int32, bitcast=True)
@@ -130,7 +148,8 @@ def normalized(w: QuantWeightT) -> dict[str, torch.Tensor | None]:
 
     return {
         "qweight": w.qweight.contiguous(),
-        "scales": as_(w.scales, torch.float32),
+        # mxfp4's scales stay e8m0 bytes (the kernel decodes them; the reference reads them so)
+        "scales": w.scales.contiguous() if w.kind == "mxfp4" else as_(w.scales, torch.float32),
         "zeros": as_(w.zeros, torch.float32),
         "g_idx": as_(w.g_idx, torch.int32),
         "input_scale": as_(w.input_scale, torch.float32),

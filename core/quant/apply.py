@@ -12,6 +12,7 @@ from torch import nn
 from portside.contract import ModelOps
 from portside.model.layers import LinearBase
 from portside.model.moe import MoEExperts
+from portside.quant import mxfp4
 from portside.quant.config import QuantConfig
 from portside.quant.formats import add_checkpoint_params, add_expert_params, stacked_expert_weights, to_quant_weights
 from portside.quant.gguf import finalize_gguf_model, prepare_gguf_model
@@ -35,6 +36,13 @@ def prepare_model_for_format(model: nn.Module, qc: QuantConfig, ops: ModelOps) -
     the format leaves in full precision (ignore lists, lm_head, MoE routers) keep theirs."""
     if qc.method == "gguf":
         prepare_gguf_model(model, qc, ops)
+        return
+    if qc.method == "mxfp4":  # only the experts are in MXFP4; every linear layer stays dense
+        experts = [(n, m) for n, m in model.named_modules() if mxfp4.is_experts(m) and qc.quantizes(n)]
+        if not experts:
+            raise ValueError(f"{type(model).__name__} has no mixture-of-experts layers for an mxfp4 checkpoint's experts")
+        for _, module in experts:
+            mxfp4.add_expert_params(module)
         return
     for name, module in model.named_modules():
         if isinstance(module, MoEExperts) and not qc.online:
@@ -62,6 +70,10 @@ def finalize_quantized(model: nn.Module, qc: QuantConfig, ops: ModelOps) -> None
         return
     split = 0
     for name, module in list(model.named_modules()):
+        if getattr(module, "quant_format", None) == "mxfp4":
+            w13, w2 = mxfp4.expert_weights(module)
+            module.quant13, module.quant2 = ops.prepare_quantized(w13), ops.prepare_quantized(w2)
+            continue
         if isinstance(module, LinearBase) and getattr(module, "quant_format", None) is not None:
             try:
                 qws = to_quant_weights(module, qc)

@@ -9,8 +9,13 @@ Methods:
 - ``compressed-tensors``: ``pack-quantized`` (int4/int8 weight-only, W4A16 / W8A16),
   ``int-quantized`` (int8 weights, int8 activations: W8A8) and ``float-quantized`` (FP8 weights,
   FP8 activations), per-channel, per-group or per-tensor scales;
-- ``fp8``: vLLM/AutoFP8's FP8 checkpoints (per-tensor ``weight_scale``), or ``--quantization fp8``:
-  any checkpoint quantized to FP8 per output channel at load, activations per token;
+- ``fp8``: vLLM/AutoFP8's FP8 checkpoints (per-tensor ``weight_scale``), block-wise FP8
+  (``weight_block_size: [bn, bk]``, ``weight_scale_inv`` per bn x bk block: DeepSeek-V3/R1,
+  Qwen3-FP8, transformers' ``FineGrainedFP8Config``; weight-only, see `_fp8`), or
+  ``--quantization fp8``: any checkpoint quantized to FP8 per output channel at load,
+  activations per token;
+- ``mxfp4``: OpenAI's MXFP4 mixture-of-experts weights (gpt-oss: e2m1 codes, an e8m0 scale per
+  32 input columns; `portside.quant.mxfp4`), the rest of the model in full precision;
 - ``int8``: ``--quantization int8`` quantizes any checkpoint to int8 per output channel at load;
   weight-only unless ``--quantized-activations int8``;
 - ``gguf``: llama.cpp block formats kept as they are in the file (`portside.quant.gguf`).
@@ -18,13 +23,14 @@ Methods:
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["QuantConfig", "QUANT_METHODS", "ONLINE_METHODS"]
 
-QUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "gguf")
+QUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "gguf", "mxfp4")
 ONLINE_METHODS = ("int8", "fp8")  # may quantize a full-precision checkpoint at load
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
@@ -38,7 +44,8 @@ class QuantConfig:
     sym: bool = True
     gptq_v1_zeros: bool = True  # GPTQ v1 stores zero - 1
     ct_format: str = ""  # compressed-tensors compression format
-    strategy: str = "channel"  # "channel", "group" or "tensor" (scales)
+    strategy: str = "channel"  # "channel", "group", "tensor" or "block" (scales)
+    block: tuple[int, int] | None = None  # block-wise fp8: (rows, columns) per weight_scale_inv entry
     act: str | None = None  # None (weight-only), "int8" or "fp8": activations quantized per token
     act_static: bool = False  # activations use the checkpoint's calibrated input_scale
     online: bool = False  # quantize full-precision weights while loading
@@ -56,6 +63,9 @@ class QuantConfig:
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], prefix):
+                    return False
+            elif "*" in pattern:  # transformers' wildcards (gpt-oss: "model.layers.*.self_attn")
+                if fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, pattern + ".*"):
                     return False
             elif prefix == pattern or prefix.endswith("." + pattern) or f".{pattern}." in f".{prefix}.":
                 return False
@@ -112,6 +122,10 @@ class QuantConfig:
     def describe(self) -> str:
         if self.method == "gguf":
             return "gguf (llama.cpp block formats)"
+        if self.method == "mxfp4":
+            return "mxfp4: experts in e2m1 with an e8m0 scale per 32 columns, weight-only"
+        if self.block is not None:
+            return f"{self.method}: fp8 in {self.block[0]}x{self.block[1]} blocks, weight-only"
         what = "fp8" if self.method == "fp8" or self.ct_format == "float-quantized" else f"int{self.bits}"
         groups = f", group {self.group_size}" if self.group_size > 0 else f", per {self.strategy}"
         acts = f", {self.act} activations per token" + (" (static scale)" if self.act_static else "") if self.act else ", weight-only"
@@ -165,13 +179,40 @@ def _awq(q: dict[str, Any]) -> QuantConfig:
 
 
 def _fp8(q: dict[str, Any]) -> QuantConfig:
-    if q.get("weight_block_size"):
-        raise ValueError("block-wise FP8 (weight_block_size) checkpoints are not supported; per-tensor and per-channel are")
     scheme = q.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported (dynamic, static)")
+    if q.get("weight_block_size"):
+        return _fp8_block(q, scheme)
     return QuantConfig("fp8", bits=8, strategy="tensor", act="fp8", act_static=scheme == "static",
                        ignore=tuple(q.get("ignored_layers") or q.get("modules_to_not_convert") or ()))
+
+
+def _fp8_block(q: dict[str, Any], scheme: str) -> QuantConfig:
+    """Block-wise FP8 (transformers' FineGrainedFP8, DeepSeek-V3): weights and their blocks'
+    scales kept as stored, multiplied in the kernel. Activations stay in the compute dtype: what
+    transformers computes on cpu (``dequantize``: every block times its scale, then a
+    full-precision matmul) and the reference the greedy tests hold portside to; DeepSeek's GPU
+    kernels round them to fp8 per 128 columns first, which portside does not do."""
+    block = q["weight_block_size"]
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"fp8 weight_block_size {block!r} must be two positive integers [rows, columns]")
+    if scheme == "static":
+        raise ValueError("block-wise FP8 with activation_scheme static (a calibrated activation_scale) is not supported; "
+                         "portside reads activation_scheme dynamic block-wise checkpoints")
+    fmt = str(q.get("scale_fmt") or "float")
+    if fmt != "float":
+        raise ValueError(f"block-wise FP8 with scale_fmt {fmt!r} is not supported (float32 weight_scale_inv only)")
+    if str(q.get("expert_dtype") or "fp8") != "fp8":
+        raise ValueError(f"block-wise FP8 with expert_dtype {q.get('expert_dtype')!r} is not supported (fp8)")
+    if q.get("modules_to_convert"):
+        raise ValueError("block-wise FP8 with modules_to_convert (fp8 embeddings) is not supported")
+    return QuantConfig("fp8", bits=8, strategy="block", block=(int(block[0]), int(block[1])),
+                       ignore=tuple(q.get("ignored_layers") or q.get("modules_to_not_convert") or ()))
+
+
+def _mxfp4(q: dict[str, Any]) -> QuantConfig:
+    return QuantConfig("mxfp4", bits=4, group_size=32, strategy="block", ignore=tuple(q.get("modules_to_not_convert") or ()))
 
 
 def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
@@ -225,4 +266,4 @@ def _gguf(q: dict[str, Any]) -> QuantConfig:
     return QuantConfig("gguf", strategy="block", gguf_tensors=tensors)
 
 
-_PARSERS = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed_tensors, "gguf": _gguf}
+_PARSERS = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed_tensors, "gguf": _gguf, "mxfp4": _mxfp4}

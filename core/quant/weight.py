@@ -12,7 +12,13 @@ leading expert dimension is allowed):
   ``g_idx`` int32 ``[.., K]`` (the group of each input column) or None (column k is in group
   ``k // group_size``). ``W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]``.
 - ``kind == "fp8"``: ``qweight`` float8_e4m3fn ``[.., N, K]``, ``scales`` fp32 ``[.., N, 1]``
-  (a per-tensor scale is stored per channel). ``W = q * scale``.
+  (a per-tensor scale is stored per channel). ``W = q * scale``. Block-wise (``block = (bn,
+  bk)``: DeepSeek-V3, transformers' FineGrainedFP8): ``scales`` fp32 ``[.., ceil(N / bn),
+  ceil(K / bk)]`` as the checkpoint's ``weight_scale_inv``, ``W[n, k] = q[n, k] *
+  scale[n // bn, k // bk]``.
+- ``kind == "mxfp4"`` (OCP microscaling FP4, gpt-oss experts): ``qweight`` uint8 ``[.., N, K // 2]``,
+  two e2m1 codes a byte (column 2j in the low nibble of byte j, as int4), ``scales`` uint8
+  ``[.., N, K // 32]`` e8m0 exponents: ``W[n, k] = FP4_VALUES[code] * 2^(scale[n, k // 32] - 127)``.
 - ``kind == "gguf"``: ``qweight`` uint8 ``[.., N, row_bytes]``, each row llama.cpp's blocks of
   type ``ggml_type`` (`portside.quant.gguf`).
 
@@ -39,10 +45,12 @@ from torch import nn
 
 from portside.quant.gguf_blocks import dequantize_blocks
 
-__all__ = ["QuantWeight", "QuantParts", "dequantize", "quantize_per_channel", "quantize_activation", "quantized_linear", "quantized_embedding", "FP8_MAX"]
+__all__ = ["QuantWeight", "QuantParts", "dequantize", "dequantize_fp8_block", "dequantize_mxfp4", "expand_block_scales", "FP4_VALUES", "quantize_per_channel", "quantize_activation", "quantized_linear", "quantized_embedding", "FP8_MAX"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-KINDS = ("int", "fp8", "gguf")
+KINDS = ("int", "fp8", "gguf", "mxfp4")
+# e2m1 (OCP MX FP4): sign bit 3, then 2 exponent and 1 mantissa bits
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 ACTS = (None, "int8", "fp8")
 
 
@@ -70,11 +78,13 @@ class QuantWeight(nn.Module):
         act: str | None = None,
         input_scale: torch.Tensor | None = None,
         method: str = "",
+        block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if kind not in KINDS or act not in ACTS:
             raise ValueError(f"quantized weight kind {kind!r} / activations {act!r} unknown")
         self.kind, self.shape, self.bits, self.act, self.method = kind, tuple(shape), bits, act, method
+        self.block = None if block is None else (int(block[0]), int(block[1]))
         self.group_size = group_size or shape[1]
         self.ggml_type = ggml_type
         self.register_buffer("qweight", qweight)
@@ -95,7 +105,7 @@ class QuantWeight(nn.Module):
         leading expert axis is sliced, a platform's own ones (`ModelOps.prepare_quantized` of a
         stacked weight keeps the expert axis first) included; ``layout`` is carried over."""
         view = QuantWeight(self.kind, (self.shape[0], self.shape[1]), self.qweight[e], bits=self.bits, group_size=self.group_size,
-                           ggml_type=self.ggml_type, act=self.act, method=self.method)
+                           ggml_type=self.ggml_type, act=self.act, method=self.method, block=self.block)
         experts = self.qweight.shape[0]
         for name, t in self._buffers.items():
             if name != "qweight":
@@ -105,7 +115,9 @@ class QuantWeight(nn.Module):
         return view
 
     def extra_repr(self) -> str:
-        what = f"{self.kind}{self.bits}" if self.kind != "gguf" else f"gguf type {self.ggml_type}"
+        what = {"gguf": f"gguf type {self.ggml_type}", "mxfp4": "mxfp4", "fp8": "fp8"}.get(self.kind, f"{self.kind}{self.bits}")
+        if self.block is not None:
+            what += f" {self.block[0]}x{self.block[1]} blocks"
         return f"{self.method or what}, {what}, shape={self.shape}, group_size={self.group_size}, act={self.act}"
 
 
@@ -149,13 +161,41 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
         assert w.ggml_type is not None
         return dequantize_blocks(w.qweight, w.ggml_type, w.in_features).to(dtype)
     assert w.scales is not None
+    if w.kind == "mxfp4":
+        return dequantize_mxfp4(w.qweight, w.scales, dtype)
     if w.kind == "fp8":
+        if w.block is not None:
+            return dequantize_fp8_block(w.qweight, w.scales, w.block, dtype)
         return (w.qweight.float() * w.scales).to(dtype)
     q = unpack_int4(w.qweight) if w.bits == 4 else w.qweight
     g = _group_index(w, q.device)
     scale = w.scales.index_select(-1, g)  # [.., N, K]
     zero = w.zeros.index_select(-1, g).float() if w.zeros is not None else float(1 << (w.bits - 1))
     return ((q.float() - zero) * scale).to(dtype)
+
+
+def expand_block_scales(scales: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    """Block scales [.., ceil(N / bn), ceil(K / bk)] -> one per weight element [.., N, K]."""
+    return scales.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
+
+
+def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Block-wise fp8 [.., N, K] times its blocks' scales, in `dtype` (computed in fp32)."""
+    n, k = q.shape[-2], q.shape[-1]
+    return (q.float() * expand_block_scales(scales.float(), block, n, k)).to(dtype)
+
+
+def mxfp4_lut(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+
+
+def dequantize_mxfp4(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 codes [.., N, K / 2] and e8m0 scales [.., N, K / 32] -> [.., N, K] in `dtype`
+    (exact in fp32: an e2m1 value times a power of two)."""
+    values = mxfp4_lut(q.device)[unpack_int4(q).long()]  # [.., N, K]
+    exps = scales.to(torch.int32) - 127
+    out = torch.ldexp(values.unflatten(-1, (-1, 32)), exps.unsqueeze(-1).float()).flatten(-2)
+    return out.to(dtype)
 
 
 def quantize_activation(x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None) -> torch.Tensor:

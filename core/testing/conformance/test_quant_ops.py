@@ -1,7 +1,9 @@
 """Quantized-weight contract: the platform's `ModelOps.prepare_quantized` + `quantized_linear`
 (and `quantized_moe_experts`) equal core's reference (`portside.quant.weight`: dequantize, then
 matmul) for every canonical layout: int8 per channel, int4 per group with and without zeros and
-with act order (g_idx), fp8, int8 and fp8 activations rounded per token (W8A8), and GGUF blocks.
+with act order (g_idx), fp8 (per channel, and block-wise: DeepSeek-V3's 128x128 scales and partial
+blocks), MXFP4 (gpt-oss experts), int8 and fp8 activations rounded per token (W8A8), and GGUF
+blocks.
 A platform that overrides nothing runs the reference itself and passes.
 
 Weight-only layouts use the dtype table (`TOLERANCES`, fp32 loosened for the summation order of
@@ -17,6 +19,8 @@ import torch
 
 from portside.contract import ModelOps, Platform
 from portside.ops.moe import select_experts
+from portside.quant.fp8_block import quantize_fp8_block
+from portside.quant.mxfp4 import mxfp4_weight
 from portside.quant.weight import QuantWeight, pack_int4, quantize_per_channel, quantized_linear
 from portside.testing.conformance.cases import contract_failure, engine_config
 from portside.testing.tolerances import QUANT_REL_TOLERANCE, TOLERANCES
@@ -85,6 +89,9 @@ def _cases(n: int, k: int, gen: torch.Generator) -> list[tuple[str, QuantWeight]
         ("fp8 per channel", quantize_per_channel(w, "fp8", None)),
         ("fp8 per channel, fp8 activations", quantize_per_channel(w, "fp8", "fp8")),
     ]
+    for block in ((128, 128), (32, 64), (48, 96)):  # whole blocks; partial blocks at the edges
+        cases.append((f"fp8 {block[0]}x{block[1]} blocks", quantize_fp8_block(w, block)))
+    cases.append(("mxfp4", mxfp4_weight(w)))
     static = quantize_per_channel(w, "fp8", "fp8")
     static.input_scale = torch.tensor([3.0 / 448])
     cases.append(("fp8, static input scale", static))
@@ -138,12 +145,15 @@ def test_quantized_linear_matches_reference(conformance_platform: type[Platform]
 def test_quantized_moe_experts_matches_reference(conformance_platform: type[Platform], model_ops) -> None:
     device, gen = conformance_platform.device(0), torch.Generator().manual_seed(8)
     t, hidden, inter, e, k = 7, 128, 64, 4, 2
+    quantizers = {"int8": lambda w: quantize_per_channel(w, "int8"), "fp8 32x32 blocks": lambda w: quantize_fp8_block(w, (32, 32)),
+                  "mxfp4": mxfp4_weight}
     for dtype, ops in model_ops.items():
-        x = torch.randn(t, hidden, generator=gen).to(dtype)
-        w13 = quantize_per_channel(torch.randn(e, 2 * inter, hidden, generator=gen) * hidden**-0.5, "int8")
-        w2 = quantize_per_channel(torch.randn(e, hidden, inter, generator=gen) * inter**-0.5, "int8")
-        weights, ids = select_experts(torch.randn(t, e, generator=gen), k, True)
-        want = ModelOps().quantized_moe_experts(x, w13, w2, weights, ids)
-        got = ops.quantized_moe_experts(x.to(device), ops.prepare_quantized(w13.to(device)),
-                                        ops.prepare_quantized(w2.to(device)), weights.to(device), ids.to(device))
-        _check(got, want, dtype, False, f"{type(ops).__name__}.quantized_moe_experts (int8 experts, {dtype})")
+        for what, quantize in quantizers.items():
+            x = torch.randn(t, hidden, generator=gen).to(dtype)
+            w13 = quantize(torch.randn(e, 2 * inter, hidden, generator=gen) * hidden**-0.5)
+            w2 = quantize(torch.randn(e, hidden, inter, generator=gen) * inter**-0.5)
+            weights, ids = select_experts(torch.randn(t, e, generator=gen), k, True)
+            want = ModelOps().quantized_moe_experts(x, w13, w2, weights, ids)
+            got = ops.quantized_moe_experts(x.to(device), ops.prepare_quantized(w13.to(device)),
+                                            ops.prepare_quantized(w2.to(device)), weights.to(device), ids.to(device))
+            _check(got, want, dtype, False, f"{type(ops).__name__}.quantized_moe_experts ({what} experts, {dtype})")
