@@ -60,7 +60,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
-        help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), mistral, or a plugin's",
+        help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), mistral, deepseek_v3 "
+             "(DeepSeek-V3/R1, V3.1), or a plugin's",
     )  # fmt: skip
     g.add_argument(
         "--chat-format", choices=("auto", "harmony", "template"), default="auto",

@@ -46,7 +46,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     tool_parser = None
     if args.enable_auto_tool_choice:
         if not args.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, deepseek_v3)")
         from portside.tool_parsers import get_tool_parser
 
         tool_parser = get_tool_parser(args.tool_call_parser)

@@ -68,7 +68,7 @@ def plan_tools(req: ChatCompletionRequest, parser_cls: Any, tokenizer: Any) -> T
     if parser_cls is None:
         raise bad_request(
             'tool_choice: "auto" tool choice needs the server started with --enable-auto-tool-choice and '
-            "--tool-call-parser (hermes, llama3_json, mistral); or use tool_choice \"required\" or a named function",
+            "--tool-call-parser (hermes, llama3_json, mistral, deepseek_v3); or use tool_choice \"required\" or a named function",
             "tool_choice",
         )
     return ToolPlan("auto", tools, parser=parser_cls(tokenizer), parallel=req.parallel_tool_calls)

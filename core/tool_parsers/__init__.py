@@ -1,6 +1,6 @@
 """Tool-call parsers: find a model's own tool-call format in its text (`tool_choice: "auto"`).
 
-Built in: `hermes`, `llama3_json` and `mistral`, one module each. A third-party package adds one
+Built in: `hermes`, `llama3_json`, `mistral` and `deepseek_v3`, one module each. A third-party package adds one
 by declaring an entry point in the ``portside.tool_parsers`` group that names a `ToolParser`
 subclass; it is imported only when asked for by name.
 """
@@ -15,6 +15,7 @@ from portside.tool_parsers.base import (
     ToolCallStreamer,
     ToolParser,
 )
+from portside.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from portside.tool_parsers.hermes import HermesToolParser
 from portside.tool_parsers.llama3_json import Llama3JsonToolParser
 from portside.tool_parsers.mistral import MistralToolParser
@@ -22,6 +23,7 @@ from portside.tool_parsers.mistral import MistralToolParser
 __all__ = [
     "ENTRY_POINT_GROUP",
     "TOOL_PARSERS",
+    "DeepSeekV3ToolParser",
     "ExtractedToolCalls",
     "HermesToolParser",
     "Llama3JsonToolParser",
@@ -36,7 +38,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "portside.tool_parsers"
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, DeepSeekV3ToolParser)
 }
 
 
