@@ -50,7 +50,10 @@ def request_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | N
 async def compile_constraint(manager: Any, params: StructuredOutputsParams, field: str) -> None:
     """Compile on a worker thread (the engine then finds it in its cache); a 400 naming `field`
     when the constraint is invalid, can never match, or takes too long to compile."""
+    # the grammar engine itself is built on first use, outside the request's budget: for a large
+    # vocabulary (gpt-oss's 201k tokens) that takes seconds, the grammar then milliseconds
     try:
+        await asyncio.to_thread(getattr, manager, "backend")
         await asyncio.wait_for(asyncio.to_thread(manager.compile, params), COMPILE_TIMEOUT_S)
     except TimeoutError:
         raise bad_request(f"{field}: the {params.kind} did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it", field) from None
