@@ -198,7 +198,8 @@ async def sampling(ctx: ServingContext, req: SamplingFields, job: Job) -> list[S
                               structured=structured, skip_special_tokens=job.skip_special_tokens, defaults=ctx.default_sampling,
                               prompt_logprobs=job.prompt_logprobs) for limit in limits]
     for p in params:
-        p.stop_token_ids += [t for t in job.stop_token_ids if t not in p.stop_token_ids]
+        own = list(p.stop_token_ids or [])
+        p.stop_token_ids = own + [t for t in job.stop_token_ids if t not in own]
     return params
 
 
