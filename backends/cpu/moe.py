@@ -24,8 +24,7 @@ from portside.backends.cpu.lora import CpuLoRAOps
 from portside.backends.cpu.quant import CpuQuantOps
 from portside.backends.cpu.recurrent import CpuRecurrentOps
 from portside.contract import ModelOps
-from portside.ops.moe import ACTIVATIONS, SWIGLU_OAI_ALPHA
-from portside.ops.moe import activate as reference_activate
+from portside.contract.model_ops import MOE_ACTIVATIONS, SWIGLU_OAI_ALPHA
 
 
 def moe_experts(
@@ -45,7 +44,7 @@ def moe_experts(
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # rows [n, hidden] -> [n, hidden]
         gate, up = F.linear(rows, w13[e], _row(w13_bias, e, rows.dtype)).chunk(2, dim=-1)  # [n, I] each
-        h = reference_activate(gate, activation, up, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        h = ModelOps.activate(gate, activation, up, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         return F.linear(h, w2[e], _row(w2_bias, e, h.dtype))
 
     num_tokens, k = topk_ids.shape
@@ -113,7 +112,7 @@ class CpuModelOps(CpuRecurrentOps, CpuLoRAOps, CpuQuantOps, ModelOps):
         swiglu_alpha: float = SWIGLU_OAI_ALPHA,
         swiglu_limit: float = 7.0,
     ) -> torch.Tensor:
-        if w13_bias is not None or w2_bias is not None or activation not in ACTIVATIONS:  # not in the native op
+        if w13_bias is not None or w2_bias is not None or activation not in MOE_ACTIVATIONS:  # not in the native op
             return torch.ops.portside_cpu.moe_experts(
                 x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit
             )

@@ -30,7 +30,7 @@ from portside.backends.triton.lora import TritonLoRAOps
 from portside.backends.triton.quant import TritonQuantOps
 from portside.backends.triton.recurrent import TritonRecurrentOps
 from portside.contract import ModelOps
-from portside.ops.moe import SWIGLU_OAI_ALPHA
+from portside.contract.model_ops import SWIGLU_OAI_ALPHA
 
 __all__ = ["align_pairs", "fused_experts", "TritonModelOps"]
 

@@ -18,7 +18,16 @@ from portside.ops.lora import LoRAMapping
 from portside.quant import weight as quant_weight
 from portside.quant.weight import QuantParts, QuantWeight, pack_int4, quantize_activation, unpack_int4
 
+MOE_ACTIVATIONS = moe.ACTIVATIONS
+"""Expert activations of the plain gated form ``act(gate) * up``."""
+MOE_CLAMPED_ACTIVATIONS = moe.CLAMPED_ACTIVATIONS
+"""gpt-oss's clamped "swiglu_oai" (`ModelOps.activate` with `up`, alpha and limit)."""
+SWIGLU_OAI_ALPHA = moe.SWIGLU_OAI_ALPHA
+
 __all__ = [
+    "MOE_ACTIVATIONS",
+    "MOE_CLAMPED_ACTIVATIONS",
+    "SWIGLU_OAI_ALPHA",
     "LoRAMapping",
     "ModelOps",
     "QuantParts",
@@ -74,9 +83,17 @@ class ModelOps(RecurrentKernels):
                 setattr(cls, name, _fall_back_on_new_options(name, method, missing))
 
     @staticmethod
-    def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
-        """An expert's activation by name ("silu", "gelu_tanh"), for kernels that need it in torch."""
-        return moe.activate(gate, activation)
+    def activate(
+        gate: torch.Tensor,
+        activation: str,
+        up: torch.Tensor | None = None,
+        *,
+        swiglu_alpha: float = moe.SWIGLU_OAI_ALPHA,
+        swiglu_limit: float = 7.0,
+    ) -> torch.Tensor:
+        """An expert's activation by name ("silu", "gelu_tanh"), for kernels that need it in torch;
+        with `up`, the gated product (the only form of the clamped "swiglu_oai")."""
+        return moe.activate(gate, activation, up, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
     def select_experts(
         self,
