@@ -33,6 +33,7 @@ HARMONY_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
 VOCAB_ENV = "TIKTOKEN_ENCODINGS_BASE"
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 CHAT_FORMATS = ("auto", "harmony", "template")
+HARMONY_TOOL_PARSER = "openai"  # vLLM's --tool-call-parser for gpt-oss: accepted, harmony parses the calls itself
 
 _lock = threading.Lock()
 _encoding: Any = None

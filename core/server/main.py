@@ -15,7 +15,7 @@ from typing import Any
 
 from portside.server.app import ServerConfig, build_app
 from portside.server.connections import guarded_protocol
-from portside.server.harmony import load_encoding, use_harmony
+from portside.server.harmony import HARMONY_TOOL_PARSER, load_encoding, use_harmony
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,22 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or [args.model if args.model else DEFAULT_MODEL_NAME]
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be non-negative")
+    harmony = use_harmony(getattr(args, "chat_format", "auto"), args.model)
     tool_parser = None
     if args.enable_auto_tool_choice:
         if not args.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, deepseek_v3)")
-        from portside.tool_parsers import get_tool_parser
+        if harmony and args.tool_call_parser != HARMONY_TOOL_PARSER:
+            raise ValueError(f"--tool-call-parser {args.tool_call_parser}: this model's tool calls are harmony's (gpt-oss), "
+                             f"parsed without a parser; drop the flag (or name vLLM's {HARMONY_TOOL_PARSER!r}), or render "
+                             "with --chat-format template")
+        if args.tool_call_parser == HARMONY_TOOL_PARSER and not harmony:
+            raise ValueError(f"--tool-call-parser {HARMONY_TOOL_PARSER} reads gpt-oss's harmony tool calls: serve a gpt-oss "
+                             "model, or add --chat-format harmony")
+        if not harmony:
+            from portside.tool_parsers import get_tool_parser
 
-        tool_parser = get_tool_parser(args.tool_call_parser)
+            tool_parser = get_tool_parser(args.tool_call_parser)
     elif args.tool_call_parser:
         raise ValueError("--tool-call-parser is used by tool_choice \"auto\": add --enable-auto-tool-choice")
     for flag in ("read_timeout", "stream_stall_timeout"):
@@ -57,7 +66,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     if args.max_connections is not None and args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
-    if use_harmony(getattr(args, "chat_format", "auto"), args.model):  # gpt-oss without its vocabulary: exit 2 saying how, before the model loads
+    if harmony:  # gpt-oss without its vocabulary: exit 2 saying how, before the model loads
         load_encoding()
     if args.otlp_traces_endpoint:  # without OpenTelemetry: exit 2 naming the install, before the model loads
         from portside.server.tracing import check_available

@@ -235,6 +235,7 @@ def test_plans(enc: Any) -> None:
     assert prefill == ""
 
 
+@pytest.mark.slow  # builds the 201k-token tokenizer and llguidance's view of it: ~30 s
 def test_required_grammar_forces_a_valid_call(enc: Any) -> None:
     """The "required" grammar, under llguidance with the o200k_harmony tokenizer, accepts a call
     written as a harmony model writes it and refuses a call to an unknown name or bad arguments."""
@@ -289,3 +290,23 @@ def test_is_harmony_model(tmp_path: Any) -> None:
     assert not harmony.use_harmony("template", tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert not harmony.use_harmony("auto", tmp_path) and harmony.use_harmony("harmony", tmp_path)
+
+
+def test_tool_call_parser_flags(tmp_path: Any) -> None:
+    """vLLM's gpt-oss command line (`--enable-auto-tool-choice --tool-call-parser openai`) is
+    accepted for a harmony model; another parser there, or `openai` for another model, exits 2."""
+    from portside.cli import build_parser, parse_args
+    from portside.server.main import server_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    parser = build_parser()
+
+    def config(*flags: str) -> Any:
+        return server_config(parse_args(parser, ["serve", str(tmp_path), *flags]))
+
+    assert config("--enable-auto-tool-choice", "--tool-call-parser", "openai").chat_format == "auto"
+    with pytest.raises(ValueError, match="harmony"):
+        config("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert config("--chat-format", "template", "--enable-auto-tool-choice", "--tool-call-parser", "hermes").tool_parser is not None
+    with pytest.raises(ValueError, match="--chat-format harmony"):
+        config("--chat-format", "template", "--enable-auto-tool-choice", "--tool-call-parser", "openai")
