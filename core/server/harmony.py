@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d
 CHAT_FORMATS = ("auto", "harmony", "template")
 HARMONY_TOOL_PARSER = "openai"  # vLLM's --tool-call-parser for gpt-oss: accepted, harmony parses the calls itself
 
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what a tool's name may be (as `tools` requires), in a header
 _lock = threading.Lock()
 _encoding: Any = None
 
@@ -146,7 +148,11 @@ def harmony_messages(messages: list[Any], tools: list[dict[str, Any]] | None, re
             if m.tool_calls:
                 if text:  # what the model said beside its calls: harmony's commentary preamble
                     out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("commentary"))
-                for c in m.tool_calls:
+                for j, c in enumerate(m.tool_calls):
+                    if not _NAME.fullmatch(c.function.name):
+                        where_name = f"{where}.tool_calls[{j}].function.name"
+                        raise bad_request(f"{where_name}: {c.function.name!r} is not a function name (letters, digits, _ and "
+                                          "-) that a harmony header can address", where_name)
                     call_names[c.id] = c.function.name
                     out.append(Message.from_role_and_content(Role.ASSISTANT, c.function.arguments).with_channel("commentary")
                                .with_recipient(f"functions.{c.function.name}").with_content_type("<|constrain|>json"))
