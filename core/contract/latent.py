@@ -58,9 +58,11 @@ class LatentAttention:
     head_size]``). A backend overrides them together, with faster kernels for its platform."""
 
     latent_graph_support: ClassVar[bool] = False
-    """Whether `latent_attention` can run inside the platform's captured or compiled graphs (like
-    `forward` under `graph_support`). The reference writes with a data-dependent mask, so a backend
-    that does not override it leaves this False and the runner runs MLA models eagerly."""
+    """Whether the platform's graph runner runs MLA models, its graphs calling `latent_attention`
+    (MLA layers do not cut the model at `ForwardContext.attention` calls, as piecewise runners
+    expect). False (the default, and what the reference needs: it writes with a data-dependent
+    mask): the model runner keeps the platform's runner only if it runs models op by op
+    (`GraphRunner.supports_recurrent_state`), else runs MLA models in `EagerGraphRunner`."""
 
     def latent_cache_shape(self, num_blocks: int, block_size: int, head_size: int) -> tuple[int, ...]:
         """Shape of one MLA layer's cache (`head_size` values per slot)."""

@@ -1,9 +1,10 @@
 """What a model keeps per token and per sequence, and how many sequences a KV-cache budget holds:
 the budget report of `portside devices --model` (the engine logs the same at start-up).
 
-A model's cache is two groups: its attention layers' paged K/V (bytes per token, `KVCacheSpec`)
-and its recurrent layers' fixed state (bytes per sequence, `StateSpec`; hybrid models only). The
-model is built on the meta device, so no weight is read and no memory is taken.
+A model's cache is two groups: its attention layers' paged K/V (bytes per token, `KVCacheSpec`;
+for latent attention, MLA, one compressed row per token and layer, `LatentKVCacheSpec`) and its
+recurrent layers' fixed state (bytes per sequence, `StateSpec`; hybrid models only). The model is
+built on the meta device, so no weight is read and no memory is taken.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from portside.contract import KVCacheSpec, StateSpec, kv_cache_torch_dtype
+from portside.contract import KVCacheSpec, LatentKVCacheSpec, StateSpec, kv_cache_torch_dtype
 
 __all__ = ["CacheReport", "cache_report"]
 
@@ -41,19 +42,28 @@ class CacheReport:
         """One sequence of `num_tokens` tokens: its K/V plus its recurrent state."""
         return num_tokens * self.bytes_per_token + self.state_bytes_per_sequence
 
+    def tokens(self, budget: float) -> int:
+        """Tokens whose K/V (or latent rows) fit in `budget` bytes (no recurrent state counted)."""
+        return int(budget // self.bytes_per_token) if self.bytes_per_token else 0
+
     def sequences(self, budget: float, num_tokens: int) -> int:
         """Sequences of `num_tokens` tokens that fit in `budget` bytes at once."""
         return int(budget // self.bytes_per_sequence(num_tokens))
 
     def format(self, budget: float, num_tokens: int) -> str:
         lines = [f"{self.architecture}: {self.num_layers} layers"]
-        if self.kv.num_layers:
+        if isinstance(self.kv, LatentKVCacheSpec) and self.kv.num_layers:
+            lines.append(f"  latent attention (MLA): {self.kv.num_layers} layers, one row of {self.kv.latent_dim} latent + "
+                         f"{self.kv.rope_dim} rotary values per token, {self.bytes_per_token / 1024:.1f} KiB per token")
+        elif self.kv.num_layers:
             lines.append(f"  full attention: {self.kv.num_layers} layers, {self.kv.num_kv_heads} KV heads x "
                          f"{self.kv.head_size}, {self.bytes_per_token / 1024:.1f} KiB per token")
         if self.state is not None:
             shapes = " + ".join("x".join(map(str, s)) for s in self.state.shapes)
             lines.append(f"  {self.state.kind} (recurrent state): {self.state.num_layers} layers, {shapes} per layer, "
                          f"{self.state_bytes_per_sequence / MiB:.2f} MiB per sequence")
+        if self.kv.num_layers:
+            lines.append(f"  {budget / MiB:.0f} MiB hold {self.tokens(budget)} tokens of K/V")
         lines.append(f"  {budget / MiB:.0f} MiB hold {self.sequences(budget, num_tokens)} sequences of {num_tokens} tokens "
                      f"({self.bytes_per_sequence(num_tokens) / MiB:.2f} MiB each)")
         return "\n".join(lines)
@@ -65,14 +75,16 @@ def cache_report(model: str | Path, dtype: torch.dtype = torch.bfloat16, kv_cach
     import dataclasses
 
     from portside.model.registry import model_class, read_model_args
+    from portside.runner.kv_cache import check_latent_kv_cache_dtype
 
     args = dataclasses.replace(read_model_args(model), mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
     with torch.device("meta"):
         m = model_class(args.architecture)(args, dtype=dtype)
     kv: KVCacheSpec = m.kv_cache_spec()  # type: ignore[operator]
+    check_latent_kv_cache_dtype(kv_cache_dtype, kv, args.architecture)
     cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, kv.dtype)
     if cache_dtype != kv.dtype:
-        kv = KVCacheSpec(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.dtype, cache_dtype)
+        kv = dataclasses.replace(kv, cache_dtype=cache_dtype)
     spec_fn = getattr(m, "state_spec", None)
     state = spec_fn() if spec_fn is not None else None
     return CacheReport(args.architecture, args.num_layers, kv, state if state is not None and state.num_layers else None)

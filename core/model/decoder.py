@@ -188,7 +188,7 @@ class DecoderLayer(nn.Module):
         norm, eps, hidden = model_cls.norm, args.rms_norm_eps, args.hidden_size
         self.sandwich = model_cls.sandwich_norms
         self.input_layernorm = norm(hidden, eps, dtype)
-        self.self_attn = DecoderAttention(args, i, tp, dtype, model_cls.qk_norm, norm)
+        self.self_attn = model_cls.make_attention(args, i, tp, dtype)
         self.post_attention_layernorm = norm(hidden, eps, dtype)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(hidden, eps, dtype)
@@ -274,6 +274,11 @@ class DecoderForCausalLM(nn.Module):
         if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = math.sqrt(args.hidden_size) if self.scale_embeddings else None
+
+    @classmethod
+    def make_attention(cls, args: ModelArgs, i: int, tp: TP, dtype: torch.dtype) -> nn.Module:
+        """Layer i's attention: `DecoderAttention` (latent attention: `portside.model.mla`)."""
+        return DecoderAttention(args, i, tp, dtype, cls.qk_norm, cls.norm)
 
     @classmethod
     def make_mlp(cls, args: ModelArgs, i: int, tp: TP, dtype: torch.dtype) -> nn.Module:

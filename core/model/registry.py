@@ -28,7 +28,7 @@ class Architecture:
 
     module: str
     cls: str
-    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES), "moe", "recurrent"
+    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES), "moe", "recurrent", "latent"
     may_need: tuple[str, ...] = ("sliding_window",)  # only where a checkpoint's config asks for it
 
 
@@ -50,6 +50,9 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture("portside.model.phi3", "Phi3ForCausalLM"),
     # learned attention sinks, alternating sliding / full layers, biased experts with a clamped SwiGLU
     "GptOssForCausalLM": Architecture("portside.model.gpt_oss", "GptOssForCausalLM", ("sinks", *_WINDOW, "moe"), ()),
+    # multi-head latent attention (a latent KV cache), dense first layers, experts with shared experts
+    "DeepseekV2ForCausalLM": Architecture("portside.model.deepseek", "DeepseekV2ForCausalLM", ("latent", "moe"), ()),
+    "DeepseekV3ForCausalLM": Architecture("portside.model.deepseek", "DeepseekV3ForCausalLM", ("latent", "moe"), ()),
     # hybrids: Gated DeltaNet linear attention beside gated full attention
     "Qwen3NextForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3NextForCausalLM", ("recurrent", "moe"), ()),
     "Qwen3_5ForCausalLM": Architecture("portside.model.qwen3_next", "Qwen3_5ForCausalLM", ("recurrent",), ()),

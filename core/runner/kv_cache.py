@@ -17,6 +17,7 @@ from portside.contract import (
     AttentionMetadata,
     ForwardContext,
     KVCacheSpec,
+    LatentKVCacheSpec,
     Platform,
     kv_cache_dtype_name,
 )
@@ -25,6 +26,8 @@ __all__ = [
     "allocate_kv_caches",
     "check_attention_features",
     "check_kv_cache_dtype",
+    "check_latent_kv_cache_dtype",
+    "layer_cache_shape",
     "dummy_decode_context",
 ]
 
@@ -57,11 +60,29 @@ def check_kv_cache_dtype(name: str, platform: type[Platform], backend: object) -
         )
 
 
+def check_latent_kv_cache_dtype(name: str, spec: KVCacheSpec, architecture: str) -> None:
+    """Refuse an 8-bit cache for a model with latent attention (MLA, `LatentKVCacheSpec`): its
+    latent rows are stored in the model's dtype only (8-bit latent caches are not implemented)."""
+    if isinstance(spec, LatentKVCacheSpec) and kv_cache_dtype_name(name) != "auto":
+        raise ValueError(
+            f"--kv-cache-dtype {name}: {architecture} uses multi-head latent attention (MLA), whose latent KV cache "
+            "is stored in the model's dtype only (an 8-bit latent cache is not implemented); use --kv-cache-dtype auto"
+        )
+
+
+def layer_cache_shape(backend: Any, spec: KVCacheSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The shape of one layer's cache of `num_blocks` blocks: the backend's latent layout for an
+    MLA model (`LatentKVCacheSpec`: one row of head_size values per token), else its K/V layout."""
+    if isinstance(spec, LatentKVCacheSpec):
+        return tuple(backend.latent_cache_shape(num_blocks, block_size, spec.head_size))
+    return tuple(backend.cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size, spec.storage_dtype))
+
+
 def allocate_kv_caches(backend: Any, spec: KVCacheSpec, num_blocks: int, block_size: int,
                        device: torch.device) -> list[torch.Tensor]:
     """One cache per layer of `spec`, `num_blocks` blocks plus the scratch block (the last)."""
     dtype = spec.storage_dtype
-    shape = backend.cache_shape(num_blocks + 1, block_size, spec.num_kv_heads, spec.head_size, dtype)
+    shape = layer_cache_shape(backend, spec, num_blocks + 1, block_size)
     return [backend.allocate_kv_cache(shape, dtype, device) for _ in range(spec.num_layers)]
 
 

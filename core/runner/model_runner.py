@@ -24,6 +24,7 @@ from portside.contract import (
     ForwardContext,
     GraphRunner,
     KVCacheSpec,
+    LatentKVCacheSpec,
     ModelOps,
     Platform,
     kv_cache_torch_dtype,
@@ -41,6 +42,7 @@ from portside.runner.kv_cache import (
     allocate_kv_caches,
     check_attention_features,
     check_kv_cache_dtype,
+    check_latent_kv_cache_dtype,
     dummy_decode_context,
 )
 from portside.runner.pooler import PoolChunk, Pooler
@@ -129,6 +131,7 @@ class ModelRunner:
         self.attn_backend = platform.attention_backend(config)
         check_attention_features(self.model, platform, self.attn_backend)
         check_kv_cache_dtype(config.cache.kv_cache_dtype, platform, self.attn_backend)
+        check_latent_kv_cache_dtype(config.cache.kv_cache_dtype, self.model.kv_cache_spec(), self.model.config.architecture)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.model.kv_cache_spec().dtype)
         # an fp8 cache stores K / k_scale and V / v_scale (a checkpoint's per-layer scales, else 1)
         use_scales = getattr(self.model, "use_kv_scales", None)
@@ -150,6 +153,13 @@ class ModelRunner:
                 logger.info("%s: %d %s layers keep a recurrent state, which the %s graph runner does not run; "
                             "the model runs eagerly", self.model.config.architecture, self.state_spec.num_layers,
                             self.state_spec.kind, self.graph_runner.name)
+                self.graph_runner = EagerGraphRunner(self.model, config)
+            # latent attention (MLA) layers call the backend's `latent_attention`, not the model cut at its
+            # attention calls that piecewise runners compile: op by op, unless the backend's graphs take it
+            if isinstance(self.model.kv_cache_spec(), LatentKVCacheSpec) and not self.attn_backend.latent_graph_support \
+                    and not self.graph_runner.supports_recurrent_state:
+                logger.info("%s: latent attention (MLA), which the %s graph runner does not run; the model runs eagerly",
+                            self.model.config.architecture, self.graph_runner.name)
                 self.graph_runner = EagerGraphRunner(self.model, config)
         else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")

@@ -6,9 +6,12 @@ request, and `PagedSequence` prefills and decodes it step by step (greedy).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from portside.contract import AttentionBackend, AttentionMetadata, ForwardContext
+from portside.runner.kv_cache import layer_cache_shape
 
 __all__ = ["single_sequence_metadata", "PagedSequence"]
 
@@ -53,7 +56,7 @@ class PagedSequence:
         device = next(model.parameters()).device
         self.device = device
         dtype = cache_dtype or spec.dtype
-        shape = backend.cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size, dtype)
+        shape = layer_cache_shape(backend, dataclasses.replace(spec, cache_dtype=cache_dtype), num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.block_table = [(7 * i + 3) % num_blocks for i in range(num_blocks)] if num_blocks % 7 else list(
             reversed(range(num_blocks))

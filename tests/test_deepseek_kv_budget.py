@@ -1,0 +1,56 @@
+"""The KV budget of a DeepSeek-V2-shaped model (`portside.engine.kv_report`, `portside devices
+--model`): its latent cache (one row of kv_lora_rank + rope values per token and layer) holds
+several times the tokens the same model would with full multi-head K and V. Real layer shapes
+(DeepSeek-V2-Lite's), built on the meta device from config.json alone (no weights, no memory)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from portside.contract import KVCacheSpec, LatentKVCacheSpec
+from portside.engine.kv_report import CacheReport, cache_report
+from portside.testing.tiny_deepseek import write_deepseek_v2_lite_config
+
+BUDGET = 8 * 2**30
+SEQ = 4096
+LAYERS, HEADS, LATENT, ROPE, NOPE, V = 27, 16, 512, 64, 128, 128
+
+
+def test_v2_lite_shaped_latent_cache_holds_over_5x_the_tokens(tmp_path):
+    mla = cache_report(write_deepseek_v2_lite_config(tmp_path / "v2"), torch.bfloat16)
+    assert isinstance(mla.kv, LatentKVCacheSpec) and mla.state is None
+    assert (mla.kv.num_layers, mla.kv.num_kv_heads, mla.kv.latent_dim, mla.kv.rope_dim) == (LAYERS, 1, LATENT, ROPE)
+    assert mla.bytes_per_token == LAYERS * (LATENT + ROPE) * 2  # 30.4 KiB: one bf16 row per layer
+    # the same model caching full multi-head K and V: every head's key (nope + rope) and value, in
+    # rows of the key's width (V padded, as a paged K/V cache holds them) ...
+    full = CacheReport(mla.architecture, LAYERS, KVCacheSpec(LAYERS, HEADS, NOPE + ROPE, torch.bfloat16), None)
+    assert full.bytes_per_token == 2 * LAYERS * HEADS * (NOPE + ROPE) * 2
+    ratio = mla.tokens(BUDGET) / full.tokens(BUDGET)
+    assert ratio >= 5, ratio  # 10.7x: 276k tokens against 25.9k in 8 GiB
+    assert mla.sequences(BUDGET, SEQ) >= 5 * full.sequences(BUDGET, SEQ)
+    # ... or unpadded (key 192 + value 128 values per head): still 8.9x
+    unpadded = LAYERS * HEADS * (NOPE + ROPE + V) * 2
+    assert unpadded / mla.bytes_per_token >= 5
+
+
+def test_portside_devices_reports_the_latent_cache(tmp_path):
+    path = write_deepseek_v2_lite_config(tmp_path / "v2")
+    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), "--max-model-len", "4096",
+                          "--kv-cache-memory", str(BUDGET)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    tokens = BUDGET // (LAYERS * (LATENT + ROPE) * 2)
+    assert "latent attention (MLA): 27 layers, one row of 512 latent + 64 rotary values per token, 30.4 KiB per token" \
+        in out.stdout, out.stdout
+    assert f"hold {tokens} tokens" in out.stdout, out.stdout
+    assert f"hold {BUDGET // (SEQ * LAYERS * (LATENT + ROPE) * 2)} sequences of 4096 tokens" in out.stdout
+
+
+def test_portside_devices_refuses_an_8bit_latent_cache(tmp_path):
+    path = write_deepseek_v2_lite_config(tmp_path / "v2")
+    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), "--kv-cache-dtype",
+                          "fp8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "multi-head latent attention (MLA)" in out.stderr and "--kv-cache-dtype auto" in out.stderr
