@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from portside.backends.cpu import kernels, native_ops
 from portside.backends.cpu.encoder_attention import encoder_attention
+from portside.backends.cpu.mla import CpuLatentAttention
 from portside.contract import (
     AttentionBackend,
     AttentionMetadata,
@@ -132,7 +133,7 @@ def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.
     return rows, slot_mapping[rows]
 
 
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(CpuLatentAttention, AttentionBackend):
     name = "torch-sdpa"
     graph_support = GraphCaptureSupport.NEVER
     features = frozenset({"sliding_window", "logit_softcap", "sinks"})
@@ -283,6 +284,7 @@ class NativeAttentionBackend(CpuAttentionBackend):
     built, the kernels."""
 
     name = "native-paged"
+    latent_native = True  # MLA decodes in csrc/mla.cpp (`CpuLatentAttention`)
     _ready = False  # the kernels are loaded (asked again at each step until they are)
 
     def _kernels_ready(self) -> bool:

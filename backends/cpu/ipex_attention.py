@@ -25,6 +25,7 @@ import torch
 
 from portside.backends.cpu.attention import attend_read_kv, plan_prefills, valid_slots
 from portside.backends.cpu.encoder_attention import encoder_attention
+from portside.backends.cpu.mla import CpuLatentAttention
 from portside.contract import AttentionBackend, AttentionMetadata, GraphCaptureSupport
 
 
@@ -63,7 +64,7 @@ class IpexAttentionPlan:
     chunks: list = field(default_factory=list)  # every request (`plan_prefills`), for feature layers; lazily
 
 
-class IpexAttentionBackend(AttentionBackend):
+class IpexAttentionBackend(CpuLatentAttention, AttentionBackend):  # MLA: the torch paths
     name = "ipex-paged"
     graph_support = GraphCaptureSupport.NEVER
     features = frozenset({"sliding_window", "logit_softcap"})

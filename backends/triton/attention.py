@@ -12,6 +12,7 @@ import torch
 from portside.backends.triton import kv_cache as _kv
 from portside.backends.triton.encoder_attention import choose_encoder_launch, encoder_attention
 from portside.backends.triton.launch import ArchInfo, choose_attention_launch, choose_num_splits, detect_arch
+from portside.backends.triton.mla import TritonLatentAttention
 from portside.backends.triton.paged_attention import paged_attention
 from portside.contract import (
     AttentionBackend,
@@ -28,7 +29,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(TritonLatentAttention, AttentionBackend):
     """Paged attention in one Triton launch per layer (plus a reduce kernel on the split-KV path).
 
     Cache layout: the canonical ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
@@ -51,6 +52,9 @@ class TritonAttentionBackend(AttentionBackend):
     KV-cache dtypes: the model's, or fp8 (e4m3fn, e5m2) in the same layout, cast on write and
     decoded in the attention kernel (`paged_attention._kv_values`). No int8: its per-row scales
     are a cpu format here.
+
+    Latent attention (MLA models): `TritonLatentAttention` (`mla.py`), over the reference's
+    ``[num_blocks, block_size, head_size]`` latent cache.
     """
 
     name = "triton"
