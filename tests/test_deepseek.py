@@ -1,7 +1,10 @@
 """DeepSeek-V2 / V3 (multi-head latent attention, `portside.model.deepseek`) against transformers, on
 tiny random-weight models of several shapes: with and without a query LoRA, kv_lora_rank 16-64,
 rope dims 4-16, nope dims 8-16, value dims 12-24, 4-8 heads, interleaved (V2, V3 default) and
-half-split (V3 ``rope_interleave=False``) rotary, YaRN with its softmax mscale, attention biases.
+half-split (V3 ``rope_interleave=False``) rotary, YaRN with its softmax mscale, attention biases;
+dense models and experts after 0-1 dense layers (4-16 experts, top-1 to top-4: V2's softmax
+greedy and group-limited routing, V3's sigmoid grouped routing with a correction bias, shared
+experts, `routed_scaling_factor`).
 
 - prompt logits through a paged latent cache (core's reference `latent_attention`), whole and in
   chunks continuing from the cache, fp32; over 2 tensor-parallel ranks (threads: heads split, the
@@ -45,6 +48,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                             v_head_dim=16, num_hidden_layers=3, first_k_dense_replace=3, attention_bias=True)),
     # rotary on halves (rope_interleave False), a wide latent, 4 rope dims
     "v3-halves": ("v3", dict(seed=3, rope_interleave=False, kv_lora_rank=64, qk_rope_head_dim=4, v_head_dim=16)),
+    # experts after one dense layer: V2's softmax top-2 of 8 among the best 2 of 4 groups, scaled, 2 shared experts
+    "v2-moe-grouped": ("v2", dict(seed=4, q_lora_rank=16, first_k_dense_replace=1, n_routed_experts=8,
+                                  num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                  routed_scaling_factor=1.5, n_shared_experts=2)),
+    # V2's plain softmax top-1 of 4 in every layer
+    "v2-moe-greedy": ("v2", dict(seed=5, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=1)),
+    # V3's sigmoid routing with a correction bias: top-4 of 16 among the best 2 of 4 groups, renormalised, scaled
+    "v3-moe": ("v3", dict(seed=6, q_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+                          num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                          norm_topk_prob=True)),
 }
 
 LOGIT_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
@@ -89,7 +102,7 @@ def test_prompt_logits_whole_and_in_chunks(case: Path) -> None:
 def test_bf16_no_further_from_fp32_than_transformers_bf16(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    path = _make("v3-qlora", tmp_path / "m")
+    path = _make("v3-moe", tmp_path / "m")
     reference = hf_logits(path, PROMPT)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -99,7 +112,7 @@ def test_bf16_no_further_from_fp32_than_transformers_bf16(tmp_path: Path) -> Non
     assert ours <= 1.25 * theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("name", ["v2-qlora-yarn", "v3-qlora"])
+@pytest.mark.parametrize("name", ["v2-qlora-yarn", "v3-moe"])
 def test_tensor_parallel_logits(name: str, tmp_path: Path) -> None:
     from test_models import run_ranks
 
@@ -158,8 +171,8 @@ def test_mtp_layer_tensors_are_kept_not_used(tmp_path: Path) -> None:
 
 # ---- the engine ----------------------------------------------------------------------------
 
-ENGINE_CASES = ["v2", "v3-qlora", pytest.param("v2-qlora-yarn", marks=pytest.mark.slow),
-                pytest.param("v3-halves", marks=pytest.mark.slow)]
+ENGINE_FAST = {"v2", "v3-moe"}
+ENGINE_CASES = [c if c in ENGINE_FAST else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)]
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -224,7 +237,7 @@ def test_an_8bit_latent_cache_is_refused(kv_cache_dtype: str, tmp_path: Path) ->
 
 @pytest.mark.slow  # two worker processes
 def test_tensor_parallel_engine(tmp_path: Path) -> None:
-    path = _make("v3-qlora", tmp_path / "m")
+    path = _make("v3-moe", tmp_path / "m")
     llm = LLM(model=str(path), device="cpu", max_model_len=128, block_size=4, tensor_parallel_size=2,
               max_num_batched_tokens=16)
     prompts = _prompts(2, [5, 13, 26])
