@@ -199,3 +199,20 @@ def test_tensor_parallel_logits_equal_transformers(tmp_path: Path) -> None:
         moe = model.model.layers[1].mlp
         assert moe.experts.w13.shape[1] == 32 and moe.shared_experts.down_proj.weight.shape[1] == 32
         assert model.model.layers[0].self_attn.num_heads == 2
+
+
+def test_online_int8_experts_match_the_rounded_checkpoint(tiny_glm: Path, tmp_path: Path) -> None:
+    """--quantization int8: the shared and routed experts through `quantized_moe_experts` (with the
+    grouped, bias-corrected routing of `select_experts`), the attention and dense MLP through
+    `quantized_linear`; the routers stay fp32. Greedy ids equal transformers' on the checkpoint
+    rounded the same way."""
+    from test_quant_formats import _write_online_oracle
+
+    oracle = _write_online_oracle(tiny_glm, tmp_path / "oracle", "int8")
+    llm = LLM(model=str(tiny_glm), device="cpu", max_model_len=128, block_size=4, quantization="int8")
+    moe = llm.engine.executor.runner.model.model.layers[1].mlp
+    assert moe.experts.quant13 is not None and moe.shared_experts.down_proj.quant is not None
+    assert moe.gate.quant is None and moe.gate.weight.dtype == torch.float32
+    prompts = _prompts(5, [3, 12, 20])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    _assert_parity(oracle, prompts, outs)

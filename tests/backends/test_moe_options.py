@@ -70,3 +70,24 @@ def test_triton_moe_experts_with_options(num_tokens, num_experts, top_k, dtype, 
     from portside.backends.triton.moe import TritonModelOps
 
     check(TritonModelOps(), kernel_device, num_tokens, num_experts, top_k, dtype, activation, with_b13, with_b2, limit)
+
+
+@pytest.mark.triton
+def test_glm4_moe_logits_through_the_triton_experts(tmp_path, kernel_device):
+    """A tiny GLM-4.5 (grouped, bias-corrected, scaled routing; shared experts) with its experts in
+    the fused Triton kernel: transformers' logits."""
+    pytest.importorskip("triton")
+    from portside.attention.reference import ReferenceAttentionBackend
+    from portside.backends.triton.moe import TritonModelOps
+    from portside.config import ModelConfig
+    from portside.model.registry import load_model
+    from portside.testing.paged import PagedSequence
+    from portside.testing.tiny import hf_logits
+    from portside.testing.tiny_glm4_moe import make_tiny_glm4_moe
+
+    path = make_tiny_glm4_moe(tmp_path / "glm", n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                              num_hidden_layers=2)  # fmt: skip
+    prompt = [5, 17, 250, 31, 99, 8, 120, 64, 300, 2, 45]
+    model = load_model(ModelConfig(path=str(path), max_model_len=128), kernel_device, ops=TritonModelOps())
+    logits = PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(prompt)
+    torch.testing.assert_close(logits.cpu(), hf_logits(path, prompt), atol=1e-4, rtol=1e-4)
