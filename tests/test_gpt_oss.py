@@ -84,6 +84,24 @@ def test_bf16_prompt_logits_match_transformers_bf16(overrides: dict[str, Any], t
     torch.testing.assert_close(logits, expected, **LOGIT_TOLERANCE[torch.bfloat16])
 
 
+class _NoSinksBackend(ReferenceAttentionBackend):
+    """A backend written before sinks (as a plugin's may be): it lists only the older features."""
+
+    features = frozenset({"sliding_window", "logit_softcap"})
+
+    def forward(self, *args: Any, sinks: Any = None, **kw: Any) -> torch.Tensor:
+        assert sinks is None, "core passed sinks to a backend that does not list them"
+        return super().forward(*args, **kw)
+
+
+def test_a_backend_without_sinks_runs_through_cores_fallback(tiny_gpt_oss: Path) -> None:
+    """Core's fallback (its reference over the backend's write_kv / read_kv) serves the sink
+    layers of a backend that does not list "sinks"; greedy decoding equals transformers'."""
+    model = _load(tiny_gpt_oss)
+    got = PagedSequence(model, _NoSinksBackend(), block_size=4).greedy(PROMPT, MAX_TOKENS, prefill_chunk=7)
+    assert got == hf_greedy(tiny_gpt_oss, PROMPT, MAX_TOKENS)
+
+
 def test_checkpoint_parts_are_where_transformers_has_them(tiny_gpt_oss: Path) -> None:
     """Sinks per layer and head, the router's bias, and expert e's gate / up rows (interleaved in
     the checkpoint) with their biases, down projection and its bias, against transformers' model;

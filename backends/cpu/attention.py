@@ -26,8 +26,10 @@ dequantize each row as they read it.
 Both take the attention features (`portside.backend_api.ATTENTION_FEATURES`). A sliding window
 is a mask, and only the blocks holding keys inside some query's window are gathered (a windowed
 decode reads the last `window` keys only; the native kernel skips the rest too). SDPA cannot
-soft-cap scores nor add attention sinks (gpt-oss: a per-head logit in the softmax's denominator),
-so such a layer computes its scores explicitly (`_attend`, fp32), its decodes batched in torch.
+soft-cap scores, so a soft-capped layer computes its scores explicitly (`_attend`, fp32). Attention
+sinks (gpt-oss: a per-head logit in the softmax's denominator) scale a prefill's SDPA output by
+sigmoid(lse - sink), the log-sum-exp from torch's CPU flash kernel (`_sdpa_sinks`); decodes with
+sinks compute their scores explicitly, batched in torch (the native decode kernels take none).
 
 Encoder attention (non-causal, no cache; `AttentionBackend.encoder_attention`) is SDPA over the
 sequences batched by length (`encoder_attention.py`), for both classes.
@@ -214,11 +216,12 @@ def _attend_batch(
         tables, mask = _decode_view(plan, md, window)
         out[:nd] = _decode(query[:nd], kv_cache, tables, mask, scale, softcap, sinks)
     done: set[int] = set()
-    if plan.prefills and softcap is None and sinks is None and query.dtype == key.dtype == value.dtype == kv_cache.dtype:
+    if plan.prefills and softcap is None and query.dtype == key.dtype == value.dtype == kv_cache.dtype:
         for start, n, length, members in plan.causal_runs():
             if window is None or window >= length:
                 end = start + n * length
-                out[start:end] = _attend_causal(query[start:end], key[start:end], value[start:end], n, scale, native)
+                out[start:end] = _attend_causal(query[start:end], key[start:end], value[start:end], n, scale, native,
+                                                sinks)  # fmt: skip
                 done.update(members)
     for i, p in enumerate(plan.prefills):
         if i not in done:
@@ -227,18 +230,32 @@ def _attend_batch(
 
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
-                   native: bool = False) -> torch.Tensor:
+                   native: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`n` sequences of one length, each attending causally to itself only: q (n * L, H, D), k, v
     (n * L, KVH, D) -> (n * L, H, D), in one SDPA call over (n, heads, L, D) views, or with
     `native` and bf16 in the AMX kernel (`native_causal`)."""
-    if native and q.dtype == torch.bfloat16 and native_causal(q.shape[-1]):
+    if native and q.dtype == torch.bfloat16 and sinks is None and native_causal(q.shape[-1]):
         return torch.ops.portside_cpu_native.causal_attention(_dense_rows(q), _dense_rows(k), _dense_rows(v), n, scale)
     def seqs(t: torch.Tensor) -> torch.Tensor:
         return t.view(n, -1, *t.shape[1:]).transpose(1, 2)
 
+    if sinks is not None:
+        return _sdpa_sinks(seqs(q), seqs(k), seqs(v), None, scale, sinks).transpose(1, 2).reshape(q.shape)
     o = F.scaled_dot_product_attention(seqs(q), seqs(k), seqs(v), is_causal=True, scale=scale,
                                        enable_gqa=q.shape[1] > k.shape[1])
     return o.transpose(1, 2).reshape(q.shape)
+
+
+def _sdpa_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                sinks: torch.Tensor) -> torch.Tensor:
+    """q (B, H, L, D) over k, v (B, KVH, S, D) with sinks [H], in k's dtype: the CPU flash kernel's output
+    times sigmoid(lse - sink), its rows' log-sum-exp (the sink's share). `mask` (L, S) bool; None: causal."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=k.dtype).masked_fill_(~mask, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(k.dtype), k, v, 0.0, mask is None, attn_mask=bias, scale=scale)[:2]  # fmt: skip
+    return (o.float() * torch.sigmoid(lse - sinks.float().view(-1, 1))[..., None]).to(k.dtype)
 
 
 @functools.cache
@@ -439,7 +456,10 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     num_q, num_heads, d = q.shape
     kvh = k.shape[1]
     group = num_heads // kvh
-    if softcap is None and sinks is None:
+    if softcap is None and sinks is not None:
+        o = _sdpa_sinks(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, sinks)
+        return o[0].transpose(0, 1).to(q.dtype)
+    if softcap is None:
         o = F.scaled_dot_product_attention(q.to(k.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                            enable_gqa=group > 1)  # (1, H, Q, D)

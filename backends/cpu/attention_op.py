@@ -2,7 +2,10 @@
 
 `torch.ops.portside_cpu.attention(q, k, v, layer, scale, sliding_window=0, logit_softcap=0.0)`
 runs the step's attention backend (`ForwardContext.attention`: KV write + paged attention) for one
-layer, with the layer's attention features (`feature_args`; 0: not used). To dynamo and Inductor it
+layer, with the layer's attention features (`feature_args`; 0: not used); a layer with attention
+sinks calls `portside_cpu::attention_sinks(..., sliding_window, logit_softcap, sinks)` instead
+(`sinks_arg`: [heads] fp32; a separate operator because the C++ front `portside_cpu_native::attention`
+calls back into `attention` through a handle typed against its schema). To dynamo and Inductor it
 is a black box with a fixed output shape (its fake implementation), so nothing about the batch's
 block tables, sequence lengths or prefill chunks is traced or guarded on, and the graph compiled
 once serves every step. The step's context comes from `forward_context(ctx)`, which the graph
@@ -52,14 +55,20 @@ def feature_args(features: dict[str, Any]) -> tuple[int, float]:
     return int(features.get("sliding_window") or 0), float(features.get("logit_softcap") or 0.0)
 
 
+def sinks_arg(features: dict[str, Any]) -> torch.Tensor | None:
+    """A layer's attention sinks (`ATTENTION_FEATURES` "sinks": [heads] fp32), the last argument of
+    `portside_cpu::attention_sinks`, or None (the layer calls `portside_cpu::attention`)."""
+    return features.get("sinks")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int = 0,
-              logit_softcap: float = 0.0) -> torch.Tensor:
+              logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]: layer `layer`'s paged attention in the current step
-    (writes k/v into that layer's cache first); features as `feature_args` gives them."""
+    (writes k/v into that layer's cache first); features as `feature_args` / `sinks_arg` give them."""
     if _current is None:
         raise RuntimeError("portside_cpu::attention called outside forward_context(ctx)")
     out = _current.attention(layer, q, k, v, scale, sliding_window=sliding_window or None,
-                             logit_softcap=logit_softcap or None)
+                             logit_softcap=logit_softcap or None, sinks=sinks)
     if out.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
         return out.clone()  # an operator's output may not alias its inputs
     return out.contiguous()  # the strides the fake implementation promised
@@ -72,11 +81,15 @@ _lib = torch.library.Library("portside_cpu", "FRAGMENT")
 _lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int sliding_window=0, "
             "float logit_softcap=0.0) -> Tensor")
 _lib.impl("attention", attention, "CPU")
+_lib.define("attention_sinks(Tensor q, Tensor k, Tensor v, int layer, float scale, int sliding_window, "
+            "float logit_softcap, Tensor sinks) -> Tensor")
+_lib.impl("attention_sinks", attention, "CPU")
 
 
 def attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int = 0,
-                   logit_softcap: float = 0.0) -> torch.Tensor:
+                   logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 torch.library.register_fake("portside_cpu::attention", attention_fake)
+torch.library.register_fake("portside_cpu::attention_sinks", attention_fake)

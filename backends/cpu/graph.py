@@ -154,13 +154,18 @@ class _Body(nn.Module):
         self.attention = attention
         self.logits = logits
         self.features = [attention_op.feature_args(model.attention_features(i)) for i in range(model.num_layers)]
+        self.sinks = [attention_op.sinks_arg(model.attention_features(i)) for i in range(model.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m = self.model
         h, aux = m.embed(input_ids, positions)
         for i in range(m.num_layers):
             q, k, v = m.pre_attention(i, h, aux)
-            o = self.attention(q, k, v, i, m.attention_scale(i), *self.features[i])
+            if self.sinks[i] is None:
+                o = self.attention(q, k, v, i, m.attention_scale(i), *self.features[i])
+            else:  # a layer with attention sinks (gpt-oss): the Python operator that takes them
+                o = torch.ops.portside_cpu.attention_sinks(q, k, v, i, m.attention_scale(i), *self.features[i],
+                                                           self.sinks[i])  # fmt: skip
             h = m.post_attention(i, h, o)
         h = m.final_norm(h)
         return (h, m.compute_logits(h)) if self.logits else h  # type: ignore[attr-defined]
