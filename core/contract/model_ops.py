@@ -25,9 +25,6 @@ MOE_CLAMPED_ACTIVATIONS = moe.CLAMPED_ACTIVATIONS
 SWIGLU_OAI_ALPHA = moe.SWIGLU_OAI_ALPHA
 
 __all__ = [
-    "MOE_ACTIVATIONS",
-    "MOE_CLAMPED_ACTIVATIONS",
-    "SWIGLU_OAI_ALPHA",
     "LoRAMapping",
     "ModelOps",
     "QuantParts",
@@ -72,10 +69,13 @@ class ModelOps(RecurrentKernels):
         it would ignore, nor crashes on one)."""
         super().__init_subclass__(**kwargs)
         for name, options in MOE_OPTIONS.items():
-            method = getattr(cls, name)
-            if getattr(ModelOps, name, None) is method or getattr(method, "_moe_options_wrapped", False):
+            method = next(k.__dict__[name] for k in cls.__mro__ if name in k.__dict__)  # ModelOps declares it
+            if method is ModelOps.__dict__[name] or getattr(method, "_moe_options_wrapped", False):
                 continue
-            params = inspect.signature(method).parameters
+            try:
+                params = inspect.signature(method).parameters
+            except (TypeError, ValueError):  # not a plain function: left as it is
+                continue
             if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
                 continue
             missing = tuple(option for option in options if option not in params)
