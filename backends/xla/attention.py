@@ -99,6 +99,14 @@ class XlaAttentionBackend(AttentionBackend):
         kv = quantize_kv(kv, kv_cache.dtype) if is_quantized_kv(kv_cache.dtype) else kv.to(kv_cache.dtype)
         flat.index_copy_(0, slots, kv)
 
+    def write_latent(self, cache, latent, slot_mapping) -> None:
+        """Latent attention (MLA) keeps core's layout and reference (`portside.ops.mla`), whose
+        masked write would read the mask back to the host: one unconditional scatter instead, a
+        skipped row (slot -1) sent one past the last slot, which XLA's scatter drops (as `write_kv`)."""
+        flat = cache.view(-1, cache.shape[-1])
+        slots = torch.where(slot_mapping < 0, flat.shape[0], slot_mapping)
+        flat.index_copy_(0, slots, latent.to(cache.dtype))
+
     def read_kv(self, kv_cache, slots):
         nb, bs, kvh2, d = kv_cache.shape
         kv = kv_cache.view(nb * bs, kvh2, d)[slots.long()]  # [N, 2*kvh, D]

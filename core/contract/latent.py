@@ -87,5 +87,7 @@ class LatentAttention:
     ) -> torch.Tensor:
         """Write `latent` at `metadata.slot_mapping`, then attend each query causally over its
         request's cached rows (score = q . row, value = row[:latent_dim]) -> [T, H, latent_dim]
-        in the query's dtype."""
-        return ref.latent_attention(query, latent, cache, metadata, scale, latent_dim)
+        in the query's dtype. Default: this backend's `write_latent`, then core's reference over
+        the reference layout (so a backend whose only override is how it writes keeps it)."""
+        self.write_latent(cache, latent, metadata.slot_mapping)
+        return ref.paged_latent_attention(query, cache, metadata, scale, latent_dim)

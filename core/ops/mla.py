@@ -27,7 +27,8 @@ import torch
 if TYPE_CHECKING:  # only named in annotations
     from portside.contract.attention import AttentionMetadata
 
-__all__ = ["latent_cache_shape", "write_latent", "read_latent", "latent_attention", "attend_latent"]
+__all__ = ["latent_cache_shape", "write_latent", "read_latent", "latent_attention", "paged_latent_attention",
+           "attend_latent"]
 
 
 def latent_cache_shape(num_blocks: int, block_size: int, head_size: int) -> tuple[int, ...]:
@@ -106,6 +107,13 @@ def latent_attention(
     request's cached rows: score = q . row (all head_size values), value = row[:latent_dim].
     Returns [T, H, latent_dim] in the query's dtype (tokens outside every request: zeros)."""
     write_latent(cache, latent, metadata.slot_mapping)
+    return paged_latent_attention(query, cache, metadata, scale, latent_dim)
+
+
+def paged_latent_attention(
+    query: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata, scale: float, latent_dim: int
+) -> torch.Tensor:
+    """`latent_attention` without the write: the step's rows are in the cache already."""
     num_tokens, num_heads = query.shape[0], query.shape[1]
     out = torch.zeros(num_tokens + 1, num_heads, latent_dim, dtype=query.dtype, device=query.device)
     num_reqs = len(metadata.seq_lens_cpu)
