@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from portside.contract import ModelOps
 from portside.ops.moe import moe_experts, select_experts
@@ -91,7 +93,7 @@ def _logits(t: int, e: int, seed: int, ties: bool) -> torch.Tensor:
     logits = torch.randn(t, e, generator=gen)
     if ties:  # duplicated groups of two, and coarse values: ties between groups and within them
         logits = (logits * 2).round() / 2
-        logits[: t // 2, e // 2 :] = logits[: t // 2, : e - e // 2][:, : e // 2]
+        logits[: t // 2, e - e // 2 :] = logits[: t // 2, : e // 2]
     return logits
 
 
@@ -119,6 +121,32 @@ def test_noaux_tc_routing_matches_transformers(model_type, experts, top_k, group
         got = select_experts(logits, top_k, norm, "sigmoid", num_groups=groups, topk_groups=topk_groups,
                              group_scoring="top2_sum", correction_bias=bias, scaling_factor=factor)  # fmt: skip
         assert_same_route(got, want, torch.sigmoid(logits) + bias if ties else None)
+
+
+@st.composite
+def grouped_routing(draw):
+    """A routing of 4 to 16 experts: groups dividing them, the kept groups, a top-k they can hold."""
+    experts = draw(st.integers(4, 16))
+    groups = draw(st.sampled_from([g for g in range(1, experts + 1) if experts % g == 0 and experts // g >= 2]))
+    topk_groups = draw(st.integers(1, groups))
+    top_k = draw(st.integers(1, topk_groups * (experts // groups)))
+    return experts, groups, topk_groups, top_k, draw(st.integers(0, 2**16)), draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)  # reproducible in CI
+@given(routing=grouped_routing())
+def test_any_grouped_routing_matches_transformers(routing):
+    """V3's noaux_tc and V2's group_limited_greedy on random shapes (and coarse logits with ties)."""
+    experts, groups, topk_groups, top_k, seed, ties = routing
+    logits = _logits(5, experts, seed, ties)
+    bias = torch.zeros(experts) if ties else torch.randn(experts, generator=torch.Generator().manual_seed(seed)) * 0.1
+    want = hf_noaux_tc_route("deepseek_v3", logits, bias, top_k, groups, topk_groups, True, 2.5)
+    got = select_experts(logits, top_k, True, "sigmoid", num_groups=groups, topk_groups=topk_groups,
+                         group_scoring="top2_sum", correction_bias=bias, scaling_factor=2.5)  # fmt: skip
+    assert_same_route(got, want, torch.sigmoid(logits) + bias if ties else None)
+    want = hf_deepseek_v2_route(logits, top_k, "group_limited_greedy", groups, topk_groups, 1.0)
+    got = select_experts(logits, top_k, False, "softmax", num_groups=groups, topk_groups=topk_groups)
+    assert_same_route(got, want, torch.softmax(logits, -1) if ties else None)
 
 
 def test_chosen_by_biased_score_weighted_by_unbiased():
