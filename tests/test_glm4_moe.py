@@ -74,7 +74,11 @@ def test_bf16_prompt_logits_match_transformers_bf16(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_glm4_moe(tmp_path / "m", init_std=0.1)
-    logits = PagedSequence(_load(path, dtype=torch.bfloat16), ReferenceAttentionBackend(), block_size=4).forward(PROMPT)
+    model = _load(path, dtype=torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.w13.dtype == torch.bfloat16
+    logits = PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(PROMPT)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32
     with torch.no_grad():
