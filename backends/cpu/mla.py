@@ -68,12 +68,15 @@ class CpuLatentAttention(LatentAttention):
         num_reqs = len(md.seq_lens_cpu)
         nd = min(md.num_decode_tokens, num_reqs)
         qsl = md.query_start_loc_cpu
+        native = self.latent_native and query.dtype in NATIVE_DTYPES and cache.dtype in NATIVE_DTYPES and native_ops.ready()
+        if native and nd == num_tokens:  # a decode-only step: the kernel's output as it is
+            return native_latent_decode(query, cache, md.block_tables[:nd], md.seq_lens[:nd], scale, latent_dim)
         out = torch.empty(num_tokens, num_heads, latent_dim, dtype=query.dtype)
         if qsl[num_reqs] < num_tokens:  # padding tokens outside every request: zeros, as the reference
             out[qsl[num_reqs] :].zero_()
         if nd:
             tables, lens = md.block_tables[:nd], md.seq_lens[:nd]
-            if self.latent_native and query.dtype in NATIVE_DTYPES and cache.dtype in NATIVE_DTYPES and native_ops.ready():
+            if native:
                 out[:nd] = native_latent_decode(query[:nd], cache, tables, lens, scale, latent_dim)
             else:
                 out[:nd] = torch_latent_decode(query[:nd], cache, tables, lens, max(md.seq_lens_cpu[:nd]), scale, latent_dim)

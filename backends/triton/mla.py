@@ -12,7 +12,8 @@ write needs no host-side filtering and can be captured.
 grid and request lookup of `paged_attention` (``locate_program``: nothing read back to the host).
 A program owns ``BLOCK_Q`` query tokens of one request times ``HEADS`` query heads (a
 ``BLOCK_M = BLOCK_Q * HEADS`` row tile; the grid's second axis walks groups of HEADS heads) and
-walks the request's block table one cache block (``BLOCK_SIZE`` rows) at a time: each tile of rows
+walks the request's block table ``BLOCK_N`` rows at a time (the whole cache block under the
+interpreter, 16 of it on a GPU, where a [512, N] fp32 tile must fit in registers): each tile of rows
 is loaded once for all the program's heads (MQA: the row is every head's key and value), as its
 latent part ``[LATENT, N]`` and rotary part ``[ROPE, N]`` (each padded to a power of two with
 masks: 512 + 64, 96 + 32, 16 + 8 alike), the scores are ``q_nope . c + q_pe . k_pe`` (two dots),
@@ -39,7 +40,7 @@ __all__ = ["TritonLatentAttention", "latent_attention", "write_latent"]
 
 _LOG2E = 1.4426950408889634
 MAX_HEADS_PER_PROGRAM = 16  # query heads a program holds (its accumulator is [BLOCK_M, LATENT_P2] fp32)
-FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
+GPU_BLOCK_N = 16  # rows per tile on a GPU: a [LATENT_P2, 16] fp32 tile stays in registers
 
 
 @triton.jit
@@ -111,7 +112,8 @@ def _latent_attention_kernel(
     LATENT_P2: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # rows per cache block
+    BLOCK_N: tl.constexpr,  # rows per tile (divides BLOCK_SIZE)
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -142,7 +144,7 @@ def _latent_attention_kernel(
 
     last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_tok + 1  # rows this tile of queries can see: [0, kv_end)
-    num_tiles = tl.cdiv(kv_end, BLOCK_SIZE)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -150,12 +152,13 @@ def _latent_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT_P2], tl.float32)
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, BLOCK_N)
     for t in range(tile_lo, tile_hi):
-        blk = tl.load(block_tables_ptr + req * stride_bt + t).to(tl.int64)
-        k_pos = t * BLOCK_SIZE + offs_n  # (N,)
+        first = t * BLOCK_N  # the tile's first position
+        blk = tl.load(block_tables_ptr + req * stride_bt + first // BLOCK_SIZE).to(tl.int64)
+        k_pos = first + offs_n  # (N,)
         kv_ok = k_pos < kv_end  # never read stale slots: they may hold NaN
-        rows = cache_ptr + blk * stride_cb + offs_n[None, :] * stride_co  # (1, N)
+        rows = cache_ptr + blk * stride_cb + (first % BLOCK_SIZE + offs_n)[None, :] * stride_co  # (1, N)
         c = _kv_values(tl.load(rows + offs_l[:, None], mask=l_ok[:, None] & kv_ok[None, :], other=0), KV_FP8)  # (L, N)
         pe = _kv_values(tl.load(rows + LATENT + offs_r[:, None], mask=r_ok[:, None] & kv_ok[None, :], other=0),
                         KV_FP8)  # (R, N)
@@ -223,9 +226,11 @@ def latent_attention(
     launch_precision: str,
     num_splits: int = 1,
     launch_options: dict | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal latent attention of each request's query tokens over its cached rows (one launch,
-    plus the reduce kernel when `num_splits` > 1)."""
+    plus the merge kernel when `num_splits` > 1). `block_n`: rows per tile, a divisor of the block
+    size of at least 16 (None: the whole block)."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
@@ -252,7 +257,7 @@ def latent_attention(
         scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0),
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, LATENT=latent_dim, LATENT_P2=latent_p2, ROPE=rope_dim,
-        ROPE_P2=rope_p2, BLOCK_SIZE=cache.shape[1], NUM_SPLITS=num_splits, PRECISION=launch_precision, KV_FP8=kv_fp8,
+        ROPE_P2=rope_p2, BLOCK_SIZE=cache.shape[1], BLOCK_N=block_n or cache.shape[1], NUM_SPLITS=num_splits, PRECISION=launch_precision, KV_FP8=kv_fp8,
         **(launch_options or {}),
     )  # fmt: skip
     if num_splits > 1:
@@ -272,6 +277,7 @@ class TritonLatentAttention(LatentAttention):
 
     latent_graph_support: ClassVar[bool] = True
     _num_splits: int | None = None  # `TritonAttentionBackend.__init__` may force it
+    latent_block_n: int | None = None  # rows per tile (None: chosen per device; tests force the GPU's under the interpreter)
 
     def write_latent(self, cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         write_latent(cache, latent, slot_mapping)
@@ -295,8 +301,9 @@ class TritonLatentAttention(LatentAttention):
         groups = -(-num_heads // min(next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM))
         splits = self._num_splits or choose_num_splits(arch, md.num_reqs, groups, md.max_query_len, md.max_seq_len,
                                                        md.block_size)
-        options = launch.kernel_options()
-        if arch.vendor != "interpreter":  # an [M, LATENT] fp32 accumulator: fewer stages, more warps
-            options = {**options, "num_stages": min(options.get("num_stages", 2), 2), "num_warps": 4 if head_size <= 256 else 8}
+        options, block_n = launch.kernel_options(), self.latent_block_n
+        if arch.vendor != "interpreter":  # [16, LATENT] fp32 accumulator and row tiles: small tiles, few stages
+            options = {**options, "num_stages": min(options.get("num_stages", 2), 2), "num_warps": 4}
+            block_n = block_n or min(md.block_size, GPU_BLOCK_N)
         return latent_attention(query, cache, out, md.query_start_loc, md.seq_lens, md.block_tables, scale, latent_dim,
-                                launch.input_precision, splits, options)
+                                launch.input_precision, splits, options, block_n)

@@ -82,6 +82,19 @@ def test_long_decodes_split_over_partitions(splits, kernel_device) -> None:
     assert_close(out, want)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_tiles_smaller_than_a_block(splits, kernel_device) -> None:
+    """The GPU's tiling (16 rows of a 32- or 64-row block per iteration) under the interpreter."""
+    gen = torch.Generator().manual_seed(11)
+    backend = TritonAttentionBackend(num_splits=splits)
+    backend.latent_block_n = 16
+    cases = [(32, "long_decodes")] if splits > 1 else [(32, "mixed"), (64, "decodes")]  # split-KV: decode-only steps
+    for bs, name in cases:
+        requests = {**batches(bs), **LONG}[name]
+        out, want = run(backend, requests, 4, 64, 16, bs, torch.float32, kernel_device, gen)
+        assert_close(out, want, context=f"block size {bs}, batch {name}")
+
+
 def test_padding_tokens_are_zero_and_not_written(kernel_device) -> None:
     gen = torch.Generator().manual_seed(5)
     out, want = run(TritonAttentionBackend(), batches(16)["mixed"], 3, 32, 16, 16, torch.float32, kernel_device, gen, pad=3)
