@@ -16,7 +16,7 @@ by its W_UK block first (``q_nope . (W_UK c) = (q_nope W_UK) . c``), so the scor
 the cached rows themselves, and the output (a weighted sum of ``c_kv`` rows) is multiplied by the
 head's W_UV block after: K and V are never materialised, and the backend's `latent_attention`
 (`portside.contract.LatentAttention`) reads only the latent cache. W_UK and W_UV are views of
-``kv_b_proj``'s weight, which stays dense (a quantized format leaves it in full precision).
+``kv_b_proj``'s weight (dequantized once where a checkpoint quantizes it, as vLLM does).
 
 Rotary: DeepSeek rotates the rope dims as interleaved pairs ``(x0, x1), (x2, x3), ...`` (V2's
 complex multiply; V3 with ``rope_interleave``, its default); V3 without it as halves (GPT-NeoX).
@@ -79,7 +79,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.latent_dim + self.rope, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(self.latent_dim, H * (self.nope + self.v_dim), False, tp.rank, tp.size, dtype)
-        self.kv_b_proj.quantizable = False  # the absorbed form multiplies by its weight's per-head blocks
+        self._kv_b_dense: torch.Tensor | None = None  # kv_b_proj's weight, dequantized once, if quantized
         self.o_proj = RowParallelLinear(H * self.v_dim, hidden, bias, tp.rank, tp.size, dtype, tp.comm)
         self.scale = mla_softmax_scale(qk, args.rope_scaling)
         self.features: dict[str, Any] = {}  # none of ATTENTION_FEATURES
@@ -90,9 +90,16 @@ class MLAttention(nn.Module):
         return self.latent_dim + self.rope
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's W_UK [H, nope, L] and W_UV [H, v, L]: views of kv_b_proj's weight."""
-        assert self.kv_b_proj.weight is not None
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent_dim)
+        """This rank's W_UK [H, nope, L] and W_UV [H, v, L]: views of kv_b_proj's weight. A
+        quantized kv_b_proj (block-FP8 checkpoints) is dequantized once, through the platform's
+        own quantized linear applied to the identity, and kept dense beside its codes."""
+        w = self.kv_b_proj.weight
+        if w is None:
+            if self._kv_b_dense is None:
+                eye = torch.eye(self.latent_dim, dtype=self.kv_b_proj.dtype, device=self.kv_a_layernorm.weight.device)
+                self._kv_b_dense = self.kv_b_proj.matmul(eye).t().contiguous()  # [H * (nope + v), L]
+            w = self._kv_b_dense
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.latent_dim)
         return w[:, : self.nope], w[:, self.nope :]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
