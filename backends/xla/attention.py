@@ -18,7 +18,9 @@ Two attention paths:
 
 Both paths take the per-layer features (`ATTENTION_FEATURES`): a sliding window narrows the mask
 to ``token_pos - window < key_pos`` and a logit softcap is a ``tanh`` on the scores; the window
-and the cap are Python constants of the layer, so each layer traces to one fixed graph.
+and the cap are Python constants of the layer, so each layer traces to one fixed graph. Attention
+sinks (gpt-oss: a device tensor of per-head logits) join the gather path's softmax as one more
+column; a layer with sinks takes the gather path on TPUs too (the Pallas kernel has none).
 
 Nothing reads a device tensor on the host (`.item()`, `.tolist()`, Python `if` on values): the
 per-token request index and position are computed on the device in `prepare`.
@@ -73,7 +75,7 @@ class XlaAttentionData:
 class XlaAttentionBackend(AttentionBackend):
     name = "xla-gather"
     graph_support = GraphCaptureSupport.ALWAYS
-    features = frozenset({"sliding_window", "logit_softcap"})
+    features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def __init__(self, use_pallas: bool = False) -> None:
@@ -146,16 +148,17 @@ class XlaAttentionBackend(AttentionBackend):
 
     def forward(
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float,
-        sliding_window: int | None = None, logit_softcap: float | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         data = metadata.backend_data
         if not isinstance(data, XlaAttentionData):
             metadata = self.with_data(metadata)
             data = metadata.backend_data
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
-        if self.use_pallas and not is_quantized_kv(kv_cache.dtype):
+        if self.use_pallas and not is_quantized_kv(kv_cache.dtype) and sinks is None:
             return self._pallas(query, kv_cache, metadata, data, scale, sliding_window, logit_softcap)
-        return _gather_attention(query, kv_cache, metadata.block_tables, data, scale, sliding_window, logit_softcap)
+        return _gather_attention(query, kv_cache, metadata.block_tables, data, scale, sliding_window, logit_softcap,
+                                 sinks)  # fmt: skip
 
     def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
         """One masked attention over the packed tokens (`encoder_attention_masked`); nothing is
@@ -191,6 +194,7 @@ def _gather_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] fp32
 ) -> torch.Tensor:
     num_tokens, num_heads, d = query.shape
     _, bs, kvh2, _ = kv_cache.shape
@@ -212,7 +216,11 @@ def _gather_attention(
         # a padding token past its block table may now see no key: give it key 0 (no NaN rows)
         mask = mask | (~mask.any(dim=1, keepdim=True) & (k_pos.unsqueeze(0) == 0))
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # one more logit per head in the denominator, its probability dropped
+        sink = sinks.float().view(1, kvh, group, 1).expand(num_tokens, kvh, group, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     out = torch.einsum("tkgs,tskd->tkgd", probs, v)  # [T, kvh, G, D]
     return out.reshape(num_tokens, num_heads, d).to(query.dtype)
 
