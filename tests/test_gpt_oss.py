@@ -220,3 +220,21 @@ def test_tensor_parallel_logits_equal_transformers(tmp_path: Path) -> None:
         attn, experts = model.model.layers[0].self_attn, model.model.layers[0].mlp.experts
         assert attn.sinks.shape == (2,) and experts.w13.shape[1] == 32 == 2 * experts.w2.shape[2]
         assert bool((experts.w2_bias == 0).all()) == (r == 1)
+
+
+@pytest.mark.slow  # builds o200k_harmony (~45 s) and a 201088-token model
+def test_tiny_gpt_oss_with_the_harmony_tokenizer(tmp_path: Path) -> None:
+    """`make_tiny_gpt_oss(tokenizer_dir=...)`: the released vocabulary size and eos ids, the
+    tokenizer beside the weights, and the engine's greedy tokens equal transformers'."""
+    from transformers import AutoTokenizer
+
+    from portside.testing.harmony_tokenizer import harmony_tokenizer_dir
+    from portside.testing.tiny_gpt_oss import GPT_OSS_VOCAB
+
+    path = make_tiny_gpt_oss(tmp_path / "m", tokenizer_dir=harmony_tokenizer_dir(), num_hidden_layers=2)
+    config = _load(path).config
+    assert config.vocab_size == GPT_OSS_VOCAB and set(config.eos_token_ids) == {200002, 199999, 200012}
+    ids = AutoTokenizer.from_pretrained(str(path)).encode("Hello world, how are you?")
+    llm = LLM(model=str(path), device="cpu", max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(path, ids, MAX_TOKENS)

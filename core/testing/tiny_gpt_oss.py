@@ -25,6 +25,8 @@ from portside.testing.tiny_tokenizer import CHATML_TEMPLATE, make_tiny_tokenizer
 __all__ = ["GPT_OSS_VOCAB", "make_tiny_gpt_oss"]
 
 GPT_OSS_VOCAB = 201088  # the released checkpoints' vocabulary (o200k_harmony, padded)
+# the released generation_config's eos ids, by name: <|return|> 200002, <|endoftext|> 199999, <|call|> 200012
+_HARMONY_EOS = ("<|return|>", "<|endoftext|>", "<|call|>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "generation_config.json")
 
@@ -72,7 +74,9 @@ def make_tiny_gpt_oss(
     ``num_local_experts=16``, ``num_experts_per_tok=4``, ``sliding_window=4``,
     ``layer_types=[...]``). The sinks are drawn N(0, `sink_std`) (transformers' 0.02 would make
     them ~0, where a sink still takes a share of every softmax but never varies by head).
-    `tokenizer_dir`: copy that folder's tokenizer in, vocabulary `GPT_OSS_VOCAB` unless overridden."""
+    `tokenizer_dir`: copy that folder's tokenizer in, vocabulary `GPT_OSS_VOCAB` unless overridden,
+    eos ids those of the released models (<|return|>, <|endoftext|>, <|call|>, where the
+    tokenizer has them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -90,7 +94,10 @@ def make_tiny_gpt_oss(
         tok = AutoTokenizer.from_pretrained(str(src))
         if len(tok) > GPT_OSS_VOCAB:
             raise ValueError(f"{src}: the tokenizer has {len(tok)} tokens, more than gpt-oss's {GPT_OSS_VOCAB}")
-        vocab, eos_id, pad_id = GPT_OSS_VOCAB, tok.eos_token_id, tok.pad_token_id
+        vocab = GPT_OSS_VOCAB
+        known = tok.get_vocab()
+        eos_id = [known[name] for name in _HARMONY_EOS if name in known] or tok.eos_token_id
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else known.get("<|endoftext|>")
     config = _tiny_config(vocab, eos_id, pad_id, config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
