@@ -10,7 +10,8 @@ experts, `routed_scaling_factor`).
   chunks continuing from the cache, fp32; over 2 tensor-parallel ranks (threads: heads split, the
   latent replicated); through a plugin's attention backend that has no latent kernels (npu_example);
 - greedy token ids through `portside.LLM`: batched with chunked prefill and preemption, alone, a
-  prefix-cache hit; the cpu graph runners (eager, and inductor, which falls back to eager);
+  prefix-cache hit; the cpu graph runners (eager, and inductor, which falls back to eager); n-gram
+  speculative decoding; pipeline and tensor parallelism;
 - the multi-token-prediction layer's tensors read and kept; refusals (8-bit latent cache, heads
   that do not split, tensors past the MTP layers).
 """
@@ -246,3 +247,30 @@ def test_tensor_parallel_engine(tmp_path: Path) -> None:
         _assert_parity(path, prompts, outs)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow  # two worker processes
+def test_pipeline_parallel_engine(tmp_path: Path) -> None:
+    """Two stages: each allocates the latent caches of its own layers; the MTP layer's tensors stay
+    with the last stage."""
+    path = _make("v3-moe", tmp_path / "m")
+    llm = LLM(model=str(path), device="cpu", max_model_len=64, block_size=4, pipeline_parallel_size=2)
+    prompts = _prompts(4, [7, 25])
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        _assert_parity(path, prompts, outs)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_ngram_speculative_decoding(tmp_path: Path) -> None:
+    """Verification steps attend several query tokens per running request over the latent cache."""
+    path = _make("v2", tmp_path / "m")
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(model=str(path), device="cpu", max_model_len=128, block_size=4, speculative_config=ngram)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11, 12, 9, 10]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS)
+    llm.shutdown()
