@@ -45,6 +45,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2MoeForCausalLM": Architecture(*_LLAMA, ("moe",)),
     "MixtralForCausalLM": Architecture("portside.model.mixtral", "MixtralForCausalLM", ("moe",)),
     "OlmoeForCausalLM": Architecture("portside.model.olmoe", "OlmoeForCausalLM", ("moe",), may_need=()),
+    # partial rotary, q/k norms, dense first layers, grouped sigmoid-routed experts with shared experts
+    "Glm4MoeForCausalLM": Architecture("portside.model.glm4_moe", "Glm4MoeForCausalLM", ("moe",), may_need=()),
     "Gemma2ForCausalLM": Architecture("portside.model.gemma", "Gemma2ForCausalLM", (*_WINDOW, "logit_softcap"), ()),
     "Gemma3ForCausalLM": Architecture("portside.model.gemma", "Gemma3ForCausalLM", _WINDOW, ("logit_softcap",)),
     "Phi3ForCausalLM": Architecture("portside.model.phi3", "Phi3ForCausalLM"),
