@@ -51,7 +51,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     print()
     print(textwrap.fill("needs: attention features each platform's attention backend runs natively or through core's "
                         "reference (see `portside devices`), in brackets where only some checkpoints' configs ask for "
-                        "them; moe: the platform's ModelOps.fused_moe. llava and qwen2_5_vl take images "
+                        "them; moe: the platform's ModelOps.fused_moe; recurrent: its recurrent-layer kernels; latent: its "
+                        "AttentionBackend.latent_attention (MLA; core's reference by default). llava and qwen2_5_vl take images "
                         "(docs/multimodal.md)",
                         shutil.get_terminal_size((80, 24)).columns))
     return 0
