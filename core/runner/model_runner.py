@@ -224,8 +224,12 @@ class ModelRunner:
         blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
         cap = 2 * self.config.scheduler.max_num_seqs * blocks_per_seq
         num_blocks = min(cap, int((budget - state_bytes) // per_block)) if per_block else cap
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)%s", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20, str(self.kv_cache_spec().storage_dtype).removeprefix("torch."),
+        spec = self.kv_cache_spec()
+        latent = (f"; latent attention (MLA): one row of {spec.latent_dim} + {spec.rope_dim} values per token and layer, "
+                  f"{spec.bytes_per_token / 2**10:.1f} KiB per token, {num_blocks * self.block_size} tokens"
+                  if isinstance(spec, LatentKVCacheSpec) else "")  # fmt: skip
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)%s%s", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20, str(spec.storage_dtype).removeprefix("torch."), latent,
                     self._state_report(state_bytes, num_blocks))
         return num_blocks
 
