@@ -81,14 +81,22 @@ def add_expert_params(experts: Any, interleaved: bool = True) -> None:
     experts.quant_format = "mxfp4"
 
 
+def _reshaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`t`'s storage seen as `shape`, as a tensor of its own: a view would keep `t` alive as its
+    ``_base`` after the platform moves the weight's data elsewhere (the cpu backend packs every
+    weight into one buffer), and with it the storage the codes were loaded into."""
+    assert t.is_contiguous()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
+
+
 def expert_weights(experts: Any) -> tuple[QuantWeight, QuantWeight]:
     """The loaded experts' (w13 [E, 2I, hidden], w2 [E, hidden, I]) as canonical ``mxfp4``
     `QuantWeight`s (the codes' storage as loaded); the checkpoint parameters are removed."""
     e, hidden, local = experts.num_experts, experts.hidden_size, experts.local
     p = {name: experts.get_parameter(name).data for name in EXPERT_TENSORS}
-    w13 = QuantWeight("mxfp4", (2 * local, hidden), p["gate_up_proj_blocks"].view(e, 2 * local, hidden // 2), bits=4,
+    w13 = QuantWeight("mxfp4", (2 * local, hidden), _reshaped(p["gate_up_proj_blocks"], (e, 2 * local, hidden // 2)), bits=4,
                       scales=p["gate_up_proj_scales"], group_size=BLOCK, method="mxfp4")
-    w2 = QuantWeight("mxfp4", (hidden, local), p["down_proj_blocks"].view(e, hidden, local // 2), bits=4,
+    w2 = QuantWeight("mxfp4", (hidden, local), _reshaped(p["down_proj_blocks"], (e, hidden, local // 2)), bits=4,
                      scales=p["down_proj_scales"], group_size=BLOCK, method="mxfp4")
     for name in EXPERT_TENSORS:
         delattr(experts, name)
