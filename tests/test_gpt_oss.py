@@ -238,3 +238,21 @@ def test_tiny_gpt_oss_with_the_harmony_tokenizer(tmp_path: Path) -> None:
     llm = LLM(model=str(path), device="cpu", max_model_len=64)
     out = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(path, ids, MAX_TOKENS)
+
+
+def test_bad_or_missing_sinks_are_named(tiny_gpt_oss: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_gpt_oss, bad)
+    weights = load_file(bad / "model.safetensors")
+    weights["model.layers.1.self_attn.sinks"] = torch.zeros(5)
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.sinks' \(5,\).*one value per query head \(4\)"):
+        _load(bad)
+    del weights["model.layers.1.self_attn.sinks"]
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*model.layers.1.self_attn.sinks"):
+        _load(bad)

@@ -139,7 +139,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
                 continue
             first = attn.num_heads * tp_rank
             # fp32 logits, one per query head of this rank (`ATTENTION_FEATURES` "sinks")
-            attn.sinks = _param(attn.num_heads, dtype=torch.float32, loader=_head_slice_loader(first, attn.num_heads))
+            loader = _head_slice_loader(first, attn.num_heads, args.num_heads)
+            attn.sinks = _param(attn.num_heads, dtype=torch.float32, loader=loader)
             attn.features["sinks"] = attn.sinks
 
     @classmethod
@@ -157,10 +158,12 @@ class GptOssForCausalLM(DecoderForCausalLM):
             yield from super().checkpoint_tensors(name, tensor)
 
 
-def _head_slice_loader(first: int, count: int):  # noqa: ANN202
+def _head_slice_loader(first: int, count: int, total: int):  # noqa: ANN202
+    """self_attn.sinks [total heads] -> this rank's `count` from head `first`, as fp32."""
+
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if loaded.dim() != 1 or loaded.shape[0] < first + count:
-            raise ValueError(f"self_attn.sinks {tuple(loaded.shape)}: expected one value per query head")
+        if tuple(loaded.shape) != (total,):
+            raise ValueError(f"self_attn.sinks {tuple(loaded.shape)}: expected one value per query head ({total})")
         _copy(param.data, loaded.narrow(0, first, count), "self_attn.sinks")
 
     return load
