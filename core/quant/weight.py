@@ -185,17 +185,19 @@ def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, block: tuple[int
     return (q.float() * expand_block_scales(scales.float(), block, n, k)).to(dtype)
 
 
-def mxfp4_lut(device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+def mxfp4_byte_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """[256, 2] fp32: the e2m1 values of a byte's low and high nibble."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+    b = torch.arange(256, device=device)
+    return torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1)
 
 
 def dequantize_mxfp4(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 codes [.., N, K / 2] and e8m0 scales [.., N, K / 32] -> [.., N, K] in `dtype`
     (exact in fp32: an e2m1 value times a power of two)."""
-    values = mxfp4_lut(q.device)[unpack_int4(q).long()]  # [.., N, K]
-    exps = scales.to(torch.int32) - 127
-    out = torch.ldexp(values.unflatten(-1, (-1, 32)), exps.unsqueeze(-1).float()).flatten(-2)
-    return out.to(dtype)
+    values = mxfp4_byte_values(q.device)[q.int()].flatten(-2)  # [.., N, K]: each byte's low nibble first
+    powers = torch.exp2(scales.float() - 127).unsqueeze(-1)  # [.., N, K / 32, 1]
+    return (values.unflatten(-1, (-1, 32)) * powers).flatten(-2).to(dtype)
 
 
 def quantize_activation(x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None) -> torch.Tensor:
