@@ -129,6 +129,10 @@ class AttentionBackend(LatentAttention, ABC):
     but its bytes per (token, KV head) row must be `kv_row_bytes` (core sizes the pool by it);
     `quantize_kv` / `dequantize_kv` are the reference formats, which an implementation must match
     within `portside.testing.tolerances`.
+
+    Latent attention (MLA, DeepSeek-V2/V3): the `LatentAttention` methods (`latent_cache_shape`,
+    `write_latent`, `read_latent`, `latent_attention`), inherited with core's reference as their
+    defaults; see `portside.contract.latent`.
     """
 
     name: ClassVar[str] = "abstract"
