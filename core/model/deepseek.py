@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,8 +109,6 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3: rotary on interleaved pairs when ``rope_interleave`` (the default), else on halves."""
-
-    renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     @classmethod
     def rope_interleaved(cls, args: ModelArgs) -> bool:
