@@ -28,8 +28,8 @@ is a mask, and only the blocks holding keys inside some query's window are gathe
 decode reads the last `window` keys only; the native kernel skips the rest too). SDPA cannot
 soft-cap scores, so a soft-capped layer computes its scores explicitly (`_attend`, fp32). Attention
 sinks (gpt-oss: a per-head logit in the softmax's denominator) scale a prefill's SDPA output by
-sigmoid(lse - sink), the log-sum-exp from torch's CPU flash kernel (`_sdpa_sinks`); decodes with
-sinks compute their scores explicitly, batched in torch (the native decode kernels take none).
+sigmoid(lse - sink), the log-sum-exp from torch's CPU flash kernel (`_sdpa_sinks`); the native
+decode kernels add e^(sink - max) to each row's denominator, the torch decodes a sink column.
 
 Encoder attention (non-causal, no cache; `AttentionBackend.encoder_attention`) is SDPA over the
 sequences batched by length (`encoder_attention.py`), for both classes.
@@ -351,10 +351,9 @@ class NativeAttentionBackend(CpuAttentionBackend):
         if plan.torch_only:
             return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logit_softcap, sinks)
         native = _native(kv_cache, query, key, value)
-        native_decode = native and sinks is None  # the C decode kernels take no sinks: torch attends those
-        if native_decode and plan.native_step is not None:
+        if native and plan.native_step is not None:
             return plan.native_step(_dense_rows(query), _dense_rows(key), _dense_rows(value), kv_cache, scale,
-                                    sliding_window, logit_softcap)
+                                    sliding_window, logit_softcap, sinks)
         if native:
             kernels.write_kv(kv_cache, _dense_rows(key), _dense_rows(value), plan.native_slots)
         else:
@@ -362,11 +361,11 @@ class NativeAttentionBackend(CpuAttentionBackend):
                 plan.keep, plan.slots = valid_slots(plan.native_slots)
             self._write(kv_cache, key, value, plan.keep, plan.slots)
         out = _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap,
-                            decodes=not native_decode, native=native, sinks=sinks)
+                            decodes=not native, native=native, sinks=sinks)
         nd = plan.num_decodes
-        if nd and native_decode:
+        if nd and native:
             kernels.paged_decode(out[:nd], _dense_rows(query[:nd]), kv_cache, plan.native_tables, plan.native_lens,
-                                 scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+                                 scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
         return out
 
 

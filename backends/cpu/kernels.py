@@ -22,7 +22,7 @@ from portside.backends.cpu import native_build, native_ops
 from portside.backends.cpu.native_build import NativeBuildError
 from portside.contract import KV_SCALE_BYTES
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _ERRORS = {
     1: "a block id outside the cache",
     2: "out of memory for the kernel's scratch buffers",
@@ -51,11 +51,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ps_abi_version.restype = _i32
     lib.ps_abi_version.argtypes = []
     lib.ps_paged_decode_f32.restype = _i32
-    lib.ps_paged_decode_f32.argtypes = [_ptr] * 5 + [_i64] * 12 + [_f32, _i64, _f32, _i32]
+    lib.ps_paged_decode_f32.argtypes = [_ptr] * 5 + [_i64] * 12 + [_f32, _i64, _f32, _i32, _ptr]
     lib.ps_write_kv_f32.restype = _i32
     lib.ps_write_kv_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
     lib.ps_paged_decode_q8.restype = _i32
-    lib.ps_paged_decode_q8.argtypes = [_ptr, _ptr, _ptr, _i32, _ptr, _ptr] + [_i64] * 12 + [_f32, _i64, _f32, _i32]
+    lib.ps_paged_decode_q8.argtypes = [_ptr, _ptr, _ptr, _i32, _ptr, _ptr] + [_i64] * 12 + [_f32, _i64, _f32, _i32, _ptr]
     lib.ps_write_kv_q8.restype = _i32
     lib.ps_write_kv_q8.argtypes = [_ptr, _i32, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
     lib.ps_write_kv_bf16.restype = _i32
@@ -121,6 +121,7 @@ def paged_decode(
     num_threads: int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] fp32, contiguous
 ) -> None:
     """Decode attention of B single-token queries over their paged K/V (GQA: H % KVH == 0), with
     the attention features of `portside.contract.ATTENTION_FEATURES` (None: not used).
@@ -134,7 +135,7 @@ def paged_decode(
             raise ValueError(f"out {tuple(out.shape)} / query {tuple(query.shape)}: need matching shapes")
         out32 = torch.empty(query.shape, dtype=torch.float32)
         paged_decode(out32, query.float(), kv_cache, block_tables, seq_lens, scale, num_threads, sliding_window,
-                     logit_softcap)
+                     logit_softcap, sinks)
         out.copy_(out32)
         return
     for t, name in ((out, "out"), (query, "query")):
@@ -156,13 +157,23 @@ def paged_decode(
     args = (
         block_tables.data_ptr(), seq_lens.data_ptr(), batch, heads, kv_heads, d, num_blocks, block_size,
         block_tables.shape[1], query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale, sliding_window or 0, logit_softcap or 0.0, num_threads or torch.get_num_threads(),
+        scale, sliding_window or 0, logit_softcap or 0.0, num_threads or torch.get_num_threads(), _sinks(sinks, heads),
     )  # fmt: skip
     if fmt:
         rc = lib.ps_paged_decode_q8(out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), fmt, *args)
     else:
         rc = lib.ps_paged_decode_f32(out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), *args)
     _raise_on(rc, "paged_decode")
+
+
+def _sinks(sinks: torch.Tensor | None, heads: int) -> int | None:
+    """The kernels' `sinks` pointer: [heads] fp32 contiguous, or None (NULL: none)."""
+    if sinks is None:
+        return None
+    _check(sinks, "sinks", torch.float32, 1)
+    if sinks.shape[0] != heads or not sinks.is_contiguous():
+        raise ValueError(f"sinks {tuple(sinks.shape)}: one fp32 logit per query head ({heads}), contiguous")
+    return sinks.data_ptr()
 
 
 def _check_kv(t: torch.Tensor, name: str, fmt: int) -> None:
@@ -229,7 +240,8 @@ class DecodeStep:
         self._slots = slots.data_ptr()
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 query [B, H, D], key/value [B, KVH, D] with dense heads -> attention output [B, H, D]
         (contiguous); key/value are first written at the step's slots of `kv_cache` (fp32, bf16 or
         8-bit, `FORMATS`). Over a bf16 cache all three may be bf16 (the output is then bf16:
@@ -254,6 +266,7 @@ class DecodeStep:
         args = (
             *self._tables, batch, heads, kv_heads, d, num_blocks, block_size, self._table_shape[0], query.stride(0), d,
             heads * d, d, self._table_shape[1], scale, sliding_window or 0, logit_softcap or 0.0, torch.get_num_threads(),
+            _sinks(sinks, heads),
         )  # fmt: skip
         if fmt:
             rc = self._lib.ps_paged_decode_q8(out.data_ptr(), query.data_ptr(), cache, fmt, *args)

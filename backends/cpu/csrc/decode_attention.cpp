@@ -141,7 +141,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                            plan.lens.data_ptr<int32_t>(), batch, heads, kvh, d, num_blocks, block_size,
                            plan.tables.size(1), qk.stride(0), qk.stride(1), heads * d, d, plan.tables.stride(0),
                            (float)scale, std::max<int64_t>(sliding_window, 0), (float)std::max(logit_softcap, 0.0),
-                           at::get_num_threads(), q16);
+                           at::get_num_threads(), q16, nullptr);  // sinks layers call portside_cpu::attention_sinks
   TORCH_CHECK(rc == PS_OK, "portside_cpu_native::attention: paged decode failed (error ", rc,
               ": a block id or seq_len outside the cache or the block table, or out of memory)");
   return bf16 ? out.to(at::kBFloat16) : out;

@@ -81,7 +81,14 @@ typedef struct {
     float softcap;  /* > 0: scores -> softcap * tanh(scores / softcap) before the softmax (0: none) */
     int64_t window; /* > 0: a query at position p sees keys p - window < k <= p (0: every key) */
     int q_bf16;     /* the queries are bf16 (decode_range_bf16 only: bf16_queries), else fp32 */
+    const float *sinks; /* [num_heads] attention sinks (gpt-oss): one more logit in each head's softmax
+                         * denominator, no value (NULL: none; last, so C++ initialisers may omit it) */
 } decode_shape;
+
+/* Row r's sink share of its softmax denominator, in units of its numerators e^(s - m): e^(sink_r - m). */
+ALWAYS_INLINE float sink_share(const decode_shape *sh, int64_t r, float m) {
+    return sh->sinks ? expf(sh->sinks[r] - m) : 0.0f;
+}
 
 /* GNU C vector types (gcc, clang): the compiler lowers them to whatever SIMD the target has. */
 typedef float v16f __attribute__((vector_size(64)));
@@ -444,7 +451,7 @@ ALWAYS_INLINE void decode_range(const decode_shape *sh, float *out, float *part,
     }
     for (int64_t r = 0; r < R; ++r) {
         float *o = out + r * sh->out_stride_head;
-        const float inv = 1.0f / l_r[r];
+        const float inv = 1.0f / (l_r[r] + sink_share(sh, r, m_r[r]));
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
     }
@@ -541,7 +548,7 @@ ALWAYS_INLINE void decode_range_q8(const decode_shape *sh, float *out, float *pa
     }
     for (int64_t r = 0; r < R; ++r) {
         float *o = out + r * sh->out_stride_head;
-        const float inv = 1.0f / l_r[r];
+        const float inv = 1.0f / (l_r[r] + sink_share(sh, r, m_r[r]));
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
     }
@@ -767,7 +774,7 @@ ALWAYS_INLINE void decode_range_bf16(const decode_shape *sh, float *out, float *
                 if (b >= nb) break;
                 const int64_t r = r0 + b;
                 float *o = part ? part + r * D : out + r * sh->out_stride_head;
-                const __m512 inv = _mm512_set1_ps(part ? 1.0f : 1.0f / l_r[r]);
+                const __m512 inv = _mm512_set1_ps(part ? 1.0f : 1.0f / (l_r[r] + sink_share(sh, r, m_r[r])));
                 for (int64_t c = 0; c < C; ++c) {
                     _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(ae[b][c], lo, ao[b][c]), inv));
                     _mm512_storeu_ps(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ae[b][c], hi, ao[b][c]), inv));
@@ -830,7 +837,7 @@ static void merge_splits(const decode_shape *sh, float *out, const float *parts,
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) o[d] += w * p[r * D + d];
         }
-        const float inv = 1.0f / total;
+        const float inv = 1.0f / (total + sink_share(sh, r, M));
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
@@ -868,7 +875,8 @@ static char *workspace(size_t bytes) {
  *   seq_lens     [num_seqs] int32
  * num_heads must be a multiple of num_kv_heads. A seq_len of 0 gives a zero output row.
  * `window` > 0: only the last `window` keys of each sequence are attended (and read); `softcap`
- * > 0: the scores are soft-capped (see decode_shape). 0 turns either off.
+ * > 0: the scores are soft-capped (see decode_shape). 0 turns either off. `sinks` ([num_heads]
+ * fp32, or NULL): each head's sink logit joins its softmax denominator (see decode_shape).
  *
  * A task is one split of one sequence, all its heads (whole cache rows: one thread walks each
  * cache page, and every row it reads is contiguous). A sequence longer than SPLIT_TOKENS is cut
@@ -884,12 +892,12 @@ static int paged_decode(float *out, const void *query, const void *kv_cache, con
                         int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                         int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
                         int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
-                        float softcap, int num_threads, int q_bf16) {
+                        float softcap, int num_threads, int q_bf16, const float *sinks) {
     if (fmt < PS_KV_F32 || fmt > PS_KV_BF16) return PS_ERR_FORMAT;
     if (q_bf16 && !(fmt == PS_KV_BF16 && bf16_queries(head_size))) return PS_ERR_FORMAT;
     const decode_shape sh = {num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks,
                              q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride, scale,
-                             softcap, window, q_bf16};
+                             softcap, window, q_bf16, sinks};
     int64_t max_len = 0, tasks = 0, split_tasks = 0;
     for (int64_t i = 0; i < num_seqs; ++i) { /* validate everything before touching the cache */
         const int64_t len = seq_lens[i], lo = window_start(&sh, len), n = num_splits(len - lo);
@@ -966,10 +974,10 @@ int ps_paged_decode_f32(float *out, const float *query, const float *kv_cache, c
                         int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                         int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok,
                         int64_t out_stride_head, int64_t table_stride, float scale, int64_t window,
-                        float softcap, int num_threads) {
+                        float softcap, int num_threads, const float *sinks) {
     return paged_decode(out, query, kv_cache, PS_KV_F32, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
                         head_size, num_blocks, block_size, max_blocks, q_stride_tok, q_stride_head, out_stride_tok,
-                        out_stride_head, table_stride, scale, window, softcap, num_threads, 0);
+                        out_stride_head, table_stride, scale, window, softcap, num_threads, 0, sinks);
 }
 
 /* `ps_paged_decode_f32` over an 8-bit cache of format `fmt` (PS_KV_INT8, _E4M3, _E5M2) or a bf16 one
@@ -979,11 +987,12 @@ int ps_paged_decode_q8(float *out, const float *query, const uint8_t *kv_cache, 
                        const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_size, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                        int64_t q_stride_tok, int64_t q_stride_head, int64_t out_stride_tok, int64_t out_stride_head,
-                       int64_t table_stride, float scale, int64_t window, float softcap, int num_threads) {
+                       int64_t table_stride, float scale, int64_t window, float softcap, int num_threads,
+                       const float *sinks) {
     if (fmt == PS_KV_F32) return PS_ERR_FORMAT;
     return paged_decode(out, query, kv_cache, fmt, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
                         head_size, num_blocks, block_size, max_blocks, q_stride_tok, q_stride_head, out_stride_tok,
-                        out_stride_head, table_stride, scale, window, softcap, num_threads, 0);
+                        out_stride_head, table_stride, scale, window, softcap, num_threads, 0, sinks);
 }
 
 /* Write the K/V rows of new tokens into the cache (vLLM's reshape_and_cache):
@@ -1053,4 +1062,4 @@ int ps_write_kv_bf16(uint16_t *kv_cache, int64_t num_slots, int64_t row, const v
 }
 
 /* ABI version of this file's entry points; kernels.py checks it after loading. */
-int ps_abi_version(void) { return 4; }
+int ps_abi_version(void) { return 5; }
