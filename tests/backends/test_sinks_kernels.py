@@ -1,7 +1,8 @@
 """Attention sinks (gpt-oss: a per-head logit in each query's softmax denominator) in the cpu and
-Triton attention paths against core's reference, alone and with a sliding window: decodes
-(the native backend's decodes go through its torch path then), prefill chunks over cached
-prefixes, mixed batches, GQA 1 and 4, fp32 and bf16, Triton's split-KV reduce."""
+Triton attention paths against core's reference, alone and with a sliding window: decodes (the
+native backend's C kernels, a 140-token one in two merged splits), prefill chunks over cached
+prefixes (SDPA with its log-sum-exp), mixed batches, GQA 1 and 4, fp32 and bf16, Triton's
+split-KV reduce."""
 
 from __future__ import annotations
 
