@@ -199,6 +199,9 @@ def test_reference_dequantizes_per_block() -> None:
     for n, k in [(0, 0), (17, 33), (49, 69), (31, 64)]:
         assert dense[n, k] == qw.qweight[n, k].float() * qw.scales[n // 16, k // 32]
     assert ((dense - w).abs() <= w.abs().amax() / 448 * 16).all()  # e4m3's step at the top of a block
+    whole = quantize_fp8_block(torch.randn(3, 64, 96), (32, 32))  # whole blocks, stacked: the blockwise path
+    scale = whole.scales.repeat_interleave(32, -2).repeat_interleave(32, -1)
+    assert torch.equal(dequantize(whole), whole.qweight.float() * scale)
 
 
 # ---- resident memory -----------------------------------------------------------------------------

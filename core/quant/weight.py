@@ -182,7 +182,11 @@ def expand_block_scales(scales: torch.Tensor, block: tuple[int, int], n: int, k:
 def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Block-wise fp8 [.., N, K] times its blocks' scales, in `dtype` (computed in fp32)."""
     n, k = q.shape[-2], q.shape[-1]
-    return (q.float() * expand_block_scales(scales.float(), block, n, k)).to(dtype)
+    bn, bk = block
+    if n % bn or k % bk:  # partial edge blocks: a scale per element
+        return (q.float() * expand_block_scales(scales.float(), block, n, k)).to(dtype)
+    tiles = q.float().unflatten(-1, (k // bk, bk)).unflatten(-3, (n // bn, bn))  # [.., N/bn, bn, K/bk, bk]
+    return (tiles * scales.float()[..., :, None, :, None]).flatten(-4, -3).flatten(-2).to(dtype)
 
 
 def mxfp4_byte_values(device: torch.device | str = "cpu") -> torch.Tensor:
