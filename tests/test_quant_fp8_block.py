@@ -62,11 +62,13 @@ def llama_fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_block_config_is_parsed_and_bad_ones_name_the_fix() -> None:
-    qc = QuantConfig.resolve({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}, None)
+    qc = QuantConfig.resolve({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                              "fmt": "e4m3"}, None)  # DeepSeek-V3's quantization_config
     assert qc is not None and qc.block == (128, 128) and qc.act is None and "128x128 blocks" in qc.describe()
     for bad, needle in [({"weight_block_size": [128]}, "two positive integers"),
                         ({"weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme static"),
                         ({"weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "scale_fmt"),
+                        ({"weight_block_size": [128, 128], "fmt": "e5m2"}, "e4m3 weights only"),
                         ({"weight_block_size": [128, 128], "modules_to_convert": ["embed_tokens"]}, "modules_to_convert")]:
         with pytest.raises(ValueError, match=needle):
             QuantConfig.resolve({"quant_method": "fp8", **bad}, None)

@@ -200,6 +200,8 @@ def _fp8_block(q: dict[str, Any], scheme: str) -> QuantConfig:
     if scheme == "static":
         raise ValueError("block-wise FP8 with activation_scheme static (a calibrated activation_scale) is not supported; "
                          "portside reads activation_scheme dynamic block-wise checkpoints")
+    if str(q.get("fmt") or "e4m3") != "e4m3":  # DeepSeek-V3 / Qwen3-FP8 configs say fmt: e4m3
+        raise ValueError(f"block-wise FP8 with fmt {q.get('fmt')!r} is not supported (e4m3 weights only)")
     fmt = str(q.get("scale_fmt") or "float")
     if fmt != "float":
         raise ValueError(f"block-wise FP8 with scale_fmt {fmt!r} is not supported (float32 weight_scale_inv only)")
