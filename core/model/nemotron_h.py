@@ -123,7 +123,7 @@ class NemotronHMoE(nn.Module):
         if E % self.n_group:
             raise ValueError(f"Nemotron-H: {E} experts do not split into n_group={self.n_group} groups")
         self.norm_topk_prob, self.scaling = bool(hf.norm_topk_prob), float(hf.routed_scaling_factor)
-        self.comm, self.tp_size = tp.comm, tp.size
+        self.comm, self.tp_size, self.ops = tp.comm, tp.size, tp.ops
         self.gate = _Router()
         self.gate.weight = _param(E, hidden, dtype=torch.float32, loader=_fp32_loader)
         bias = _param(E, dtype=torch.float32, loader=_fp32_loader)
@@ -138,21 +138,13 @@ class NemotronHMoE(nn.Module):
                                            hf.mlp_hidden_act, tp, dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] fp32, expert ids [T, k]): the top-k by score + correction within the
-        topk_group best groups (each group scored by its two best), weighted by the plain scores."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.gate.e_score_correction_bias.float()
-        if self.n_group > 1:
-            T, E = choice.shape
-            grouped = choice.view(T, self.n_group, E // self.n_group)
-            best = grouped.topk(min(2, E // self.n_group), dim=-1)[0].sum(-1)  # [T, groups]
-            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1)[1], 1.0)
-            choice = choice.masked_fill(~keep.bool().repeat_interleave(E // self.n_group, dim=1), float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        """(weights [T, k] fp32, expert ids [T, k]): DeepSeek-V3's noaux_tc routing (sigmoid scores,
+        chosen with the correction bias within the topk_group best groups, each scored by its two
+        best), through the platform's `select_experts`."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        return self.ops.select_experts(
+            logits, self.top_k, self.norm_topk_prob, "sigmoid", num_groups=self.n_group, topk_groups=self.topk_group,
+            group_scoring="top2_sum", correction_bias=self.gate.e_score_correction_bias, scaling_factor=self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
