@@ -15,8 +15,9 @@ The cache keeps the reference layout ``[num_blocks, block_size, head_size]`` (on
   pending, another dtype) batched torch: the decodes' blocks gathered in one `index_select`, two
   batched matmuls in fp32 around a masked softmax.
 - prefill chunks: batched torch, one request at a time: its rows gathered once, its query heads
-  folded into the query axis (MQA: one row serves every head) and one SDPA call with a causal
-  mask by token position; the value is the rows' latent prefix, a view (no copy).
+  folded into the query axis (MQA: one row serves every head), SDPA with a causal mask by token
+  position, one call per block of 2048 query rows over the rows the block sees (a long prompt
+  skips the upper triangle block by block); the value is the rows' latent prefix, a view.
 
 Math is fp32 (the native kernel, the torch decodes) or SDPA's (fp32 accumulation); outputs are in
 the query's dtype. Caches of other dtypes (8-bit) and tensors off the CPU take core's reference.
@@ -36,6 +37,7 @@ __all__ = ["CpuLatentAttention", "native_latent_decode", "torch_latent_decode", 
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the torch paths store and read
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # queries and caches `mla_decode` takes
+PREFILL_ROWS = 2048  # query rows (tokens x heads) of one prefill SDPA call
 
 
 def _takes(query: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -117,15 +119,23 @@ def torch_latent_decode(query: torch.Tensor, cache: torch.Tensor, block_tables: 
 def latent_prefill(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float,
                    latent_dim: int) -> torch.Tensor:
     """One request's query chunk query [Q, H, D], the last Q of its seq_len positions, causal over
-    its rows -> [Q, H, latent_dim]: one SDPA call with the heads folded into the query axis."""
+    its rows -> [Q, H, latent_dim]: SDPA with the heads folded into the query axis, one call per
+    block of `PREFILL_ROWS` query rows over the rows that block sees (so a long prompt skips the
+    upper triangle block by block: half the work of one masked call)."""
     num_q, num_heads, d = query.shape
     bs = cache.shape[1]
     n = -(-seq_len // bs)
     rows = cache.view(cache.shape[0], -1).index_select(0, block_table[:n].long()).view(n * bs, d)[:seq_len]  # [S, D]
-    q = query.reshape(num_q * num_heads, d) if query.is_contiguous() else query.contiguous().view(num_q * num_heads, d)
+    q = query.to(rows.dtype).reshape(num_q * num_heads, d)
     q0 = seq_len - num_q  # the first query's position
-    q_pos = (q0 + torch.arange(num_q)).repeat_interleave(num_heads)  # row t * H + h is token t
-    mask = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # [Q * H, S]
-    o = F.scaled_dot_product_attention(q.to(rows.dtype)[None, None], rows[None, None], rows[None, None, :, :latent_dim],
-                                       attn_mask=mask, scale=scale)  # [1, 1, Q * H, L]
-    return o.view(num_q, num_heads, latent_dim).to(query.dtype)
+    out = torch.empty(num_q, num_heads, latent_dim, dtype=query.dtype)
+    step = max(1, PREFILL_ROWS // num_heads)
+    for start in range(0, num_q, step):
+        end = min(num_q, start + step)
+        keys = q0 + end  # what the block's last query sees
+        q_pos = torch.arange(q0 + start, keys).repeat_interleave(num_heads)  # row t * H + h is token t
+        mask = torch.arange(keys).unsqueeze(0) <= q_pos.unsqueeze(1)  # [rows, keys]
+        o = F.scaled_dot_product_attention(q[start * num_heads : end * num_heads][None, None], rows[None, None, :keys],
+                                           rows[None, None, :keys, :latent_dim], attn_mask=mask, scale=scale)
+        out[start:end] = o.view(end - start, num_heads, latent_dim)
+    return out

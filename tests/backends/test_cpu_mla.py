@@ -6,7 +6,7 @@ Both backends: `CpuAttentionBackend` (batched torch decodes and prefills) and
 patched to raise while they run, and the native backend's torch decode path too, so a test fails
 if a call silently fell back. Batches are the conformance kit's (decodes at block boundaries,
 ragged prefills, prefill chunks over cached prefixes mixed with decodes) plus long decodes that
-the kernel splits over threads; shapes from DeepSeek-V2's 512 + 64 down to odd small ones
+the kernel splits over threads and long prefills (several SDPA blocks); shapes from DeepSeek-V2's 512 + 64 down to odd small ones
 (96 + 32, 16 + 8, 24 + 7), 1 to 20 heads (several head vectors, a remainder); fp32 and bf16
 with the tolerances of `portside.testing.tolerances`. Slots no request reads hold large noise.
 """
@@ -27,6 +27,7 @@ REFERENCE = ref.latent_attention
 # (heads, latent_dim, rope_dim, block size)
 SHAPES = [(16, 512, 64, 16), (1, 96, 32, 32), (5, 16, 8, 16), (20, 24, 7, 4)]
 LONG = ((700, 1), (90, 1), (333, 1))
+LONG_PREFILLS = ((0, 300), (200, 150))  # more query rows (tokens x heads) than one prefill SDPA call takes
 
 
 def _native_reason() -> str | None:
@@ -85,7 +86,7 @@ def run(backend, requests, heads, latent_dim, rope_dim, bs, dtype, gen, pad=0):
 @pytest.mark.parametrize("heads,latent_dim,rope_dim,bs", SHAPES, ids=[f"h{h}-l{l}-r{r}-bs{b}" for h, l, r, b in SHAPES])
 def test_latent_attention_matches_reference(backend, heads, latent_dim, rope_dim, bs, dtype) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + latent_dim)
-    for name, requests in {**batches(bs), "long_decodes": LONG}.items():
+    for name, requests in {**batches(bs), "long_decodes": LONG, "long_prefills": LONG_PREFILLS}.items():
         out, want = run(backend, requests, heads, latent_dim, rope_dim, bs, dtype, gen)
         assert out.dtype == dtype and out.shape == want.shape
         assert_close(out, want.to(dtype), context=f"{type(backend).__name__}, batch {name} {requests}")
