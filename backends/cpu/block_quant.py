@@ -5,8 +5,8 @@ codes and decoded tile by tile inside the matmul.
 - native: ``portside_cpu_native::block_quant_linear`` (`csrc/block_quant.cpp`): 32 columns at
   a time, AVX-512, AVX2 or portable C++ as the build's CPU has them (``block_quant_isa``);
 - torch: where the library is not built (or a weight's shape is not one it takes): the weight's
-  rows dequantized `TILE_ROWS` at a time into the activation's dtype and multiplied, so the
-  dense copy alive at once is one tile, never the matrix.
+  rows dequantized `TILE_ROWS` at a time into the activation's dtype (core's reference on each
+  tile) and multiplied, so the dense copy alive at once is one tile, never the matrix.
 
 `prepare` records the choice as ``weight.layout`` (a `BlockLayout`); the canonical buffers are
 left as loaded (nothing is copied: the resident weight is the checkpoint's bytes).
@@ -17,14 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from portside.contract import QuantWeight
-from portside.quant.weight import dequantize_fp8_block, dequantize_mxfp4
+from portside.contract import ModelOps, QuantWeight
 
 FMT_FP8_BLOCK, FMT_MXFP4 = 0, 1  # csrc/block_quant.cpp
 TILE_ROWS = 256  # torch path: weight rows dequantized per matmul
 X_DTYPES = (torch.float32, torch.bfloat16)
+_REFERENCE = ModelOps()  # core's reference quantized linear, for the torch path's tiles
 
 
 @dataclass(frozen=True)
@@ -64,17 +63,19 @@ def linear(x: torch.Tensor, w: QuantWeight, codes: torch.Tensor, scales: torch.T
 
 def tiled_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch path: `TILE_ROWS` rows of the weight at a time (a multiple of the block rows)."""
-    n = codes.shape[0]
+    """The torch path: `TILE_ROWS` rows of the weight at a time (a whole number of block rows),
+    each tile a `QuantWeight` of its own through core's reference (which dequantizes only it)."""
+    n, k = codes.shape[0], x.shape[-1]
     step = TILE_ROWS if kind == "mxfp4" else max(block[0], TILE_ROWS // block[0] * block[0])
     out = x.new_empty((x.shape[0], n))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         if kind == "mxfp4":
-            tile = dequantize_mxfp4(codes[r0:r1], scales[r0:r1], x.dtype)
+            tile = QuantWeight("mxfp4", (r1 - r0, k), codes[r0:r1], bits=4, scales=scales[r0:r1], group_size=32)
         else:
-            tile = dequantize_fp8_block(codes[r0:r1], scales[r0 // block[0]: -(-r1 // block[0])], block, x.dtype)
-        out[:, r0:r1] = F.linear(x, tile)
+            tile = QuantWeight("fp8", (r1 - r0, k), codes[r0:r1], scales=scales[r0 // block[0]: -(-r1 // block[0])],
+                               group_size=block[1], block=block)
+        out[:, r0:r1] = _REFERENCE.quantized_linear(x, tile)
     if bias is not None:
         out += bias.to(out.dtype)
     return out
