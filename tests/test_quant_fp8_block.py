@@ -138,11 +138,13 @@ def test_block_fp8_shapes_match_transformers(tmp_path: Path, arch: str, block: t
 
 
 @pytest.mark.slow
-def test_tensor_parallel_block_fp8(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_tensor_parallel_block_fp8(tmp_path: Path, arch: str) -> None:
     """Two ranks: column-parallel layers take whole block rows, row-parallel ones whole block
-    columns (16-row blocks: every rank's q, k, v, gate and up rows are whole blocks)."""
-    src = make_tiny_model(tmp_path / "llama", "llama")
-    q = write_fp8_block(src, tmp_path / "llama-fp8", (16, 32))
+    columns (16-row blocks: every rank's q, k, v, gate and up rows, and each expert's, are whole
+    blocks)."""
+    src = make_tiny_model(tmp_path / arch, arch)
+    q = write_fp8_block(src, tmp_path / f"{arch}-fp8", (16, 32))
     assert _greedy(q, tensor_parallel_size=2) == _hf_greedy(q)
 
 
