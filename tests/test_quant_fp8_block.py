@@ -230,3 +230,48 @@ def test_resident_memory_stays_within_the_checkpoint(tmp_path: Path) -> None:
     assert run["kv_mib"] == base["kv_mib"], r
     assert run["weights_mib"] < 1.02 * r["tensor_mib"], r  # served as stored
     assert r["ratio"] < 1.3 and r["ratio_at_return"] < 1.3, r
+
+
+# ---- compressed-tensors FP8_BLOCK ----------------------------------------------------------------
+
+
+def _round_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """fp8 e4m3 rounding of each token's groups of `group` columns (scale = the group's absolute
+    maximum / 448), as compressed-tensors' dynamic group quantization of input activations."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = (g.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return ((g / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
+
+
+@torch.no_grad()
+def _hf_greedy_group_rounded(oracle: Path, group: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(oracle), dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in (
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            module.register_forward_pre_hook(lambda m, args: (_round_groups(args[0], group),))
+    outs = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compressed_tensors_fp8_block(tmp_path: Path, arch: str) -> None:
+    """llm-compressor's FP8_BLOCK layout (compressed-tensors' own preset, 32x32 blocks, activations
+    rounded to fp8 per token and 32 columns): transformers on the dequantized weights with the same
+    rounding hooked into every quantized linear's input gives the same greedy tokens. (Dense
+    models: transformers 5's fused experts have no linear to hook the rounding into.)"""
+    from portside.testing.fp8_mxfp4_checkpoints import write_ct_fp8_block
+
+    q, oracle = write_ct_fp8_block(make_tiny_model(tmp_path / arch, arch), tmp_path / f"{arch}-ct", (32, 32), 32)
+    llm = LLM(model=str(q), **ENGINE)
+    weights = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, QuantWeight)]
+    assert weights and all(w.block == (32, 32) and w.act == "fp8" and w.act_group == 32 for w in weights)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _hf_greedy_group_rounded(oracle, 32)

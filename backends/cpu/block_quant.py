@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.contract import ModelOps, QuantWeight
+from portside.contract import ModelOps, QuantWeight, quantize_activation
 
 FMT_FP8_BLOCK, FMT_MXFP4 = 0, 1  # csrc/block_quant.cpp
 TILE_ROWS = 256  # torch path: weight rows dequantized per matmul
@@ -56,6 +56,8 @@ def prepare(w: QuantWeight, native: bool) -> QuantWeight:
 def linear(x: torch.Tensor, w: QuantWeight, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) for one weight's (or one expert's) `codes` and `scales`."""
     layout: BlockLayout = w.layout
+    if w.act is not None:  # compressed-tensors FP8_BLOCK: rounded as the reference does, then weight-only
+        x = quantize_activation(x, w.act, w.input_scale, getattr(w, "act_group", 0))
     if layout.kernel == "native" and x.dtype in X_DTYPES:
         return torch.ops.portside_cpu_native.block_quant_linear(x, codes, scales, bias, layout.fmt, *layout.block)
     return tiled_linear(x, w.kind, codes, scales, layout.block, bias)

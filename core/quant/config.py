@@ -8,7 +8,8 @@ Methods:
 - ``awq``: 4 bits, GEMM packing;
 - ``compressed-tensors``: ``pack-quantized`` (int4/int8 weight-only, W4A16 / W8A16),
   ``int-quantized`` (int8 weights, int8 activations: W8A8) and ``float-quantized`` (FP8 weights,
-  FP8 activations), per-channel, per-group or per-tensor scales;
+  FP8 activations), per-channel, per-group or per-tensor scales, or FP8 per block (FP8_BLOCK:
+  activations per token and group of 128);
 - ``fp8``: vLLM/AutoFP8's FP8 checkpoints (per-tensor ``weight_scale``), block-wise FP8
   (``weight_block_size: [bn, bk]``, ``weight_scale_inv`` per bn x bk block: DeepSeek-V3/R1,
   Qwen3-FP8, transformers' ``FineGrainedFP8Config``; weight-only, see `_fp8`), or
@@ -48,6 +49,7 @@ class QuantConfig:
     block: tuple[int, int] | None = None  # block-wise fp8: (rows, columns) per weight_scale_inv entry
     act: str | None = None  # None (weight-only), "int8" or "fp8": activations quantized per token
     act_static: bool = False  # activations use the checkpoint's calibrated input_scale
+    act_group: int = 0  # > 0: activations rounded per token and group of this many columns
     online: bool = False  # quantize full-precision weights while loading
     ignore: tuple[str, ...] = ()  # modules left in full precision ("re:" prefix: a regex)
     quantize_lm_head: bool = False
@@ -125,7 +127,9 @@ class QuantConfig:
         if self.method == "mxfp4":
             return "mxfp4: experts in e2m1 with an e8m0 scale per 32 columns, weight-only"
         if self.block is not None:
-            return f"{self.method}: fp8 in {self.block[0]}x{self.block[1]} blocks, weight-only"
+            acts = (f", fp8 activations per token and {self.act_group} columns" if self.act_group else
+                    ", fp8 activations per token" if self.act else ", weight-only")
+            return f"{self.method}: fp8 in {self.block[0]}x{self.block[1]} blocks{acts}"
         what = "fp8" if self.method == "fp8" or self.ct_format == "float-quantized" else f"int{self.bits}"
         groups = f", group {self.group_size}" if self.group_size > 0 else f", per {self.strategy}"
         acts = f", {self.act} activations per token" + (" (static scale)" if self.act_static else "") if self.act else ", weight-only"
@@ -227,8 +231,10 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
     if fmt not in _CT_FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported; portside reads {', '.join(_CT_FORMATS)}")
     wtype, strategy = w.get("type", "int"), w.get("strategy", "channel")
-    if strategy not in ("channel", "group", "tensor"):
-        raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported (channel, group, tensor)")
+    if strategy not in ("channel", "group", "tensor", "block"):
+        raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported (channel, group, tensor, block)")
+    if strategy == "block":
+        return _ct_fp8_block(q, w, a)
     if fmt == "float-quantized" or wtype == "float":
         if int(w.get("num_bits", 8)) != 8 or strategy == "group":
             raise ValueError("compressed-tensors float weights: 8-bit FP8 with per-tensor or per-channel scales only")
@@ -255,6 +261,28 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
         act_static=static, ignore=tuple(q.get("ignore") or ()),
         quantize_lm_head=not any(p.removeprefix("re:").rstrip("$").endswith("lm_head") for p in q.get("ignore") or ()),
     )
+
+
+def _ct_fp8_block(q: dict[str, Any], w: dict[str, Any], a: dict[str, Any] | None) -> QuantConfig:
+    """compressed-tensors' block-wise FP8 (llm-compressor's FP8_BLOCK scheme): e4m3 weights with
+    ``weight_scale`` per ``block_structure`` block, activations rounded to fp8 per token and group
+    of columns (dynamic) or not at all."""
+    block = w.get("block_structure")
+    if w.get("type") != "float" or int(w.get("num_bits", 8)) != 8 or not w.get("symmetric", True) or not (
+            isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError("compressed-tensors block weights: symmetric 8-bit float (FP8) with a block_structure [rows, columns]")
+    if q.get("format") not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors block weights in format {q.get('format')!r}: float-quantized only")
+    act, group = None, 0
+    if a:
+        if a.get("type") != "float" or int(a.get("num_bits", 8)) != 8 or not a.get("dynamic", False) \
+                or a.get("strategy") not in ("group", "token") or not a.get("symmetric", True):
+            raise ValueError("compressed-tensors block weights: input activations must be dynamic symmetric FP8 per token "
+                             "or per token group")
+        act, group = "fp8", int(a.get("group_size") or 0) if a.get("strategy") == "group" else 0
+    return QuantConfig("compressed-tensors", bits=8, ct_format="float-quantized", strategy="block",
+                       block=(int(block[0]), int(block[1])), act=act, act_group=group, ignore=tuple(q.get("ignore") or ()),
+                       quantize_lm_head=not any(p.removeprefix("re:").rstrip("$").endswith("lm_head") for p in q.get("ignore") or ()))
 
 
 def _gguf(q: dict[str, Any]) -> QuantConfig:

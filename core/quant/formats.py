@@ -86,9 +86,10 @@ def checkpoint_params(qc: QuantConfig) -> list[CkptParam]:
         if qc.desc_act:
             params.append(CkptParam("weight_g_idx", i32, lambda n, k, g: (k,), in_dim=0, per_part=True, integer=True))
         return params
-    if qc.method == "fp8" and qc.block is not None:
+    if qc.block is not None:  # block-wise fp8: transformers / DeepSeek's weight_scale_inv, compressed-tensors' weight_scale
+        scale = "weight_scale_inv" if qc.method == "fp8" else "weight_scale"
         return [CkptParam("weight", torch.float8_e4m3fn, lambda n, k, g: (n, k), out_dim=0, in_dim=1, integer=True),
-                CkptParam("weight_scale_inv", f32, block_scale_shape(qc.block), block=qc.block)]
+                CkptParam(scale, f32, block_scale_shape(qc.block), block=qc.block)]
     if qc.method in ("compressed-tensors", "fp8") and not qc.online:
         fp8 = qc.method == "fp8" or qc.ct_format == "float-quantized"
         wdtype = torch.float8_e4m3fn if fp8 else torch.int8
@@ -138,7 +139,7 @@ def _make_param(layer: Any, spec: CkptParam, qc: QuantConfig, shard_ids: list[ob
     if experts is not None:
         shape = (experts, *shape)
     p = nn.Parameter(torch.zeros(shape, dtype=spec.dtype), requires_grad=False)
-    p.weight_loader = block_scale_loader(layer, spec.block) if spec.block else _loader(layer, spec, qc, sliced)  # type: ignore[attr-defined]
+    p.weight_loader = block_scale_loader(layer, spec.block, spec.name) if spec.block else _loader(layer, spec, qc, sliced)  # type: ignore[attr-defined]
     if shard_ids is not None:
         p.shard_ids = shard_ids  # type: ignore[attr-defined]
     p.optional = spec.optional  # type: ignore[attr-defined]
@@ -251,7 +252,7 @@ def _stack(weights: list[QuantWeight]) -> QuantWeight:
     return QuantWeight(first.kind, (first.shape[0], first.shape[1]), qweight, bits=first.bits, scales=stack("scales"),
                        zeros=stack("zeros"), group_size=first.group_size, g_idx=stack("g_idx"), act=first.act,
                        input_scale=None if input_scale is None else input_scale.max().reshape(1), method=first.method,
-                       block=first.block)
+                       block=first.block, act_group=first.act_group)
 
 
 def _loader(layer: LinearBase, spec: CkptParam, qc: QuantConfig, groups_sliced: bool) -> Callable[..., None]:
@@ -404,9 +405,10 @@ def to_quant_weights(layer: LinearBase, qc: QuantConfig) -> list[QuantWeight]:
         zp = unpack_int32(get("weight_zero_point"), qc.bits, 0)[:n].float().contiguous() if not qc.sym else None
         orders: list[torch.Tensor | None] = act_orders(get("weight_g_idx")) if qc.desc_act else [None]
         return ordered("int", codes(q), orders, bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=zp)
-    if qc.method == "fp8" and qc.block is not None:
-        return [QuantWeight("fp8", (n, k), get("weight").detach(), scales=get("weight_scale_inv").detach().float().contiguous(),
-                            group_size=qc.block[1], method=qc.method, block=qc.block)]
+    if qc.block is not None:
+        scale = get("weight_scale_inv" if qc.method == "fp8" else "weight_scale")
+        return [QuantWeight("fp8", (n, k), get("weight").detach(), scales=scale.detach().float().contiguous(),
+                            group_size=qc.block[1], method=qc.method, block=qc.block, act=qc.act, act_group=qc.act_group)]
     if qc.online:
         return [quantize_per_channel(layer.weight.detach(), qc.method, qc.act)]  # type: ignore[union-attr]
     # compressed-tensors int/float-quantized, fp8

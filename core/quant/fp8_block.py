@@ -44,13 +44,14 @@ def _span(what: str, start: int, size: int, full: int, unit: int, dst_start: int
     return start // unit, dst_start // unit, _cdiv(size, unit)
 
 
-def block_scale_loader(layer: Any, block: tuple[int, int]) -> Callable[..., None]:
-    """The weight loader of a layer's (or stacked experts' slot's) ``weight_scale_inv``."""
+def block_scale_loader(layer: Any, block: tuple[int, int], name: str = "weight_scale_inv") -> Callable[..., None]:
+    """The weight loader of a layer's (or stacked experts' slot's) block scales (`name`:
+    ``weight_scale_inv``, or compressed-tensors' ``weight_scale``)."""
     bn, bk = block
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if not loaded.is_floating_point():
-            raise ValueError(f"weight_scale_inv is stored as {loaded.dtype}, expected float32 scales")
+            raise ValueError(f"{name} is stored as {loaded.dtype}, expected floating-point scales")
         key, dst = shard_id, param.data
         if getattr(layer, "stacked", False):
             e, shard_id = cast(tuple[int, str], shard_id)
@@ -62,7 +63,7 @@ def block_scale_loader(layer: Any, block: tuple[int, int]) -> Callable[..., None
         full_cols = layer.in_local * tp if cols is not None else layer.in_local
         want = (_cdiv(full_rows, bn), _cdiv(full_cols, bk))
         if loaded.dim() != 2 or tuple(loaded.shape) != want:
-            raise ValueError(f"weight_scale_inv has shape {tuple(loaded.shape)}, expected {want}: one scale per "
+            raise ValueError(f"{name} has shape {tuple(loaded.shape)}, expected {want}: one scale per "
                              f"{bn}x{bk} block of the [{full_rows}, {full_cols}] weight")
         r_src, r_dst, r_n = _span("row", s0, n, full_rows, bn, d0, layer.out_local)
         c0, csize = cols if cols is not None else (0, full_cols)
@@ -70,7 +71,7 @@ def block_scale_loader(layer: Any, block: tuple[int, int]) -> Callable[..., None
         t = loaded.narrow(0, r_src, r_n).narrow(1, c_src, c_n)
         view = dst.narrow(0, r_dst, r_n)
         if tuple(view.shape) != tuple(t.shape):
-            raise ValueError(f"weight_scale_inv {tuple(loaded.shape)}: this rank's blocks {tuple(t.shape)} do not fit "
+            raise ValueError(f"{name} {tuple(loaded.shape)}: this rank's blocks {tuple(t.shape)} do not fit "
                              f"{tuple(view.shape)}")
         view.copy_(t)
         param.loaded_parts.add(key)  # type: ignore[attr-defined]

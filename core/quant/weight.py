@@ -24,7 +24,8 @@ leading expert dimension is allowed):
 
 ``act`` says how activations are treated: None (weight-only: the matmul runs in the
 activation's dtype) or ``"int8"`` / ``"fp8"`` (quantized per token before the matmul, with a
-scale from the token's absolute maximum, or ``input_scale`` where the checkpoint calibrated one).
+scale from the token's absolute maximum, or ``input_scale`` where the checkpoint calibrated one;
+``act_group`` > 0: a scale per token and group of that many columns).
 
 A platform may re-lay the tensors for its kernel in `ModelOps.prepare_quantized`, storing what it
 needs as further buffers (``packed_*``) or attributes; the canonical tensors it keeps stay valid
@@ -79,12 +80,14 @@ class QuantWeight(nn.Module):
         input_scale: torch.Tensor | None = None,
         method: str = "",
         block: tuple[int, int] | None = None,
+        act_group: int = 0,
     ) -> None:
         super().__init__()
         if kind not in KINDS or act not in ACTS:
             raise ValueError(f"quantized weight kind {kind!r} / activations {act!r} unknown")
         self.kind, self.shape, self.bits, self.act, self.method = kind, tuple(shape), bits, act, method
         self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.act_group = act_group  # > 0: activations rounded per token and act_group columns
         self.group_size = group_size or shape[1]
         self.ggml_type = ggml_type
         self.register_buffer("qweight", qweight)
@@ -105,7 +108,8 @@ class QuantWeight(nn.Module):
         leading expert axis is sliced, a platform's own ones (`ModelOps.prepare_quantized` of a
         stacked weight keeps the expert axis first) included; ``layout`` is carried over."""
         view = QuantWeight(self.kind, (self.shape[0], self.shape[1]), self.qweight[e], bits=self.bits, group_size=self.group_size,
-                           ggml_type=self.ggml_type, act=self.act, method=self.method, block=self.block)
+                           ggml_type=self.ggml_type, act=self.act, method=self.method, block=self.block,
+                           act_group=self.act_group)
         experts = self.qweight.shape[0]
         for name, t in self._buffers.items():
             if name != "qweight":
@@ -204,9 +208,15 @@ def dequantize_mxfp4(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
     return (values.unflatten(-1, (-1, 32)) * powers).flatten(-2).to(dtype)
 
 
-def quantize_activation(x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_activation(x: torch.Tensor, mode: str, input_scale: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
     """x [T, K] rounded the way an int8 or fp8 kernel sees it (per-token scale, or the static
-    `input_scale`), returned dequantized in x's dtype: the reference of a W8A8 matmul."""
+    `input_scale`; `group` > 0: a scale per token and `group` consecutive columns, as
+    DeepSeek-V3's kernels and compressed-tensors' FP8_BLOCK scheme), returned dequantized in x's
+    dtype: the reference of a W8A8 matmul."""
+    if group > 0 and input_scale is None:
+        if x.shape[-1] % group:
+            raise ValueError(f"{x.shape[-1]} activation columns are not whole groups of {group}")
+        return quantize_activation(x.unflatten(-1, (-1, group)), mode).flatten(-2)
     xf = x.float()
     qmax = 127.0 if mode == "int8" else FP8_MAX
     if input_scale is not None:
@@ -221,7 +231,7 @@ def quantize_activation(x: torch.Tensor, mode: str, input_scale: torch.Tensor | 
 def quantized_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: y [T, N] = act(x) [T, K] @ dequantize(w)^T + bias, in x's dtype."""
     if w.act is not None:
-        x = quantize_activation(x, w.act, w.input_scale)
+        x = quantize_activation(x, w.act, w.input_scale, w.act_group)
     return F.linear(x, dequantize(w, x.dtype), bias)
 
 

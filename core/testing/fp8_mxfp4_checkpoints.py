@@ -7,6 +7,9 @@
   ``quantization_config`` from ``FineGrainedFP8Config(weight_block_size=...)``: the format
   DeepSeek-V3/R1 and Qwen3-FP8 ship. transformers runs it on cpu by dequantizing every block
   (``dequantize``), which is the oracle (`fp8_oracle`).
+- `write_ct_fp8_block(src, dst, block, act_group)`: the same weights as llm-compressor's FP8_BLOCK
+  scheme stores them (compressed-tensors ``float-quantized``, ``weight_scale`` per block,
+  activations rounded to fp8 per token group), with a dense oracle folder.
 - `write_mxfp4_experts(src, dst)`: a gpt-oss folder whose experts (``mlp.experts.gate_up_proj``
   [E, hidden, 2I], ``down_proj`` [E, I, hidden]) are stored as OpenAI's checkpoints store them,
   ``*_blocks`` uint8 [E, N, K/32, 16] (two e2m1 codes a byte, the even column in the low nibble)
@@ -28,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from portside.quant.mxfp4 import quantize_mxfp4
 from portside.quant.weight import FP4_VALUES
 
-__all__ = ["write_fp8_block", "write_mxfp4_experts", "fp8_oracle", "mxfp4_oracle", "FP4_VALUES", "quantize_mxfp4", "tensor_bytes"]
+__all__ = ["write_fp8_block", "write_ct_fp8_block", "write_mxfp4_experts", "fp8_oracle", "mxfp4_oracle", "FP4_VALUES", "quantize_mxfp4", "tensor_bytes"]
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -88,6 +91,52 @@ def write_fp8_block(src: str | Path, dst: str | Path, block: tuple[int, int] = (
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+def write_ct_fp8_block(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128), act_group: int = 128,
+                       dtype: torch.dtype = torch.bfloat16) -> tuple[Path, Path]:
+    """`src`'s checkpoint as llm-compressor writes its FP8_BLOCK scheme (compressed-tensors
+    ``float-quantized``: e4m3 ``weight`` and ``weight_scale`` [N/bn, K/bk] in `dtype` per decoder
+    linear; the config group is compressed-tensors' own ``FP8_BLOCK`` preset with `block` and
+    activations rounded to fp8 per token and `act_group` columns), and the dense oracle folder
+    (``<dst>-oracle``: every weight its dequantized value, fp32) for transformers to run with the
+    activation rounding hooked in; returns both."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    from portside.quant.fp8_block import quantize_fp8_block
+    from portside.quant.weight import dequantize
+
+    src, dst = Path(src), Path(dst)
+    oracle = dst.parent / f"{dst.name}-oracle"
+    _copy_folder(src, dst)
+    _copy_folder(src, oracle)
+    out: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, w in sorted(_load_all(src).items()):
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in _LINEARS:
+            qw = quantize_fp8_block(w, block)
+            scale = qw.scales.to(dtype)
+            out[name], out[f"{module}.weight_scale"] = qw.qweight, scale
+            qw.scales = scale.float()  # the oracle's weights are the stored scales' values
+            dense[name] = dequantize(qw)
+        else:
+            out[name] = w.to(dtype) if w.is_floating_point() else w
+            dense[name] = out[name].float() if w.is_floating_point() else w  # the stored (rounded) values
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dense, str(oracle / "model.safetensors"), metadata={"format": "pt"})
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"]).model_dump()
+    scheme["weights"]["block_structure"] = list(block)
+    scheme["input_activations"]["group_size"] = act_group
+    cfg: dict[str, Any] = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "quantization_status": "compressed", "config_groups": {"group_0": scheme},
+                                  "ignore": ["lm_head"], "kv_cache_scheme": None}
+    (oracle / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}
+                                                   | {"dtype": "float32"}, indent=2))
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, oracle
 
 
 def write_mxfp4_experts(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
