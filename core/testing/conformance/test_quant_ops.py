@@ -91,6 +91,9 @@ def _cases(n: int, k: int, gen: torch.Generator) -> list[tuple[str, QuantWeight]
     ]
     for block in ((128, 128), (32, 64), (48, 96)):  # whole blocks; partial blocks at the edges
         cases.append((f"fp8 {block[0]}x{block[1]} blocks", quantize_fp8_block(w, block)))
+    grouped = quantize_fp8_block(w, (32, 32))
+    grouped.act, grouped.act_group = "fp8", 32  # compressed-tensors FP8_BLOCK: fp8 activations per token and 32 columns
+    cases.append(("fp8 32x32 blocks, fp8 activations per 32-column group", grouped))
     cases.append(("mxfp4", mxfp4_weight(w)))
     static = quantize_per_channel(w, "fp8", "fp8")
     static.input_scale = torch.tensor([3.0 / 448])
