@@ -4,7 +4,8 @@ layouts (`portside.quant.weight`) as they are, and the `ModelOps` overrides that
 Two paths, chosen per weight by `quant_path` (recorded in ``weight.layout`` at prepare time):
 
 - ``"dequant"``, weight-only (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, ``--quantization int8``,
-  FP8 weights with ``act`` None, block-wise FP8 (DeepSeek-V3), MXFP4 (gpt-oss experts)): `dequant_gemm.dequant_matmul` dequantizes each weight tile to
+  FP8 weights with ``act`` None, block-wise FP8 (DeepSeek-V3; compressed-tensors FP8_BLOCK with its
+  activations first rounded per token group in torch, as the reference), MXFP4 (gpt-oss experts)): `dequant_gemm.dequant_matmul` dequantizes each weight tile to
   x's dtype in registers and multiplies it, fp32 accumulation;
 - ``"scaled_mm"``, W8A8 (``act`` "int8" with symmetric per-channel int8 codes, ``act`` "fp8"
   with FP8 weights and one scale per channel): `scaled_mm.quantize_rows` rounds x per token,
@@ -40,7 +41,7 @@ from portside.backends.triton.dequant_gemm import dequant_matmul
 from portside.backends.triton.launch import ArchInfo, QuantLaunch, choose_quant_launch, detect_arch
 from portside.backends.triton.quant_gemm import QuantWeightT, normalized
 from portside.backends.triton.scaled_mm import quantize_rows, scaled_matmul
-from portside.contract import ModelOps
+from portside.contract import ModelOps, quantize_activation
 
 __all__ = [
     "QuantLaunch",
@@ -62,8 +63,9 @@ def quant_path(w: QuantWeightT) -> str | None:
         return None
     if w.kind == "mxfp4":
         return "dequant" if w.qweight.dtype == torch.uint8 and w.scales.dtype == torch.uint8 and w.act is None else None
-    if getattr(w, "block", None) is not None:  # block-wise fp8: weight-only
-        return "dequant" if w.kind == "fp8" and w.qweight.dtype == torch.float8_e4m3fn and w.act is None else None
+    if getattr(w, "block", None) is not None:  # block-wise fp8: weight-only, or activations rounded first (FP8_BLOCK)
+        ok = w.kind == "fp8" and w.qweight.dtype == torch.float8_e4m3fn and w.input_scale is None
+        return "dequant" if ok and w.act in (None, "fp8") else None
     if w.kind == "int" and (w.bits not in (4, 8) or w.qweight.dtype != torch.uint8):
         return None
     if w.kind == "fp8" and w.qweight.dtype != torch.float8_e4m3fn:
@@ -123,5 +125,7 @@ class TritonQuantOps(ModelOps):
             return x.new_zeros((*lead, weight.out_features))
         if self._arch is None:
             self._arch = detect_arch(x.device)
+        if path == "dequant" and weight.act is not None:  # block-wise fp8 with fp8 activations per token group
+            x2 = quantize_activation(x2, weight.act, None, getattr(weight, "act_group", 0))
         y = (scaled_matmul if path == "scaled_mm" else dequant_matmul)(x2, weight, bias, arch=self._arch)
         return y.reshape(*lead, weight.out_features)

@@ -77,3 +77,15 @@ def test_model_ops_prepare_and_experts() -> None:
         want = ModelOps().quantized_moe_experts(x, w13, w2, weights, ids)
         got = ops.quantized_moe_experts(x, ops.prepare_quantized(w13), ops.prepare_quantized(w2), weights, ids)
         assert_close(got, want, torch.float32)
+
+
+def test_fp8_block_with_grouped_activations() -> None:
+    """compressed-tensors FP8_BLOCK: activations rounded per token and 32 columns, then the
+    dequant GEMM; equal to the reference's rounding and matmul."""
+    ops = TritonModelOps()
+    w = quantize_fp8_block(torch.randn(72, 256, generator=torch.Generator().manual_seed(5)) * 0.0625, (32, 32))
+    w.act, w.act_group = "fp8", 32
+    w = ops.prepare_quantized(w)
+    assert w.layout == TritonQuantLayout("dequant")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
+    assert_close(ops.quantized_linear(x, w), quantized_linear(x, w), torch.float32)
