@@ -277,7 +277,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const int32_t* tables,
   std::vector<int64_t> first(B + 1);
   for (int64_t b = 0; b < B; ++b) {
     first[b] = static_cast<int64_t>(tasks.size());
-    const int64_t n = lens[b], parts = std::max<int64_t>(1, (n + share - 1) / share);
+    const int64_t n = lens[b], parts = std::clamp<int64_t>((n + share - 1) / share, 1, 64);
     const int64_t per = round_up((n + parts - 1) / parts, 4);
     for (int64_t t0 = 0; t0 < n; t0 += per) tasks.push_back({b, t0, std::min(n, t0 + per)});
   }
@@ -287,6 +287,30 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const int32_t* tables,
   std::vector<float> parts(nt * part);
   const float* qTp = dp ? nullptr : qT.data();
   const uint32_t* qPp = dp ? qP.data() : nullptr;
+  // sequence b's output from its tasks' parts: sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k
+  auto merge = [&](int64_t b) {
+    Q* ob = reinterpret_cast<Q*>(out.mutable_data_ptr()) + b * out.stride(0);
+    const int64_t k0 = first[b], k1 = first[b + 1];
+    float w[64];  // a sequence has at most `threads` tasks
+    for (int64_t h = 0; h < s.H; ++h) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t k = k0; k < k1; ++k) M = std::max(M, parts[k * part + h]);
+      float denom = 0.f;
+      for (int64_t k = k0; k < k1; ++k) {
+        w[k - k0] = std::exp(parts[k * part + h] - M);
+        denom += w[k - k0] * parts[k * part + ldq + h];
+      }
+      Q* o = ob + h * out.stride(1);
+      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      for (int64_t j = 0; j < s.L; ++j) {
+        float sum = 0.f;
+        for (int64_t k = k0; k < k1; ++k) sum += w[k - k0] * parts[k * part + 2 * ldq + h * s.Lp + j];
+        st(o + j, sum * inv);
+      }
+    }
+  };
+  // one parallel region, one barrier: a sequence in one task is written out by that task, the
+  // split ones (a few long sequences) are merged afterwards
 #pragma omp parallel num_threads(threads) if (threads > 1 && nt > 1)
   {
     std::vector<float> tile(CHUNK * s.ldr + W, 0.f);
@@ -299,30 +323,11 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const int32_t* tables,
       run_task<C>(t, s, cp, sblk, soff, bs, tables + t.seq * stride_bt, qTp ? qTp + t.seq * s.D * ldq : nullptr,
                   qPp ? qPp + t.seq * (s.D / 2) * ldq : nullptr, scale, pk, pk + ldq, pk + 2 * ldq, tile.data(), S.data(),
                   rowp.data());
-    }
-    // merge each sequence's splits: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      Q* ob = reinterpret_cast<Q*>(out.mutable_data_ptr()) + b * out.stride(0);
-      for (int64_t h = 0; h < s.H; ++h) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int64_t k = first[b]; k < first[b + 1]; ++k) M = std::max(M, parts[k * part + h]);
-        float denom = 0.f;
-        std::vector<float> w(first[b + 1] - first[b]);
-        for (int64_t k = first[b]; k < first[b + 1]; ++k) {
-          w[k - first[b]] = std::exp(parts[k * part + h] - M);
-          denom += w[k - first[b]] * parts[k * part + ldq + h];
-        }
-        Q* o = ob + h * out.stride(1);
-        const float inv = denom > 0.f ? 1.f / denom : 0.f;
-        for (int64_t j = 0; j < s.L; ++j) {
-          float sum = 0.f;
-          for (int64_t k = first[b]; k < first[b + 1]; ++k) sum += w[k - first[b]] * parts[k * part + 2 * ldq + h * s.Lp + j];
-          st(o + j, sum * inv);
-        }
-      }
+      if (first[t.seq + 1] - first[t.seq] == 1) merge(t.seq);
     }
   }
+  for (int64_t b = 0; b < B; ++b)
+    if (first[b + 1] - first[b] > 1) merge(b);
 }
 
 // q [B, H, D] (fp32 or bf16; each head's values contiguous), cache [blocks, block_size, D] (fp32
