@@ -248,6 +248,7 @@ def _hf_greedy_group_rounded(oracle: Path, group: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(oracle), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # to max_new_tokens, as ignore_eos
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in (
                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):

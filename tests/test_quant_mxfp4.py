@@ -37,18 +37,19 @@ _ORACLES: dict[str, list[list[int]]] = {}
 
 
 @torch.no_grad()
-def _hf_greedy(path: Path) -> list[list[int]]:
+def _hf_greedy(path: Path, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     """transformers' greedy tokens for the MXFP4 folder (its cpu dequantized run), in fp32."""
-    if str(path) not in _ORACLES:
+    key = f"{path}:{prompts}"
+    if key not in _ORACLES:
         model = mxfp4_oracle(path)
         outs = []
-        for p in PROMPTS:
+        for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
                                  pad_token_id=0, temperature=None, top_p=None, top_k=None)
             outs.append(out[0, len(p):].tolist())
-        _ORACLES[str(path)] = outs
-    return _ORACLES[str(path)]
+        _ORACLES[key] = outs
+    return _ORACLES[key]
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +128,23 @@ def test_gpt_oss_mxfp4_alone_and_chunked(gpt_oss_mxfp4: Path) -> None:
     want = _hf_greedy(gpt_oss_mxfp4)
     assert [_greedy(gpt_oss_mxfp4, [p])[0] for p in PROMPTS] == want
     assert _greedy(gpt_oss_mxfp4, max_num_batched_tokens=8, enable_chunked_prefill=True) == want
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_preemption_and_prefix_cache_hits(gpt_oss_mxfp4: Path) -> None:
+    """Prompts sharing 16 tokens (twice the sliding window) in a pool of 16 blocks of 4 with a
+    10-token budget: later prompts hit the cached prefix, some sequences are preempted and
+    recomputed, and every one still gives transformers' tokens."""
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(1, 300, (16,), generator=gen).tolist()
+    prompts = [shared + torch.randint(1, 300, (n,), generator=gen).tolist() for n in (4, 10, 15, 8, 12)]
+    llm = LLM(model=str(gpt_oss_mxfp4), **{**ENGINE, "block_size": 4, "num_kv_blocks": 16, "max_num_batched_tokens": 10,
+                                           "max_model_len": 64})
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits >= 16 and stats.num_preemptions > 0, stats
+    assert [list(o.outputs[0].token_ids) for o in first + rest] == _hf_greedy(gpt_oss_mxfp4, prompts)
 
 
 @pytest.mark.slow

@@ -167,16 +167,25 @@ def write_mxfp4_experts(src: str | Path, dst: str | Path, dtype: torch.dtype = t
 
 def fp8_oracle(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """transformers' model of a block-FP8 folder on cpu: ``FineGrainedFP8Config(dequantize=True)``
-    (each weight times its blocks' scales, as transformers' `Fp8Dequantize` does), in `dtype`."""
+    (each weight times its blocks' scales, as transformers' `Fp8Dequantize` does), in `dtype`;
+    its generation ignores EOS."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     cfg = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
     qc = FineGrainedFP8Config(weight_block_size=cfg["weight_block_size"], dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, quantization_config=qc).eval()
+    return _no_eos(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, quantization_config=qc).eval())
+
+
+def _no_eos(model: Any) -> Any:
+    """Greedy generation runs to max_new_tokens (as portside's ignore_eos), whatever the folder's
+    generation_config says."""
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def mxfp4_oracle(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
-    """transformers' model of an MXFP4 gpt-oss folder on cpu: ``Mxfp4Config(dequantize=True)``."""
+    """transformers' model of an MXFP4 gpt-oss folder on cpu: ``Mxfp4Config(dequantize=True)``;
+    its generation ignores EOS."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, quantization_config=Mxfp4Config(dequantize=True)).eval()
+    return _no_eos(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, quantization_config=Mxfp4Config(dequantize=True)).eval())
