@@ -134,6 +134,23 @@ def test_block_fp8_shapes_match_transformers(tmp_path: Path, arch: str, block: t
     assert _greedy(q, max_num_batched_tokens=8, enable_chunked_prefill=True) == want
 
 
+@pytest.mark.slow
+def test_block_fp8_preemption_and_prefix_cache_hits(llama_fp8: Path) -> None:
+    """Prompts sharing 16 tokens in a pool of 16 blocks of 4 with a 10-token budget: later
+    prompts hit the cached prefix, some sequences are preempted and recomputed, and every one
+    still gives transformers' tokens."""
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(1, 300, (16,), generator=gen).tolist()
+    prompts = [shared + torch.randint(1, 300, (n,), generator=gen).tolist() for n in (4, 10, 15, 8, 12)]
+    llm = LLM(model=str(llama_fp8), **{**ENGINE, "block_size": 4, "num_kv_blocks": 16, "max_num_batched_tokens": 10,
+                                       "max_model_len": 64})
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits >= 16 and stats.num_preemptions > 0, stats
+    assert [list(o.outputs[0].token_ids) for o in first + rest] == _hf_greedy(llama_fp8, prompts)
+
+
 # ---- tensor parallelism --------------------------------------------------------------------------
 
 
