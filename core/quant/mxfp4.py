@@ -86,7 +86,11 @@ def _reshaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     ``_base`` after the platform moves the weight's data elsewhere (the cpu backend packs every
     weight into one buffer), and with it the storage the codes were loaded into."""
     assert t.is_contiguous()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape, strides)
 
 
 def expert_weights(experts: Any) -> tuple[QuantWeight, QuantWeight]:
