@@ -188,7 +188,8 @@ class DecoderLayer(nn.Module):
         norm, eps, hidden = model_cls.norm, args.rms_norm_eps, args.hidden_size
         self.sandwich = model_cls.sandwich_norms
         self.input_layernorm = norm(hidden, eps, dtype)
-        self.self_attn = model_cls.make_attention(args, i, tp, dtype)
+        # a latent-attention layer (portside.model.mla) offers the same surface: qkv, out, scale, features
+        self.self_attn = cast(DecoderAttention, model_cls.make_attention(args, i, tp, dtype))
         self.post_attention_layernorm = norm(hidden, eps, dtype)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(hidden, eps, dtype)

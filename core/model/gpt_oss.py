@@ -20,7 +20,7 @@ rank 0 only (the ranks' partial outputs are summed). A quantized format (MXFP4 e
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -114,7 +114,8 @@ class GptOssMoE(nn.Module):
         logits = self.router(x)  # [T, E]
         ex = self.experts
         # top-k of the logits, softmaxed among themselves == softmax over all, top-k, renormalised
-        options = dict(w13_bias=ex.w13_bias, w2_bias=ex.w2_bias, swiglu_alpha=self.alpha, swiglu_limit=self.limit)
+        options: dict[str, Any] = dict(w13_bias=ex.w13_bias, w2_bias=ex.w2_bias, swiglu_alpha=self.alpha,
+                                       swiglu_limit=self.limit)  # fmt: skip
         if ex.quant13 is not None:
             weights, ids = self.ops.select_experts(logits, self.top_k, True)
             y = self.ops.quantized_moe_experts(x, ex.quant13, ex.quant2, weights, ids, "swiglu_oai",  # type: ignore[arg-type]

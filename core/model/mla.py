@@ -93,7 +93,7 @@ class MLAttention(nn.Module):
         """This rank's W_UK [H, nope, L] and W_UV [H, v, L]: views of kv_b_proj's weight. A
         quantized kv_b_proj (block-FP8 checkpoints) is dequantized once, through the platform's
         own quantized linear applied to the identity, and kept dense beside its codes."""
-        w = self.kv_b_proj.weight
+        w: torch.Tensor | None = self.kv_b_proj.weight
         if w is None:
             if self._kv_b_dense is None:
                 eye = torch.eye(self.latent_dim, dtype=self.kv_b_proj.dtype, device=self.kv_a_layernorm.weight.device)

@@ -406,8 +406,8 @@ def to_quant_weights(layer: LinearBase, qc: QuantConfig) -> list[QuantWeight]:
         orders: list[torch.Tensor | None] = act_orders(get("weight_g_idx")) if qc.desc_act else [None]
         return ordered("int", codes(q), orders, bits=qc.bits, scales=get("weight_scale").contiguous(), zeros=zp)
     if qc.block is not None:
-        scale = get("weight_scale_inv" if qc.method == "fp8" else "weight_scale")
-        return [QuantWeight("fp8", (n, k), get("weight").detach(), scales=scale.detach().float().contiguous(),
+        block_scale = get("weight_scale_inv" if qc.method == "fp8" else "weight_scale")
+        return [QuantWeight("fp8", (n, k), get("weight").detach(), scales=block_scale.detach().float().contiguous(),
                             group_size=qc.block[1], method=qc.method, block=qc.block, act=qc.act, act_group=qc.act_group)]
     if qc.online:
         return [quantize_per_channel(layer.weight.detach(), qc.method, qc.act)]  # type: ignore[union-attr]

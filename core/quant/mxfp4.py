@@ -86,7 +86,8 @@ def _reshaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     ``_base`` after the platform moves the weight's data elsewhere (the cpu backend packs every
     weight into one buffer), and with it the storage the codes were loaded into."""
     assert t.is_contiguous()
-    strides, step = [], 1
+    strides: list[int] = []
+    step = 1
     for size in reversed(shape):
         strides.insert(0, step)
         step *= size

@@ -7,6 +7,8 @@ nothing runs the references themselves and passes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -117,7 +119,7 @@ def test_grouped_select_experts_matches_reference(conformance_platform: type[Pla
             logits = _router_logits(t, 16, gen).to(dtype)
             bias = torch.randperm(16, generator=gen).float() / 64  # distinct sums: no ties
             for scoring, groups, topk_groups, how, biased, renormalize, factor in GROUPED_ROUTINGS:
-                options = dict(num_groups=groups, topk_groups=topk_groups, group_scoring=how,
+                options: dict[str, Any] = dict(num_groups=groups, topk_groups=topk_groups, group_scoring=how,
                                correction_bias=bias if biased else None, scaling_factor=factor)  # fmt: skip
                 what = f"{type(ops).__name__}.select_experts(top_k=4, renormalize={renormalize}, scoring={scoring!r}, " \
                        f"{ {k: v for k, v in options.items() if k != 'correction_bias'} }, bias={biased}) on [{t}, 16] {dtype}"  # fmt: skip
@@ -146,7 +148,7 @@ def test_moe_experts_with_bias_and_clamped_swiglu_match_reference(conformance_pl
             on_device = [w.to(device) for w in (x, w13, w2)]
             for activation in ACTIVATIONS + CLAMPED_ACTIVATIONS:
                 for biases in ((b13, None), (None, b2), (b13, b2)):
-                    extra = dict(swiglu_alpha=1.702, swiglu_limit=0.75) if activation in CLAMPED_ACTIVATIONS else {}
+                    extra: dict[str, Any] = dict(swiglu_alpha=1.702, swiglu_limit=0.75) if activation in CLAMPED_ACTIVATIONS else {}
                     where = f"T={t}, hidden={hidden}, I={inter}, E={e}, top_k={k}, activation={activation!r}, " \
                             f"w13_bias={biases[0] is not None}, w2_bias={biases[1] is not None}, {dtype}"  # fmt: skip
                     want = moe_experts(x.float(), w13.float(), w2.float(), weights, ids, activation,
