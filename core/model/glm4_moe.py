@@ -15,8 +15,7 @@ used by the forward pass (as in transformers, which drops them).
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -26,11 +25,11 @@ from portside.contract import Communicator, ModelOps
 from portside.model.args import ModelArgs
 from portside.model.decoder import TP, DecoderForCausalLM, DecoderModel, GatedMLP
 from portside.model.deepseek_moe import DeepseekMoE
+from portside.model.mtp import without_mtp
 from portside.model.pipeline import PipelineStage
 
 __all__ = ["Glm4MoeForCausalLM"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _glm4_model(model_cls: type[DecoderForCausalLM], args: ModelArgs, tp: TP, dtype: torch.dtype,
@@ -64,20 +63,9 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
         """The decoder's, with the multi-token-prediction layers' tensors set aside (`mtp_weights`)."""
-        return super().load_weights(self._without_mtp(weights))
-
-    def _without_mtp(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        n = self.config.num_layers
-        for name, tensor in weights:
-            m = _LAYER.match(name)
-            if m is None or int(m[1]) < n:
-                yield name, tensor
-            elif int(m[1]) < n + self.num_mtp_layers:
-                if self.stage.is_last:
-                    self.mtp_weights[name] = tensor
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}: layer {m[1]} is "
-                                 f"past its {n} layers and {self.num_mtp_layers} multi-token-prediction layers")
+        keep = self.mtp_weights if self.stage.is_last else None
+        return super().load_weights(without_mtp(weights, self.config.num_layers, self.num_mtp_layers, keep,
+                                                type(self).__name__))  # fmt: skip
 
 
 class _Glm4MoeWithQKNorm(Glm4MoeForCausalLM):
