@@ -26,8 +26,15 @@ from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
 from portside.contract import Communicator
 from portside.model.registry import load_model
+from portside.testing.engine_parity import (
+    assert_greedy_parity,
+    check_batched_and_alone,
+    check_chunked_prefill_and_preemption,
+    check_prefix_cache_hits,
+    random_prompts,
+)
 from portside.testing.paged import PagedSequence
-from portside.testing.tiny import hf_greedy, hf_logits
+from portside.testing.tiny import hf_logits
 from portside.testing.tiny_glm4_moe import make_tiny_glm4_moe
 
 CASES: dict[str, dict[str, Any]] = {
@@ -130,59 +137,21 @@ def test_a_layer_past_the_mtp_layers_is_refused(tiny_glm: Path, tmp_path: Path) 
         _load(bad)
 
 
-def _prompts(n: int, lengths: list[int]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(n)
-    return [torch.randint(3, 400, (length,), generator=gen).tolist() for length in lengths]
-
-
-def _assert_parity(path: Path, prompts: list[list[int]], outs) -> None:
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
-
-
-def _assert_all_blocks_free(llm: LLM) -> None:
-    assert llm.engine.stats().num_used_blocks == 0
-    llm.engine.scheduler.check_integrity()
-
-
 GREEDY_CASES = [c if c in FAST_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 
 
 @pytest.mark.parametrize("case", GREEDY_CASES, indirect=True)
 def test_greedy_parity_batched_and_alone(case: Path) -> None:
-    llm = LLM(model=str(case), device="cpu", max_model_len=128, block_size=4)
-    prompts = _prompts(0, [1, 4, 9, 17, 30, 41])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    _assert_parity(case, prompts, outs)
-    alone = llm.generate([{"prompt_token_ids": prompts[-1]}], GREEDY, use_tqdm=False)
-    assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-    _assert_all_blocks_free(llm)
+    check_batched_and_alone(case)
 
 
 @pytest.mark.parametrize("case", GREEDY_CASES, indirect=True)
 def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
-    """A 10-token budget splits prompts across steps, mixed with decodes; 20 blocks of 4 tokens
-    cannot hold 5 sequences of ~40 tokens, so some are preempted and recomputed."""
-    llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=20,
-              max_num_batched_tokens=10)  # fmt: skip
-    prompts = _prompts(1, [23, 11, 19, 25, 14])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert llm.engine.stats().num_preemptions > 0
-    _assert_parity(case, prompts, outs)
-    _assert_all_blocks_free(llm)
+    check_chunked_prefill_and_preemption(case)
 
 
 def test_prefix_cache_hits(tiny_glm: Path) -> None:
-    """Prompts sharing 16 tokens: later ones reuse the cached blocks."""
-    llm = LLM(model=str(tiny_glm), device="cpu", max_model_len=128, block_size=4)
-    shared = _prompts(2, [16])[0]
-    prompts = [shared + tail for tail in _prompts(3, [4, 10, 15, 8])]
-    first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
-    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
-    assert llm.engine.stats().prefix_cache_hits >= 16 * 3
-    assert all(o.num_cached_tokens >= 16 for o in rest)
-    _assert_parity(tiny_glm, prompts, first + rest)
-    _assert_all_blocks_free(llm)
+    check_prefix_cache_hits(tiny_glm)
 
 
 def test_tensor_parallel_logits_equal_transformers(tmp_path: Path) -> None:
@@ -217,6 +186,6 @@ def test_online_int8_experts_match_the_rounded_checkpoint(tiny_glm: Path, tmp_pa
     moe = llm.engine.executor.runner.model.model.layers[1].mlp
     assert moe.experts.quant13 is not None and moe.shared_experts.down_proj.quant is not None
     assert moe.gate.quant is None and moe.gate.weight.dtype == torch.float32
-    prompts = _prompts(5, [3, 12, 20])
+    prompts = random_prompts(5, [3, 12, 20])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    _assert_parity(oracle, prompts, outs)
+    assert_greedy_parity(oracle, prompts, outs)

@@ -23,6 +23,13 @@ from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
 from portside.contract import Communicator
 from portside.model.registry import load_model
+from portside.testing.engine_parity import (
+    assert_greedy_parity,
+    check_batched_and_alone,
+    check_chunked_prefill_and_preemption,
+    check_prefix_cache_hits,
+    random_prompts,
+)
 from portside.testing.paged import PagedSequence
 from portside.testing.tiny import hf_greedy, hf_logits
 from portside.testing.tiny_gpt_oss import make_tiny_gpt_oss
@@ -133,21 +140,6 @@ def test_checkpoint_parts_are_where_transformers_has_them(tiny_gpt_oss: Path) ->
     assert (without - expected).abs().max() > 0.1
 
 
-def _prompts(n: int, lengths: list[int]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(n)
-    return [torch.randint(3, 400, (length,), generator=gen).tolist() for length in lengths]
-
-
-def _assert_parity(path: Path, prompts: list[list[int]], outs) -> None:
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
-
-
-def _assert_all_blocks_free(llm: LLM) -> None:
-    assert llm.engine.stats().num_used_blocks == 0
-    llm.engine.scheduler.check_integrity()
-
-
 # engine runs take 5-20 s each on 2 cores: one fast case, the rest under -m slow (CI runs them)
 GREEDY_CASES = [c if c == "e8k2" else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 SLOW_GREEDY_CASES = [pytest.param(c, marks=pytest.mark.slow) for c in CASES]
@@ -155,40 +147,16 @@ SLOW_GREEDY_CASES = [pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 
 @pytest.mark.parametrize("case", GREEDY_CASES, indirect=True)
 def test_greedy_parity_batched_and_alone(case: Path) -> None:
-    llm = LLM(model=str(case), device="cpu", max_model_len=128, block_size=4)
-    prompts = _prompts(0, [1, 4, 9, 17, 30, 41])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    _assert_parity(case, prompts, outs)
-    alone = llm.generate([{"prompt_token_ids": prompts[-1]}], GREEDY, use_tqdm=False)
-    assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-    _assert_all_blocks_free(llm)
+    check_batched_and_alone(case)
 
 
 @pytest.mark.parametrize("case", SLOW_GREEDY_CASES, indirect=True)
 def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
-    """A 10-token budget splits prompts across steps, mixed with decodes; 20 blocks of 4 tokens
-    cannot hold 5 sequences of ~40 tokens (the full-attention layers keep every block), so some
-    are preempted and recomputed."""
-    llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=20,
-              max_num_batched_tokens=10)  # fmt: skip
-    prompts = _prompts(1, [23, 11, 19, 25, 14])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert llm.engine.stats().num_preemptions > 0
-    _assert_parity(case, prompts, outs)
-    _assert_all_blocks_free(llm)
+    check_chunked_prefill_and_preemption(case)
 
 
 def test_prefix_cache_hits(tiny_gpt_oss: Path) -> None:
-    """Prompts sharing 16 tokens (twice the window): later ones reuse the cached blocks."""
-    llm = LLM(model=str(tiny_gpt_oss), device="cpu", max_model_len=128, block_size=4)
-    shared = _prompts(2, [16])[0]
-    prompts = [shared + tail for tail in _prompts(3, [4, 10, 15, 8])]
-    first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
-    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
-    assert llm.engine.stats().prefix_cache_hits >= 16 * 3
-    assert all(o.num_cached_tokens >= 16 for o in rest)
-    _assert_parity(tiny_gpt_oss, prompts, first + rest)
-    _assert_all_blocks_free(llm)
+    check_prefix_cache_hits(tiny_gpt_oss)
 
 
 @pytest.mark.slow  # compiles the model (~1 min on 2 cores)
@@ -196,9 +164,9 @@ def test_greedy_parity_inductor_graph(tiny_gpt_oss: Path) -> None:
     """The inductor graph calls `portside_cpu::attention_sinks` for the sink layers."""
     llm = LLM(model=str(tiny_gpt_oss), device="cpu", max_model_len=128, block_size=8, max_num_batched_tokens=24,
               platform_options={"cpu_graph": "inductor"})  # fmt: skip
-    prompts = _prompts(4, [3, 11, 20, 30])
+    prompts = random_prompts(4, [3, 11, 20, 30])
     for batch in (prompts, prompts[2:3]):
-        _assert_parity(tiny_gpt_oss, batch, llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
+        assert_greedy_parity(tiny_gpt_oss, batch, llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
                                                          use_tqdm=False))  # fmt: skip
 
 

@@ -16,13 +16,18 @@ from typing import Any
 import pytest
 import torch
 
-from portside import LLM, SamplingParams
+from portside import SamplingParams
 from portside.attention.reference import ReferenceAttentionBackend
 from portside.config import ModelConfig
 from portside.contract import Communicator
 from portside.model.registry import load_model, read_model_args
+from portside.testing.engine_parity import (
+    check_batched_and_alone,
+    check_chunked_prefill_and_preemption,
+    random_prompts,
+)
 from portside.testing.paged import PagedSequence
-from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model
+from portside.testing.tiny import hf_logits, make_tiny_model
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),  # head_dim 32, hidden 64 / 4 heads = 16
@@ -97,22 +102,6 @@ def test_prompt_logits_match_transformers(case: Path, dtype: torch.dtype) -> Non
     torch.testing.assert_close(logits[rows], expected[rows], **LOGIT_TOLERANCE[dtype])
 
 
-def _prompts(n: int, lengths: list[int]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(n)
-    return [torch.randint(3, 400, (length,), generator=gen).tolist() for length in lengths]
-
-
-def _assert_parity(path: Path, prompts: list[list[int]], outs) -> None:
-    for prompt, out in zip(prompts, outs):
-        expected = hf_greedy(path, prompt, MAX_TOKENS)
-        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
-
-
-def _assert_all_blocks_free(llm: LLM) -> None:
-    assert llm.engine.stats().num_used_blocks == 0
-    llm.engine.scheduler.check_integrity()
-
-
 # the engine-level greedy runs (5-6 s each on 2 cores) of the fast cases but these two go under -m slow too;
 # every fast case keeps its quick logits parity above
 GREEDY_FAST_CASES = {"gemma2-mha-window5", "mixtral-2x1"}  # mixed sliding/global layers with soft-caps; experts
@@ -121,28 +110,15 @@ GREEDY_CASES = [c if c in GREEDY_FAST_CASES else pytest.param(c, marks=pytest.ma
 
 @pytest.mark.parametrize("case", GREEDY_CASES, indirect=True)
 def test_greedy_parity_batched_and_alone(case: Path) -> None:
-    llm = LLM(model=str(case), device="cpu", max_model_len=128, block_size=4)
-    prompts = _prompts(0, [1, 4, 9, 17, 30, 41])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    _assert_parity(case, prompts, outs)
-    alone = llm.generate([{"prompt_token_ids": prompts[-1]}], GREEDY, use_tqdm=False)
-    assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-    _assert_all_blocks_free(llm)
+    check_batched_and_alone(case)
 
 
 @pytest.mark.parametrize("case", GREEDY_CASES, indirect=True)
 def test_greedy_parity_chunked_prefill_and_preemption(case: Path) -> None:
-    """A 10-token budget splits prompts across steps, mixed with decodes; 20 blocks of 4 tokens
-    cannot hold 5 sequences of ~40 tokens, so some are preempted and recomputed (8 blocks where
-    every layer has the same window: the blocks behind it are freed as the sequences grow)."""
+    """8 blocks where every layer has the same window (the blocks behind it are freed as the
+    sequences grow), else 20."""
     uniform_window = read_model_args(case).uniform_sliding_window is not None
-    llm = LLM(model=str(case), device="cpu", max_model_len=64, block_size=4,
-              num_kv_blocks=8 if uniform_window else 20, max_num_batched_tokens=10)
-    prompts = _prompts(1, [23, 11, 19, 25, 14])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert llm.engine.stats().num_preemptions > 0
-    _assert_parity(case, prompts, outs)
-    _assert_all_blocks_free(llm)
+    check_chunked_prefill_and_preemption(case, num_kv_blocks=8 if uniform_window else 20)
 
 
 def test_longrope_long_factors_beyond_the_original_context(tmp_path: Path) -> None:
@@ -153,7 +129,7 @@ def test_longrope_long_factors_beyond_the_original_context(tmp_path: Path) -> No
     path = make_tiny_model(tmp_path / "m", "phi3", max_position_embeddings=128, original_max_position_embeddings=32,
                            rope_parameters=rope)
     model = load_model(ModelConfig(path=str(path), max_model_len=128), torch.device("cpu"))
-    prompt = _prompts(2, [40])[0]
+    prompt = random_prompts(2, [40])[0]
     logits = PagedSequence(model, ReferenceAttentionBackend(), block_size=4).forward(prompt)
     torch.testing.assert_close(logits, hf_logits(path, prompt), **LOGIT_TOLERANCE[torch.float32])
 
