@@ -18,7 +18,7 @@ from portside import LLM, SamplingParams
 from portside.quant.config import QuantConfig
 from portside.quant.fp8_block import quantize_fp8_block
 from portside.quant.weight import QuantWeight, dequantize, quantized_linear
-from portside.testing.fp8_mxfp4_checkpoints import fp8_oracle, tensor_bytes, write_fp8_block
+from portside.testing.fp8_mxfp4_checkpoints import fp8_oracle, oracle_greedy, tensor_bytes, write_fp8_block
 from portside.testing.tiny import make_tiny_model
 
 MAX_TOKENS = 10
@@ -41,14 +41,7 @@ def _hf_greedy(path: Path, prompts: list[list[int]] = PROMPTS) -> list[list[int]
     """transformers' greedy tokens for the FP8 folder (its cpu dequantized run), in fp32."""
     key = f"{path}:{prompts}"
     if key not in _ORACLES:
-        model = fp8_oracle(path)
-        outs = []
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 pad_token_id=0, temperature=None, top_p=None, top_k=None)
-            outs.append(out[0, len(p):].tolist())
-        _ORACLES[key] = outs
+        _ORACLES[key] = oracle_greedy(fp8_oracle(path), prompts, MAX_TOKENS)
     return _ORACLES[key]
 
 

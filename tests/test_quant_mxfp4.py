@@ -18,7 +18,7 @@ from portside import LLM, SamplingParams
 from portside.quant.config import QuantConfig
 from portside.quant.mxfp4 import mxfp4_weight, quantize_mxfp4
 from portside.quant.weight import FP4_VALUES, QuantWeight, dequantize, quantized_linear
-from portside.testing.fp8_mxfp4_checkpoints import mxfp4_oracle, tensor_bytes, write_mxfp4_experts
+from portside.testing.fp8_mxfp4_checkpoints import mxfp4_oracle, oracle_greedy, tensor_bytes, write_mxfp4_experts
 from portside.testing.tiny_gpt_oss import make_tiny_gpt_oss
 
 MAX_TOKENS = 10
@@ -41,14 +41,7 @@ def _hf_greedy(path: Path, prompts: list[list[int]] = PROMPTS) -> list[list[int]
     """transformers' greedy tokens for the MXFP4 folder (its cpu dequantized run), in fp32."""
     key = f"{path}:{prompts}"
     if key not in _ORACLES:
-        model = mxfp4_oracle(path)
-        outs = []
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 pad_token_id=0, temperature=None, top_p=None, top_k=None)
-            outs.append(out[0, len(p):].tolist())
-        _ORACLES[key] = outs
+        _ORACLES[key] = oracle_greedy(mxfp4_oracle(path), prompts, MAX_TOKENS)
     return _ORACLES[key]
 
 

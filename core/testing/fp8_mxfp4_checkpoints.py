@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from portside.quant.mxfp4 import quantize_mxfp4
 from portside.quant.weight import FP4_VALUES
 
-__all__ = ["write_fp8_block", "write_ct_fp8_block", "write_mxfp4_experts", "fp8_oracle", "mxfp4_oracle", "FP4_VALUES", "quantize_mxfp4", "tensor_bytes"]
+__all__ = ["write_fp8_block", "write_ct_fp8_block", "write_mxfp4_experts", "fp8_oracle", "mxfp4_oracle", "oracle_greedy", "FP4_VALUES", "quantize_mxfp4", "tensor_bytes"]
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -189,3 +189,16 @@ def mxfp4_oracle(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     return _no_eos(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, quantization_config=Mxfp4Config(dequantize=True)).eval())
+
+
+@torch.no_grad()
+def oracle_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """An oracle model's (`fp8_oracle`, `mxfp4_oracle`) greedy continuation of each prompt, new
+    tokens only, one prompt at a time."""
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, temperature=None, top_p=None, top_k=None)  # fmt: skip
+        outs.append(out[0, len(p):].tolist())
+    return outs
