@@ -36,7 +36,6 @@ def _greedy(path: Path, prompts: list[list[int]] = PROMPTS, **kwargs) -> list[li
 _ORACLES: dict[str, list[list[int]]] = {}
 
 
-@torch.no_grad()
 def _hf_greedy(path: Path, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     """transformers' greedy tokens for the FP8 folder (its cpu dequantized run), in fp32."""
     key = f"{path}:{prompts}"

@@ -243,19 +243,17 @@ MOE_OPTIONS: dict[str, tuple[str, ...]] = {
 (an override without them is wrapped by `ModelOps.__init_subclass__`)."""
 
 
-def _option_used(name: str, value: Any) -> bool:
-    """Whether `value` of option `name` asks for something the option's default does not."""
-    defaults = {"num_groups": 1, "topk_groups": None, "group_scoring": "max", "scaling_factor": 1.0,
-                "swiglu_alpha": moe.SWIGLU_OAI_ALPHA, "swiglu_limit": 7.0}  # fmt: skip
-    if name in defaults:
-        return value != defaults[name]
-    return value is not None  # correction_bias, w13_bias, w2_bias
+def _option_used(value: Any, default: Any) -> bool:
+    """Whether an option's `value` asks for something its `default` does not (a tensor option's
+    default is None)."""
+    return value is not None if default is None else value != default
 
 
 def _fall_back_on_new_options(name: str, method: Any, missing: tuple[str, ...]) -> Any:
     """`method` (an override lacking the options `missing`), called as written unless the call
     uses one of them (or the "swiglu_oai" activation, which needs them): then the reference."""
     reference = getattr(ModelOps, name)
+    defaults = {k: inspect.signature(reference).parameters[k].default for k in missing}
     sig = inspect.signature(method)
 
     @functools.wraps(method)
@@ -263,7 +261,7 @@ def _fall_back_on_new_options(name: str, method: Any, missing: tuple[str, ...]) 
         new = {k: kwargs.pop(k) for k in missing if k in kwargs}
         bound = sig.bind_partial(self, *args, **kwargs).arguments if "activation" in sig.parameters else {}
         activation = bound.get("activation")
-        if any(_option_used(k, v) for k, v in new.items()) or activation in moe.CLAMPED_ACTIVATIONS:
+        if any(_option_used(v, defaults[k]) for k, v in new.items()) or activation in moe.CLAMPED_ACTIVATIONS:
             return reference(self, *args, **kwargs, **new)
         return method(self, *args, **kwargs)
 
