@@ -54,3 +54,19 @@ def triton_interp_site(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     )  # fmt: skip
     assert proc.returncode == 0, f"installing plugins/triton_interp failed:\n{proc.stderr[-3000:]}"
     return str(site)
+
+
+@pytest.fixture(scope="module")
+def triton_plugin(triton_interp_site: str | None):
+    """The `triton-interp` plugin discoverable in this process for a module's tests: its folder
+    on sys.path and stevedore's per-namespace entry-point cache emptied (a test that discovered
+    platforms earlier in this worker would otherwise hide the new entry point)."""
+    from stevedore import ExtensionManager
+
+    mp = pytest.MonkeyPatch()
+    if triton_interp_site is not None:
+        mp.syspath_prepend(triton_interp_site)
+    mp.delenv("PORTSIDE_PLUGINS", raising=False)
+    mp.setattr(ExtensionManager, "ENTRY_POINT_CACHE", {})
+    yield
+    mp.undo()

@@ -22,25 +22,18 @@ pytestmark = [
 ]
 
 
-def test_gpt_oss_through_triton_kernels(triton_interp_site: str | None, tmp_path: Path) -> None:
+def test_gpt_oss_through_triton_kernels(triton_plugin, tmp_path: Path) -> None:
     from portside import LLM, SamplingParams
 
-    mp = pytest.MonkeyPatch()
-    if triton_interp_site is not None:
-        mp.syspath_prepend(triton_interp_site)
-    mp.delenv("PORTSIDE_PLUGINS", raising=False)
-    try:
-        path = make_tiny_gpt_oss(tmp_path / "m", head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-                                 num_hidden_layers=2, swiglu_limit=3.0)  # fmt: skip
-        llm = LLM(model=str(path), device="triton-interp", max_model_len=64, block_size=16,
-                  max_num_batched_tokens=16)  # fmt: skip
-        runner = llm.engine.executor.runner
-        assert runner.attn_backend.name == "triton" and "sinks" in runner.attn_backend.features
-        assert type(runner.model.model.layers[0].mlp.ops).__name__ == "TritonModelOps"
-        prompts = [[5, 17, 250], [9, 31, 77, 120, 64, 300, 2, 45, 12, 13, 14, 200, 201, 6, 7, 333, 42, 99, 8, 1, 390]]
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for prompt, out in zip(prompts, outputs, strict=True):
-            assert out.outputs[0].token_ids == hf_greedy(path, prompt, 6), f"prompt of {len(prompt)} tokens"
-    finally:
-        mp.undo()
+    path = make_tiny_gpt_oss(tmp_path / "m", head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=2, swiglu_limit=3.0)  # fmt: skip
+    llm = LLM(model=str(path), device="triton-interp", max_model_len=64, block_size=16,
+              max_num_batched_tokens=16)  # fmt: skip
+    runner = llm.engine.executor.runner
+    assert runner.attn_backend.name == "triton" and "sinks" in runner.attn_backend.features
+    assert type(runner.model.model.layers[0].mlp.ops).__name__ == "TritonModelOps"
+    prompts = [[5, 17, 250], [9, 31, 77, 120, 64, 300, 2, 45, 12, 13, 14, 200, 201, 6, 7, 333, 42, 99, 8, 1, 390]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 6), f"prompt of {len(prompt)} tokens"

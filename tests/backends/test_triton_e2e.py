@@ -30,17 +30,6 @@ WORDS = "the quick brown fox jumps over the lazy dog while a small cat sleeps in
 
 
 @pytest.fixture(scope="module")
-def triton_plugin(triton_interp_site: str | None):
-    """The `triton-interp` plugin on this process's path for this module's tests."""
-    mp = pytest.MonkeyPatch()
-    if triton_interp_site is not None:
-        mp.syspath_prepend(triton_interp_site)
-    mp.delenv("PORTSIDE_PLUGINS", raising=False)
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def tiny_gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_hd64"), "llama", head_dim=64)
 
