@@ -406,10 +406,10 @@ def test_streaming_equals_batch_any_split(name: str) -> None:
 
 
 def test_builtin_parsers() -> None:
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "granite", "hermes", "kimi_k2", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     assert get_tool_parser("hermes") is HermesToolParser
-    with pytest.raises(ValueError, match=r"unknown tool parser 'pythonic'; known: deepseek_v3, hermes, llama3_json, mistral"):
-        get_tool_parser("pythonic")
+    with pytest.raises(ValueError, match=r"unknown tool parser 'nope'; known: deepseek_v3, granite, hermes, kimi_k2, llama3_json, mistral, pythonic, qwen3_coder"):
+        get_tool_parser("nope")
 
 
 def test_third_party_parser_from_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -439,5 +439,5 @@ def test_third_party_parser_from_entry_point(tmp_path: Path, monkeypatch: pytest
     assert cls.__name__ == "XmlToolParser" and cls(None).extract('<tool_call>{"name": "f"}</tool_call>').tools_called
     with pytest.raises(ValueError, match=r"'not_a_class' .*is not a ToolParser"):
         get_tool_parser("not_a_class")
-    with pytest.raises(ValueError, match=r"known: deepseek_v3, hermes, llama3_json, mistral, not_a_class, xml"):
+    with pytest.raises(ValueError, match=r"known: deepseek_v3, granite, hermes, kimi_k2, llama3_json, mistral, not_a_class, pythonic, qwen3_coder, xml"):
         get_tool_parser("nope")

@@ -22,6 +22,8 @@ def str_list(value: str) -> list[str]:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add the server's own flags (MODEL, host/port, names, auth, limits) to `parser`."""
+    from portside.tool_parsers import described as described_tool_parsers
+
     parser.add_argument(
         "model", nargs="?", default=None, metavar="MODEL",
         help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
@@ -60,8 +62,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
-        help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), mistral, deepseek_v3 "
-             "(DeepSeek-V3/R1, V3.1), or a plugin's",
+        help=f"the model's tool-call format: {described_tool_parsers()}, or a plugin's",
     )  # fmt: skip
     g.add_argument(
         "--chat-format", choices=("auto", "harmony", "template"), default="auto",

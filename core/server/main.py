@@ -47,7 +47,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     tool_parser = None
     if args.enable_auto_tool_choice:
         if not args.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, deepseek_v3)")
+            from portside.tool_parsers import TOOL_PARSERS
+
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
         if harmony and args.tool_call_parser != HARMONY_TOOL_PARSER:
             raise ValueError(f"--tool-call-parser {args.tool_call_parser}: this model's tool calls are harmony's (gpt-oss), "
                              f"parsed without a parser; drop the flag (or name vLLM's {HARMONY_TOOL_PARSER!r}), or render "

@@ -20,6 +20,7 @@ from portside.server.errors import bad_request
 from portside.server.protocol.bodies import ChatCompletionRequest
 from portside.server.protocol.messages import NamedToolChoice
 from portside.structured.params import StructuredOutputsParams
+from portside.tool_parsers import TOOL_PARSERS
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -68,10 +69,12 @@ def plan_tools(req: ChatCompletionRequest, parser_cls: Any, tokenizer: Any) -> T
     if parser_cls is None:
         raise bad_request(
             'tool_choice: "auto" tool choice needs the server started with --enable-auto-tool-choice and '
-            "--tool-call-parser (hermes, llama3_json, mistral, deepseek_v3); or use tool_choice \"required\" or a named function",
+            f"--tool-call-parser ({', '.join(TOOL_PARSERS)}); or use tool_choice \"required\" or a named function",
             "tool_choice",
         )
-    return ToolPlan("auto", tools, parser=parser_cls(tokenizer), parallel=req.parallel_tool_calls)
+    parser = parser_cls(tokenizer)
+    parser.tools = tools  # formats that write arguments as text read their types from the tools' schemas
+    return ToolPlan("auto", tools, parser=parser, parallel=req.parallel_tool_calls)
 
 
 def _call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:

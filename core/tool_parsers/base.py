@@ -13,6 +13,7 @@ as content. Content that is whitespace only, in total, is dropped (content is th
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -62,7 +63,12 @@ def arguments_json(obj: dict[str, Any], keys: tuple[str, ...] = ("arguments", "p
     the value under the first present key of `keys` is not an object."""
     key = next((k for k in keys if k in obj), None)
     args = {} if key is None else obj[key]
-    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
 
 
 def call_from_object(obj: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, str] | None:
@@ -74,11 +80,23 @@ def call_from_object(obj: Any, keys: tuple[str, ...] = ("arguments", "parameters
 
 
 def loads(text: str) -> Any:
-    """`json.loads`, with None for anything that does not parse."""
+    """`json.loads`, with None for anything that does not parse, nests too deep, or holds a
+    number JSON cannot write back (NaN, Infinity, 1e999)."""
     try:
-        return json.loads(text)
-    except ValueError:
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, RecursionError):
         return None
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
 
 
 class JsonEnd:
@@ -148,16 +166,19 @@ class ToolCallStreamer:
         With `final`, nothing more will arrive: decide everything."""
         raise NotImplementedError
 
-    def _up_to(self, marker: str, final: bool) -> bool:
-        """Outside a call: pass on the content before `marker` (holding back what may be the start
-        of one, unless `final`); True when the buffer now starts with `marker`."""
+    def _up_to(self, marker: str | tuple[str, ...], final: bool) -> bool:
+        """Outside a call: pass on the content before `marker` (or the earliest of several),
+        holding back what may be the start of one unless `final`; True when the buffer now
+        starts with a marker."""
+        markers = (marker,) if isinstance(marker, str) else marker
         buf = self._buf
-        start = buf.find(marker)
-        if start < 0:
-            keep = 0 if final else partial_marker_len(buf, (marker,))
+        found = [i for i in (buf.find(m) for m in markers) if i >= 0]
+        if not found:
+            keep = 0 if final else partial_marker_len(buf, markers)
             self._content(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
             return False
+        start = min(found)
         self._content(buf[:start])
         self._buf = buf[start:]
         return True
@@ -187,10 +208,16 @@ class ToolCallStreamer:
 
 class ToolParser:
     """A model's own tool-call format. Subclasses set `name` (the --tool-call-parser value) and
-    implement `streamer`; `extract` comes for free."""
+    implement `streamer`; `extract` comes for free.
+
+    `tools` is the request's tools in OpenAI's shape (`{"type": "function", "function": {"name",
+    "parameters", ...}}`), set by the server after construction (None: not known). Formats that
+    write arguments as text (qwen3_coder) read the parameter types from it."""
 
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool] = False  # True: decode with skip_special_tokens=False
+    models: ClassVar[str] = ""  # the models that write this format, for --help
+    tools: list[dict[str, Any]] | None = None
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -13,16 +13,15 @@ special-token-delimited blocks, each naming its type and function, arguments in 
 DeepSeek-V3.1's shorter block, ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
 <｜tool▁call▁end｜>``, is read too (the text after the separator is then the arguments object).
 
-Text before the section, and after its end marker, is content. Inside the section, blocks may be
-separated by whitespace; a block whose body does not parse (no separator, no name, arguments that
-are not one JSON object) is content, markers included, as is anything else the section holds. A
-block or section still open at the end of the output is content. Each call is emitted when its
-block closes.
+The section is read as `sections.SectionStreamer` reads one: text around it is content, and a
+block whose body does not parse (no separator, no name, arguments that are not one JSON object)
+is content, markers included. Each call is emitted when its block closes.
 """
 
 from __future__ import annotations
 
 from portside.tool_parsers.base import ToolCallStreamer, ToolParser, arguments_json, loads
+from portside.tool_parsers.sections import SectionStreamer
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -54,47 +53,17 @@ def parse_block(body: str) -> tuple[str, str] | None:
     return None if encoded is None else (name, encoded)
 
 
-class DeepSeekV3Streamer(ToolCallStreamer):
-    def __init__(self, parser: ToolParser) -> None:
-        super().__init__(parser)
-        self._in_section = False  # True: past CALLS_BEGIN, between blocks
-        self._opening = ""  # the section's begin marker while no block of it became a call
+class DeepSeekV3Streamer(SectionStreamer):
+    calls_begin, calls_end, call_begin, call_end = CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END
 
-    def _step(self, final: bool) -> bool:
-        if not self._in_section:
-            if not self._up_to(CALLS_BEGIN, final):
-                return False
-            self._buf, self._in_section, self._opening = self._buf[len(CALLS_BEGIN) :], True, CALLS_BEGIN
-            return True
-        rest = self._buf.lstrip()
-        if rest.startswith(CALLS_END):  # the section ends (an empty one leaves nothing)
-            self._buf, self._in_section, self._opening = rest[len(CALLS_END) :], False, ""
-            return True
-        if rest.startswith(CALL_BEGIN):
-            end = rest.find(CALL_END, len(CALL_BEGIN))
-            if end < 0:
-                return self._not_calls() if final else False
-            call = parse_block(rest[len(CALL_BEGIN) : end])
-            if call is None:
-                self._content(self._opening + self._buf[: len(self._buf) - len(rest) + end + len(CALL_END)])
-            else:
-                self._call(*call)
-            self._opening, self._buf = "", rest[end + len(CALL_END) :]
-            return True
-        if not final and (not rest or CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest)):
-            return False  # whitespace, or a marker not yet whole
-        return self._not_calls()
-
-    def _not_calls(self) -> bool:
-        """The rest of the section is not calls: content from here on, its begin marker included
-        when no block of it was a call."""
-        self._content(self._opening + self._buf)
-        self._buf, self._in_section, self._opening = "", False, ""
-        return True
+    def parse_block(self, body: str) -> tuple[str, str, str | None] | None:
+        call = parse_block(body)
+        return None if call is None else (*call, None)
 
 
 class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
+    models = "DeepSeek-V3/R1, V3.1"
     needs_special_tokens = True  # the markers are added tokens: they must survive decoding
 
     def streamer(self) -> ToolCallStreamer:

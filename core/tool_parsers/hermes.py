@@ -48,6 +48,7 @@ class HermesStreamer(ToolCallStreamer):
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    models = "Qwen2.5, Qwen3, Hermes"
 
     def streamer(self) -> ToolCallStreamer:
         return HermesStreamer(self)

@@ -70,6 +70,7 @@ def _call(text: str) -> tuple[str, str] | None:
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    models = "Llama 3.1+ JSON"
 
     def streamer(self) -> ToolCallStreamer:
         return Llama3JsonStreamer(self)

@@ -122,6 +122,7 @@ class MistralStreamer(ToolCallStreamer):
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    models = "Mistral"
     needs_special_tokens = True
 
     def new_id(self) -> str:
