@@ -3,6 +3,10 @@
 Every failure the server reports goes through `APIError`; validation errors from pydantic and
 `ValueError`s from the engine are turned into one naming the offending parameter. No traceback
 ever reaches a client: unexpected exceptions become a bare 500 and are logged here.
+
+The Anthropic Messages routes (/v1/messages and below) answer in Anthropic's shape instead,
+`{"type": "error", "error": {"type", "message"}}` with the same status: `error_response` picks
+the shape by the request's path, for the handlers below and the guards in `middleware`.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+    def anthropic_body(self) -> dict[str, Any]:
+        return anthropic_error_body(self.status, self.message)
+
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {
@@ -67,6 +74,47 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
             "code": code if code is not None else _default_code(status),
         }
     }
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); a 503 (queue
+# full, engine unavailable) is its overloaded_error, with the status kept
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"  # it and the paths below it speak Anthropic's error shape
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def route_path(scope: Any) -> str:
+    """The request path without the --root-path prefix a proxy may have left on it."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def speaks_anthropic(scope: Any) -> bool:
+    """Whether the request's route is one of Anthropic's (its errors take Anthropic's shape)."""
+    path = route_path(scope)
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def error_response(scope: Any, err: APIError) -> JSONResponse:
+    """`err` in the shape the request's API speaks."""
+    if speaks_anthropic(scope):
+        return JSONResponse(err.anthropic_body(), status_code=err.status, headers=err.headers)
+    return err.response()
 
 
 def _default_code(status: int) -> str | None:
@@ -134,17 +182,17 @@ def from_value_error(err: ValueError, *, default_param: str | None = None, renam
     return bad_request(msg, param)
 
 
-async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return error_response(request.scope, exc)
 
 
-async def http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
+async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-    return APIError(exc.status_code, detail, headers=dict(exc.headers or {})).response()
+    return error_response(request.scope, APIError(exc.status_code, detail, headers=dict(exc.headers or {})))
 
 
 async def unhandled_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, "internal server error; see the server log").response()
+    return error_response(request.scope, APIError(500, "internal server error; see the server log"))
