@@ -199,14 +199,14 @@ def test_streaming_equals_batch_any_split(text: str, cuts: list[int], starts_in_
 
 
 def test_builtin_parsers() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "granite", "qwen3"}
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
     assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
 
 
 def test_unknown_parser_lists_known_names() -> None:
-    with pytest.raises(ValueError, match=r"unknown reasoning parser 'granite'; known: deepseek_r1, qwen3"):
-        get_reasoning_parser("granite")
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'nope'; known: deepseek_r1, granite, qwen3"):
+        get_reasoning_parser("nope")
 
 
 @pytest.fixture
@@ -249,5 +249,5 @@ def test_third_party_parser_from_entry_point(third_party: None) -> None:
         get_reasoning_parser("number")
     with pytest.raises(ValueError, match=r"'broken' failed to load: broken .*ModuleNotFoundError"):
         get_reasoning_parser("broken")
-    with pytest.raises(ValueError, match=r"known: broken, deepseek_r1, number, qwen3, step"):
+    with pytest.raises(ValueError, match=r"known: broken, deepseek_r1, granite, number, qwen3, step"):
         get_reasoning_parser("nope")

@@ -3,8 +3,8 @@ tool schemas), `pythonic` (Llama 3.2 / 4 Python lists), `kimi_k2` (special-token
 call ids are Kimi's own) and `granite` (a JSON array after `<|tool_call|>`). Outputs are written
 the way the models' chat templates render past calls; each gives its calls and the text around
 them, malformed or cut-off ones come back as content without raising, streaming equals batch for
-every split (and token by token through a tokenizer holding the markers), and the server's tool
-plan hands the request's tools to the parser."""
+every split (and token by token through a tokenizer holding the markers); the registry finds
+them. (`qwen3_coder`'s value conversion and tolerated variants: test_tool_parsers_qwen3_coder.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from portside.tool_parsers import (
     described,
     get_tool_parser,
 )
-from portside.tool_parsers.qwen3_coder import convert
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -154,96 +153,6 @@ def test_qwen3_coder_multiline_value_kept_verbatim() -> None:
     (call,), content = calls(qwen3(), "Writing it now." + QWEN3_MULTILINE + "\nDone.")
     assert call == ("write_file", {"path": "src/app.py", "content": SOURCE})
     assert content == "Writing it now.\nDone."
-
-
-@pytest.mark.parametrize(
-    ("text", "schema", "value"),
-    [
-        ("42", {"type": "integer"}, 42),
-        ("-7", {"type": "integer"}, -7),
-        ("4.5", {"type": "integer"}, "4.5"),  # not an integer: stays text
-        ("3", {"type": "number"}, 3),
-        ("2.5e3", {"type": "number"}, 2500.0),
-        ("nan", {"type": "number"}, "nan"),
-        ("1e999", {"type": "number"}, "1e999"),
-        ("True", {"type": "boolean"}, True),  # Jinja's `string` filter writes Python's True
-        ("false", {"type": "boolean"}, False),
-        ("yes", {"type": "boolean"}, "yes"),
-        ("null", {"type": "integer"}, None),
-        ("None", {"type": ["string", "null"]}, None),
-        ("null", {"type": "string"}, "null"),  # a string stays the text
-        ("123", {"type": "string"}, "123"),
-        (" padded ", {"type": "string"}, " padded "),
-        ('{"a": [1, {"b": null}]}', {"type": "object"}, {"a": [1, {"b": None}]}),
-        ("{'a': True, 'b': None}", {"type": "object"}, {"a": True, "b": None}),  # a Python literal
-        ("[1, 2]", {"type": "object"}, "[1, 2]"),  # an array is not an object
-        ('["x", 2]', {"type": "array"}, ["x", 2]),
-        ("{1, 2}", {"type": "array"}, "{1, 2}"),  # a set is not JSON
-        ("[1, 2", {"type": "array"}, "[1, 2"),
-        ("7", {"type": ["integer", "string"]}, 7),
-        ("seven", {"type": ["integer", "string"]}, "seven"),
-        ("7", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 7),
-        ("2", {"enum": [1, 2, 3]}, 2),
-        ("b", {"enum": ["a", "b"]}, "b"),
-        ('{"k": 1}', {"properties": {"k": {}}}, {"k": 1}),
-        ("12", None, "12"),  # a parameter the tools do not describe
-        ("12", {"anyOf": 12, "type": 3}, "12"),  # a schema that is not one
-        ("12", "integer", "12"),
-        ("1" * 5000, {"type": "integer"}, "1" * 5000),  # past Python's digit limit: stays text
-        ("[" * 5000 + "]" * 5000, {"type": "array"}, "[" * 5000 + "]" * 5000),  # nested too deep to read
-    ],
-)
-def test_qwen3_coder_value_conversion(text: str, schema: Any, value: Any) -> None:
-    assert convert(text, schema) == value
-    assert type(convert(text, schema)) is type(value)
-
-
-def test_qwen3_coder_without_tools_or_for_an_unknown_tool_values_are_strings() -> None:
-    text = qwen3_call("get_weather", {"city": "Oslo", "days": 2})
-    assert calls(qwen3(None), text)[0] == [("get_weather", {"city": "Oslo", "days": "2"})]
-    assert calls(qwen3(), qwen3_call("unknown", {"days": 2}))[0] == [("unknown", {"days": "2"})]
-
-
-def test_qwen3_coder_tolerated_variants() -> None:
-    parser = qwen3()
-    # a bare function (the model left out <tool_call>), and a <tool_call> never closed at the end
-    bare = "<function=get_time>\n</function>"
-    assert calls(parser, "Checking. " + bare + " ok") == ([("get_time", {})], "Checking.  ok")
-    assert calls(parser, "<tool_call>\n<function=get_weather>\n<parameter=days>\n5\n</parameter>\n</function>\n") == (
-        [("get_weather", {"days": 5})], None)  # fmt: skip
-    # a value left open ends at the next parameter or the function's end
-    open_value = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n1\n</function>\n</tool_call>"
-    assert calls(parser, open_value)[0] == [("get_weather", {"city": "Rome", "days": 1})]
-    # two functions in one block
-    two = "<tool_call>\n<function=get_time>\n</function>\n<function=get_time>\n</function>\n</tool_call>"
-    assert calls(parser, two)[0] == [("get_time", {}), ("get_time", {})]
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # cut off: never closed
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis",
-        "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>",  # not this format
-        "<tool_call>\nnote <function=get_time>\n</function>\n</tool_call>",  # text inside the block
-        "<tool_call>\n<function=get time>\n</function>\n</tool_call>",  # a name with a space
-        "<tool_call>\n<function=>\n</function>\n</tool_call>",
-        "<tool_call>\n</tool_call>",
-        "<tool_call>\n<function=f>\n<parameter=>\nx\n</parameter>\n</function>\n</tool_call>",
-        "Use <function=name> tags to call.",
-        "<tool_",
-    ],
-)
-def test_qwen3_coder_malformed_is_content(text: str) -> None:
-    out = qwen3().extract(text)
-    assert out.tool_calls == [] and out.content == text
-
-
-def test_qwen3_coder_bad_block_between_good_ones() -> None:
-    good = qwen3_call("get_time", {})
-    bad = "<tool_call>\n<function=get_time>\noops\n</function>\n</tool_call>"
-    found, content = calls(qwen3(), good + bad + good)
-    assert found == [("get_time", {}), ("get_time", {})] and content == bad
 
 
 # ---- pythonic ----------------------------------------------------------------------------------
@@ -499,28 +408,3 @@ def test_registry_and_help() -> None:
     assert [cls.needs_special_tokens for cls in (Qwen3CoderToolParser, PythonicToolParser, KimiK2ToolParser, GraniteToolParser)] == [
         False, True, True, True]  # fmt: skip
     assert "qwen3_coder (Qwen3-Coder)" in described() and "granite (Granite 3.x)" in described()
-
-
-def test_plan_tools_gives_the_parser_the_requests_tools() -> None:
-    from portside.server.protocol import ChatCompletionRequest
-    from portside.server.tools import ToolStream, parse_output, plan_tools
-
-    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
-    plan = plan_tools(req, Qwen3CoderToolParser, None)
-    assert plan.parser.tools == TOOLS
-    text = "Sure." + qwen3_call("get_weather", {"city": "Lima", "days": 4, "metric": False})
-    content, (call,) = parse_output(plan, text)
-    assert content == "Sure." and json.loads(call["function"]["arguments"]) == {"city": "Lima", "days": 4, "metric": False}
-    stream_ = ToolStream(plan)
-    deltas = stream_.feed(text[:40]) + stream_.feed(text[40:]) + stream_.finish()
-    assert [d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d] == [call["function"]["arguments"]]
-
-    class OnlyTokenizer(ToolParser):  # a third-party parser whose constructor takes the tokenizer alone
-        name = "only_tokenizer"
-
-        def __init__(self, tokenizer: Any) -> None:
-            self.tok = tokenizer
-
-    assert plan_tools(req, OnlyTokenizer, "tok").parser.tools == TOOLS
-    with pytest.raises(Exception, match=r"--tool-call-parser \(hermes, .*qwen3_coder, pythonic, kimi_k2, granite\)"):
-        plan_tools(req, None, None)

@@ -73,7 +73,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"  # hybrid models' SSM / delta-rule state: auto, float32, bfloat16, float16
     structured_outputs_backend: str = "auto"  # auto (= llguidance), llguidance or xgrammar
-    reasoning_parser: str | None = None  # e.g. qwen3, deepseek_r1: structured output starts after the reasoning
+    reasoning_parser: str | None = None  # e.g. qwen3, deepseek_r1, granite: structured output starts after <think> reasoning
     enable_lora: bool = False  # serve PEFT LoRA adapters, chosen per request (`lora_request`)
     max_loras: int = 1  # adapters in one batch (device slots)
     max_lora_rank: int = 16
@@ -453,7 +453,12 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
                    choices=["auto", "llguidance", "guidance", "xgrammar"], default="auto",
                    help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")
-    g.add_argument("--reasoning-parser", default=None, help="split <think> reasoning from the answer (qwen3, deepseek_r1): reasoning_content in responses, and structured output applies after the reasoning")
+    from portside.reasoning import described as described_reasoning_parsers
+
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help=f"split the model's reasoning from its answer: {described_reasoning_parsers()}, or a plugin's. "
+                        "reasoning_content in responses; structured output applies after reasoning whose markers are "
+                        "tokens (<think>), to all of the output otherwise")
     g.add_argument("--generation-config", default="auto", help="default sampling parameters: auto (the model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (ignore it: SamplingParams' own defaults) or a folder holding a generation_config.json; values you pass always win")
     g.add_argument("--task", "--runner", dest="task", choices=["generate", "embed", "pooling"], default="generate",
                    help="generate (text), or embed (= --runner pooling): /v1/embeddings and LLM.embed return each prompt's pooled final hidden state")

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 
-def partial_marker_len(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
+def partial_marker_len(text: str, marker: str | tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker` (or of one of several)."""
+    markers = (marker,) if isinstance(marker, str) else marker
+    for n in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0
 
@@ -76,11 +77,16 @@ class ReasoningStreamer:
 
 class ReasoningParser:
     """A `<think>`-family reasoning format. Subclasses set `name` (the --reasoning-parser value)
-    and, when their markers differ, `start_token` / `end_token`."""
+    and, when their markers differ, `start_token` / `end_token`. (Formats whose markers are text,
+    not single tokens, derive from `text_markers.TextMarkerReasoningParser`.)"""
 
     name: ClassVar[str]
+    models: ClassVar[str] = ""  # the models that write this format, for --help
     start_token: ClassVar[str] = "<think>"
     end_token: ClassVar[str] = "</think>"
+    # the markers' token ids, which structured output watches; None: the markers are not single tokens
+    start_token_id: int | None
+    end_token_id: int | None
 
     def __init__(self, tokenizer: Any) -> None:
         vocab = tokenizer.get_vocab()
@@ -95,8 +101,8 @@ class ReasoningParser:
                         f"{self.end_token!r} tokens; {token!r} is not a single token of this tokenizer"
                     )
             ids[token] = token_id
-        self.start_token_id: int = ids[self.start_token]
-        self.end_token_id: int = ids[self.end_token]
+        self.start_token_id = ids[self.start_token]
+        self.end_token_id = ids[self.end_token]
 
     def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether generation starts inside a think block: the prompt's last start marker comes
@@ -104,7 +110,7 @@ class ReasoningParser:
         return self._last(prompt_token_ids, self.start_token_id) > self._last(prompt_token_ids, self.end_token_id)
 
     @staticmethod
-    def _last(token_ids: Sequence[int], token_id: int) -> int:
+    def _last(token_ids: Sequence[int], token_id: int | None) -> int:
         for i in range(len(token_ids) - 1, -1, -1):
             if token_ids[i] == token_id:
                 return i
