@@ -229,3 +229,22 @@ def test_text_marker_parser_for_a_third_party_format() -> None:
 
     parser: Any = Plan(None)
     assert parser.extract("PLAN: look it up\nANSWER: 4", False) == ("look it up", "4")
+
+
+@pytest.mark.slow  # builds a tiny model and generates on the CPU
+def test_structured_output_with_text_markers_constrains_from_the_first_token(tmp_path: Path) -> None:
+    """With `--reasoning-parser granite` the engine has no marker token to wait for: a constraint
+    holds from the first token, and the constrained answer comes back as content."""
+    from portside import LLM, SamplingParams
+    from portside.sampling_params import StructuredOutputsParams
+    from portside.testing.tiny import make_tiny_model
+
+    llm = LLM(str(make_tiny_model(tmp_path / "m", "llama")), device="cpu", max_model_len=128, reasoning_parser="granite")
+    parser = llm.engine.reasoning_parser
+    assert isinstance(parser, GraniteReasoningParser)
+    params = SamplingParams(temperature=0.9, seed=5, n=3, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=["Here is my response:", "no"]))  # fmt: skip
+    (out,) = llm.generate(["Here is my thought process:"], params, use_tqdm=False)
+    for c in out.outputs:
+        assert c.text in ("Here is my response:", "no")
+        assert parser.extract(c.text, parser.prompt_opens_reasoning(out.prompt_token_ids)) == (None, c.text)
