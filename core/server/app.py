@@ -66,6 +66,7 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None  # a span per request over OTLP (--otlp-traces-endpoint)
     span_exporter: Any = None  # an OpenTelemetry SpanExporter to trace to instead (tests)
     media: Any = None  # a portside.multimodal.media.MediaConnector: where image URLs may point (None: data URLs only)
+    response_store: Any = None  # a portside.server.response_store.ResponseStore (--responses-store-*; None: its defaults)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,6 +144,8 @@ async def _serving_context(async_engine: Any, engine: SyncEngine, metrics: Serve
     c.allow_runtime_lora_updating = config.allow_runtime_lora_updating
     if config.media is not None:
         c.media = config.media
+    if config.response_store is not None:
+        c.response_store = config.response_store
     engine_config = getattr(engine, "config", None)
     if engine_config is not None:
         c.max_logprobs = engine_config.model.max_logprobs

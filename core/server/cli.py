@@ -117,6 +117,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="the role of chat completion replies when the request adds the generation prompt")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key (with --ssl-certfile)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain) (with --ssl-keyfile)")
+    g = parser.add_argument_group("OpenAI Responses store (POST /v1/responses with store: kept in memory for previous_response_id "
+                                  "and GET/DELETE /v1/responses/{id})")
+    g.add_argument("--responses-store-max-entries", type=int, default=1000, metavar="N",
+                   help="responses kept at most; past it the least recently used go (default 1000; 0: keep none)")
+    g.add_argument("--responses-store-max-bytes", type=int, default=256 << 20, metavar="N",
+                   help="JSON bytes of the kept responses and their conversations at most; past it the least recently used "
+                        "go (default 256 MiB)")
+    g.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="S",
+                   help="seconds a kept response lives after it was last stored, read or continued (default 3600)")
     g = parser.add_argument_group("images (vision-language models; data:image/...;base64 URLs are always accepted)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image_url parts name files under this folder (file:///DIR/...); symlinks and .. that lead "

@@ -20,6 +20,7 @@ from portside.outputs import Logprob
 from portside.server.errors import APIError, from_validation_error
 from portside.server.metrics import ServerMetrics
 from portside.server.offload import SMALL_BYTES, Offload
+from portside.server.response_store import ResponseStore
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -49,6 +50,7 @@ class ServingContext:
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --generation-config: for fields a request leaves unset
     harmony: bool = False  # chat prompts and outputs in gpt-oss's harmony format (--chat-format; `portside.server.harmony`)
     media: Any = field(default_factory=MediaConnector)  # where image URLs may point (--allowed-*-media-*); default: data URLs only
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id (--responses-store-*)
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, served_model_names: list[str], metrics: ServerMetrics, chat_template: str | None,

@@ -88,6 +88,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         root_path=_root_path(args.root_path),
         response_role=_response_role(args.response_role),
         media=_media(args),
+        response_store=_response_store(args),
         **{name: getattr(args, name) for name in _AS_IS},
         **_cors(args),
     )
@@ -112,6 +113,13 @@ def _media(args: argparse.Namespace) -> Any:
         msg = str(e)
         name = msg.split(" ", 1)[0].rstrip(":")
         raise ValueError("--" + name.replace("_", "-") + msg[len(name):] if name.islower() and "_" in name else msg) from None
+
+
+def _response_store(args: argparse.Namespace) -> Any:
+    """The bounded in-memory store of /v1/responses (--responses-store-*; ValueError naming the flag)."""
+    from portside.server.response_store import ResponseStore
+
+    return ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes, args.responses_store_ttl)
 
 
 def _root_path(value: str | None) -> str | None:
