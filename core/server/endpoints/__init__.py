@@ -9,7 +9,17 @@ defaults, submission, SSE or one JSON body, usage, error mapping) are the pipeli
 API is its request body, `prepare`, `response` and `events`: one file, and one line below.
 """
 
-from portside.server.endpoints import chat, completions, embeddings, lora_admin, models, ops, tokenize
+from portside.server.endpoints import (
+    chat,
+    completions,
+    embeddings,
+    lora_admin,
+    messages,
+    models,
+    ops,
+    responses,
+    tokenize,
+)
 
 ENDPOINTS = (
     ops,  # /health, /metrics, /version
@@ -19,4 +29,6 @@ ENDPOINTS = (
     lora_admin,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     completions,  # /v1/completions
     chat,  # /v1/chat/completions
+    responses,  # /v1/responses, /v1/responses/{response_id}
+    messages,  # /v1/messages, /v1/messages/count_tokens (Anthropic)
 )
