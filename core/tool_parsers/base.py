@@ -79,6 +79,20 @@ def call_from_object(obj: Any, keys: tuple[str, ...] = ("arguments", "parameters
     return None if args is None else (obj["name"], args)
 
 
+def is_json_value(value: Any) -> bool:
+    """Whether a Python value is made of JSON's types only (finite numbers, string keys, lists not
+    tuples): what a call's arguments decoded from a model's own literal syntax may hold."""
+    if value is None or isinstance(value, str | bool | int):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
+    return False
+
+
 def loads(text: str) -> Any:
     """`json.loads`, with None for anything that does not parse, nests too deep, or holds a
     number JSON cannot write back (NaN, Infinity, 1e999)."""

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import ast
 import json
-import math
-from typing import Any
 
-from portside.tool_parsers.base import ToolCallStreamer, ToolParser
+from portside.tool_parsers.base import ToolCallStreamer, ToolParser, is_json_value
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -91,26 +89,13 @@ def parse_calls(text: str) -> list[tuple[str, str]] | None:
             arguments = {}
             for keyword in call.keywords:
                 value = ast.literal_eval(keyword.value)
-                if keyword.arg is None or not _is_json(value):
+                if keyword.arg is None or not is_json_value(value):
                     return None
                 arguments[keyword.arg] = value
             calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
         return calls
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
         return None
-
-
-def _is_json(value: Any) -> bool:
-    """Whether `value` is made of JSON's types only (finite numbers, string keys; no tuples)."""
-    if value is None or isinstance(value, str | bool | int):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_is_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
-    return False
 
 
 class PythonicStreamer(ToolCallStreamer):

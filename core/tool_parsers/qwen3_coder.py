@@ -36,7 +36,7 @@ import math
 import re
 from typing import Any
 
-from portside.tool_parsers.base import ToolCallStreamer, ToolParser, loads
+from portside.tool_parsers.base import ToolCallStreamer, ToolParser, is_json_value, loads
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -248,21 +248,8 @@ def _read(word: str, json_type: str) -> Any:
                 value = ast.literal_eval(word)  # a Python literal: {'a': True}
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return _NO_VALUE
-        return value if isinstance(value, wanted) and _is_json(value) else _NO_VALUE
+        return value if isinstance(value, wanted) and is_json_value(value) else _NO_VALUE
     return _NO_VALUE
-
-
-def _is_json(value: Any) -> bool:
-    """Whether `value` is made of JSON's types only (finite numbers, string keys)."""
-    if value is None or isinstance(value, str | bool | int):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_is_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
-    return False
 
 
 class Qwen3CoderToolParser(ToolParser):
