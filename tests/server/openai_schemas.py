@@ -1,9 +1,12 @@
-"""OpenAI's published response schemas as jsonschema validators.
+"""OpenAI's published response schemas as jsonschema validators: completions, chat, models,
+errors, embeddings, and the Responses API's `Response` object and stream events.
 
 `data/openai_schemas.json` holds the schemas the tests need (and everything they `$ref`),
-extracted verbatim from `shared/openai-openapi/openapi.yaml` by `extract()`; loading the 3 MB
+extracted from `shared/openai-openapi/openapi.yaml` by `extract()` with the annotation keywords
+(description, example(s), title), which take no part in validation, dropped; loading the 3 MB
 YAML takes seconds, the extract milliseconds. At load time every `nullable: true` (an OpenAPI 3.0
-keyword the 3.1 file still uses) becomes `anyOf: [schema, {type: null}]`.
+keyword the 3.1 file still uses) becomes `anyOf: [schema, {type: null}]`. Regenerate with
+`python tests/server/openai_schemas.py PATH/openapi.yaml`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,10 @@ ROOTS = (
     "ListModelsResponse",
     "ErrorResponse",
     "CreateEmbeddingResponse",
+    "Response",
+    "ResponseStreamEvent",
 )
+_ANNOTATIONS = frozenset({"description", "example", "examples", "title", "x-oaiMeta"})
 
 
 def extract(openapi_yaml: Path) -> dict[str, Any]:
@@ -42,7 +49,17 @@ def extract(openapi_yaml: Path) -> dict[str, Any]:
             continue
         keep[name] = schemas[name]
         todo.extend(_refs(schemas[name]))
-    return json.loads(json.dumps(dict(sorted(keep.items())), default=str))
+    return _strip(json.loads(json.dumps(dict(sorted(keep.items())), default=str)))  # type: ignore[no-any-return]
+
+
+def _strip(node: Any) -> Any:
+    """`node` without annotation keywords (property *names* such as `description` stay)."""
+    if isinstance(node, list):
+        return [_strip(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: ({name: _strip(s) for name, s in v.items()} if k in ("properties", "$defs") and isinstance(v, dict) else _strip(v))
+            for k, v in node.items() if k not in _ANNOTATIONS}
 
 
 def _refs(node: Any) -> list[str]:
@@ -96,3 +113,26 @@ def validate_completion_chunk(body: dict[str, Any]) -> None:
         if choice.get("finish_reason") is None:
             choice["finish_reason"] = "stop"
     validate("CreateCompletionResponse", relaxed)
+
+
+@functools.cache
+def _event_schemas() -> dict[str, str]:
+    """Each stream event's `type` -> the name of its schema."""
+    schemas = _components()["schemas"]
+    out = {}
+    for ref in schemas["ResponseStreamEvent"]["anyOf"]:
+        name = ref["$ref"].rsplit("/", 1)[1]
+        for kind in schemas[name]["properties"]["type"].get("enum", []):
+            out[kind] = name
+    return out
+
+
+def validate_event(event: dict[str, Any]) -> None:
+    """A stream event against the schema of its own type (a clearer error than the union's)."""
+    name = _event_schemas().get(event.get("type", ""))
+    assert name is not None, f"not a Responses stream event type: {event.get('type')!r}"
+    validate(name, event)
+
+
+if __name__ == "__main__":
+    DATA.write_text(json.dumps(extract(Path(sys.argv[1])), separators=(",", ":"), sort_keys=True) + "\n")

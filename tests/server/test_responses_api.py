@@ -5,7 +5,7 @@ think block when `reasoning_effort` is "high" (`--enable-auto-tool-choice --tool
 hermes --reasoning-parser qwen3`). Whatever parses does because of a grammar (a forced call,
 `text.format`); prompts are checked token for token against what /tokenize renders for the chat
 messages the input should become. Every body and stream event is validated against OpenAI's
-published schemas (`openai_response_schemas`). The store's bounds are unit-tested at the end."""
+published schemas (`openai_schemas`). The store's bounds are unit-tested at the end."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from helpers import post
-from openai_response_schemas import validate, validate_event
+from openai_schemas import validate, validate_event
 from openai_schemas import validate as validate_openai
 from server_process import ServerProcess
 
