@@ -59,7 +59,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from portside.engine.args import engine_kwargs
+    from portside.engine.args_cli import engine_kwargs
     from portside.engine.llm import LLM
     from portside.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> Parser:
-    from portside.engine.args import add_engine_args
+    from portside.engine.args_cli import add_engine_args
 
     parser = Parser(prog="portside", description="Hardware-portable LLM inference and serving.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")

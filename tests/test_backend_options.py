@@ -22,7 +22,8 @@ from portside.contract import (
     Platform,
     check_backend_options,
 )
-from portside.engine.args import EngineArgs, engine_kwargs
+from portside.engine.args import EngineArgs
+from portside.engine.args_cli import engine_kwargs
 from portside.platform import PlatformEntry, format_backend_options, resolve_platform
 
 

@@ -204,7 +204,8 @@ def test_vllm_tuning_flags_without_effect_warn(argv: tuple[str, ...], why: str, 
 
 
 def test_vllm_flags_reach_engine_args() -> None:
-    from portside.engine.args import EngineArgs, engine_kwargs
+    from portside.engine.args import EngineArgs
+    from portside.engine.args_cli import engine_kwargs
 
     args = parse_args(build_parser(), ["serve", "m", "--gpu-memory-utilization", "0.9", "--max-model-len", "4096",
                                        "--no-enable-chunked-prefill", "--enforce-eager", "--max-logprobs", "5",
@@ -272,7 +273,8 @@ def test_config_yaml_unknown_key_suggests_the_flag(tmp_path: Path, capsys: pytes
 
 
 def test_no_chunked_prefill_reaches_the_engine(tiny_llama: Path) -> None:
-    from portside.engine.args import EngineArgs, engine_kwargs
+    from portside.engine.args import EngineArgs
+    from portside.engine.args_cli import engine_kwargs
     from portside.platform import resolve_platform
 
     args = parse_args(build_parser(), ["serve", str(tiny_llama), "--no-enable-chunked-prefill",

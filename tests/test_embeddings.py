@@ -113,7 +113,8 @@ def test_runner_pooling_spelling(tiny_llama: Path) -> None:
     """vLLM's current spelling, `--runner pooling`, is task embed."""
     import argparse
 
-    from portside.engine.args import EngineArgs, add_engine_args, engine_kwargs
+    from portside.engine.args import EngineArgs
+    from portside.engine.args_cli import add_engine_args, engine_kwargs
     from portside.platform import resolve_platform
 
     parser = argparse.ArgumentParser()

@@ -3,7 +3,6 @@ resolution into a frozen `EngineConfig` for one platform."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -25,8 +24,6 @@ from portside.config import (
     SchedulerConfig,
 )
 from portside.contract import Platform, check_backend_options
-from portside.engine.backend_options import add_backend_option_args, backend_options_from_args
-from portside.engine.unsupported_args import add_unsupported_args
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
 from portside.spec_decode.config import SpeculativeConfig
@@ -337,13 +334,6 @@ def parse_limit_mm_per_prompt(value: dict[str, Any] | str) -> dict[str, int]:
     return out
 
 
-def _limit_mm_arg(text: str) -> dict[str, int]:
-    try:
-        return parse_limit_mm_per_prompt(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("limit_mm_per_prompt: ")) from None
-
-
 def _local_model_path(model: str) -> str:
     """An existing folder, or the folder a .gguf file is read through."""
     if model.endswith(".gguf"):
@@ -362,136 +352,3 @@ def _read_hf_config(path: str) -> dict[str, Any]:
     check_config_layer_types(hf)  # a layer type transformers' config would refuse: named here, exit 2
     # multimodal-style configs nest the language model's settings
     return hf.get("text_config", hf) | {k: v for k, v in hf.items() if k in ("torch_dtype", "dtype", "quantization_config")}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags shared by `portside generate` and `portside serve`, one argument group each."""
-    _add_model_args(parser.add_argument_group("model and device"))
-    _add_kv_cache_args(parser.add_argument_group("KV cache"))
-    _add_scheduler_args(parser.add_argument_group("scheduling"))
-    _add_parallel_args(parser.add_argument_group("parallelism"))
-    _add_quantization_args(parser.add_argument_group("quantization"))
-    _add_output_args(parser.add_argument_group("outputs"))
-    _add_speculative_and_image_args(parser.add_argument_group("speculative decoding and images"))
-    add_unsupported_args(parser)
-    _add_lora_args(parser.add_argument_group("LoRA adapters"))
-
-
-def _add_model_args(g: argparse._ArgumentGroup) -> None:
-    """The model, the platform it runs on, and how its step runs."""
-    g.add_argument("--device", default=None, help="platform to run on (cpu, cuda, rocm, tpu, or a plugin's); default: the best available; see `portside devices`")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (auto: the checkpoint's dtype where the device is fast at it, else float32)")
-    g.add_argument("--seed", type=int, default=0, help="random seed for unseeded sampling")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output); default: the model's")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="never capture graphs or compile: cpu runs --backend-option cpu_graph=eager, cuda/rocm run without "
-                        "CUDA/HIP graphs")
-    add_backend_option_args(g)
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM compatibility; no effect: portside never runs model code from checkpoints")
-
-
-def _add_kv_cache_args(g: argparse._ArgumentGroup) -> None:
-    """KV-cache blocks: their size, how many, and their storage type."""
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block; default: the platform's")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache size: bytes (> 1) or a fraction (<= 1) of free device memory after loading the model")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                   help="vLLM's sizing: the fraction of the device's total memory (host memory on cpu) that model weights and "
-                        "KV cache may fill, less what other processes use; the KV cache gets what is left after loading "
-                        "(conflicts with --kv-cache-memory; default: the platform's --kv-cache-memory default)")
-    g.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="hybrid models (Mamba-2, Gated DeltaNet layers): the recurrent state's dtype; auto: the "
-                        "checkpoint config's mamba_ssm_cache_dtype, else the model's dtype; float32 is more accurate "
-                        "and holds fewer sequences")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer k/v scales from the checkpoint, else 1), or int8 (cpu; a scale per token and KV head); 8-bit caches hold about 2x (bf16) / 4x (fp32) the tokens and are not bit-exact")
-
-
-def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
-    """A step's token budget and the order requests are served in."""
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill splits longer prompts)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts over engine steps of --max-num-batched-tokens, batched with decodes; without it a "
-                        "prompt runs whole (--max-num-batched-tokens must then hold --max-model-len)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs", help="order of waiting requests and choice of preemption victims")
-
-
-def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
-    """Tensor, pipeline and data parallelism, and how the ranks run."""
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many devices")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="split the model's layers into this many stages, each on its own TP group (ranks = TP x PP)")
-    g.add_argument("--pipeline-layers", default=None, metavar="N1,N2,...",
-                   help="decoder layers per pipeline stage (default: balanced by count)")
-    g.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="N",
-                   help="with -pp > 1: scheduled steps kept in flight so the stages overlap (default: one per stage; "
-                        "1 runs one step at a time)")
-    g.add_argument("--pipeline-micro-batch-tokens", type=int, default=None, metavar="N",
-                   help="with -pp > 1 and chunked prefill: most tokens one micro-batch computes; smaller batches "
-                        "shorten the pipeline's fill and drain (default: max-num-batched-tokens / micro-batches, capped "
-                        "by the platform: 256 on cpu)")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="serve this many engine replicas (each TP x PP ranks) behind one API server")
-    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None,
-                   help="how the ranks run: mp (local worker processes; default) or ray (one Ray actor per rank, across "
-                        "the nodes of a Ray cluster; the default when RAY_ADDRESS is set)")
-
-
-def _add_quantization_args(g: argparse._ArgumentGroup) -> None:
-    """The checkpoint's weight format, or quantization while loading."""
-    g.add_argument("--quantization", "-q", default=None, help="gptq, awq, compressed-tensors, fp8, gguf: the checkpoint's format (default: what its config.json says); int8 or fp8 on a full-precision checkpoint quantizes it per output channel while loading")
-    g.add_argument("--quantized-activations", choices=["none", "int8", "fp8"], default=None, help="with --quantization int8: also quantize activations per token (W8A8, faster on VNNI/AMX CPUs, not bit-exact); fp8 checkpoints set their own")
-
-
-def _add_output_args(g: argparse._ArgumentGroup) -> None:
-    """What a request may ask for and gets back: logprobs, structured output, reasoning, sampling defaults, the task."""
-    g.add_argument("--max-logprobs", type=int, default=20,
-                   help="most logprobs (completions) / top_logprobs (chat) a request may ask for; more is a 400 (-1: no limit)")
-    g.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
-                   choices=["auto", "llguidance", "guidance", "xgrammar"], default="auto",
-                   help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")
-    from portside.reasoning import described as described_reasoning_parsers
-
-    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help=f"split the model's reasoning from its answer: {described_reasoning_parsers()}, or a plugin's. "
-                        "reasoning_content in responses; structured output applies after reasoning whose markers are "
-                        "tokens (<think>), to all of the output otherwise")
-    g.add_argument("--generation-config", default="auto", help="default sampling parameters: auto (the model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (ignore it: SamplingParams' own defaults) or a folder holding a generation_config.json; values you pass always win")
-    g.add_argument("--task", "--runner", dest="task", choices=["generate", "embed", "pooling"], default="generate",
-                   help="generate (text), or embed (= --runner pooling): /v1/embeddings and LLM.embed return each prompt's pooled final hidden state")
-    g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls"], default=None,
-                   help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
-
-
-def _add_speculative_and_image_args(g: argparse._ArgumentGroup) -> None:
-    """Speculative decoding, and the images of vision-language models."""
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own tokens) or '
-                        '\'{"model": DRAFT_FOLDER, "num_speculative_tokens": 4}\' (a smaller model with the same '
-                        'vocabulary); verified in one forward, greedy output unchanged')
-    g.add_argument("--limit-mm-per-prompt", type=_limit_mm_arg, default=None, metavar="JSON",
-                   help='vision-language models: most images in one prompt, as vLLM\'s: \'{"image": N}\' (default 4; 0: '
-                        "no images); more is a 400")
-    g.add_argument("--max-num-encoder-input-tokens", type=int, default=None, metavar="N",
-                   help="vision-language models: image embedding rows the vision encoder computes per engine step "
-                        "(default: --max-num-batched-tokens); a prefill chunk stops before an image that would exceed it")
-
-
-def _add_lora_args(g: argparse._ArgumentGroup) -> None:
-    """Serving PEFT LoRA adapters, chosen per request."""
-    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on top of the model, chosen per request")
-    g.add_argument("--max-loras", type=int, default=1, help="adapters that may run in one batch (device slots; default 1)")
-    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (slots are sized for it; default 16)")
-    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory (default: --max-loras)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineArgs keyword arguments from parsed CLI flags."""
-    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "platform_options"}
-    kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
-    kwargs["platform_options"] = backend_options_from_args(args)
-    return kwargs

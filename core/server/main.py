@@ -248,7 +248,7 @@ class RedactSecrets(logging.Filter):
 
 def start_engines(args: argparse.Namespace) -> list[Any]:
     """The engine, or with --data-parallel-size D > 1 its D replicas (`portside.engine.data_parallel`)."""
-    from portside.engine.args import engine_kwargs
+    from portside.engine.args_cli import engine_kwargs
     from portside.engine.llm_engine import LLMEngine
 
     kwargs = engine_kwargs(args)

@@ -183,7 +183,7 @@ def test_delta_outputs_and_a_slow_reader(sync_engine) -> None:  # type: ignore[n
 def test_serve_help_documents_every_flag() -> None:
     import argparse
 
-    from portside.engine.args import add_engine_args
+    from portside.engine.args_cli import add_engine_args
     from portside.server.cli import add_serve_args
 
     parser = argparse.ArgumentParser()
