@@ -1,5 +1,11 @@
-"""cpu benchmark of the quantized kernels (`backends/cpu/quant.py`, `csrc/quant_gemm.cpp`), side by
-side in one run: portside fp32, bf16 (only on a CPU with native bf16 matmuls), int8 weight-only
+"""cpu benchmark of the quantized kernels (`backends/cpu/quant.py`, `csrc/quant_gemm.cpp`).
+
+``--suite gguf`` (the default): GGUF Q8_0, Q4_0 and Q4_K_M against llama.cpp on the same file, at
+1 thread and at every usable core: decode ms/token, prefill tokens/s, the bandwidth bound, the
+ratios and the kernels portside chose (`quant_gguf.py` says how). ``--quick``: 2 layers, short
+prompts, 1 thread, one repeat (a smoke run on any CPU).
+
+``--suite kernels`` (``all``: both), side by side in one run: portside fp32, bf16 (only on a CPU with native bf16 matmuls), int8 weight-only
 (``--quantization int8``), int8 W8A8 (``--quantized-activations int8``), GGUF Q8_0 and Q4_K, and
 llama.cpp on the same Q8_0 file (the ``llama_cpp`` Python package, in-process where this
 environment has it, else in cpu.py's llama-cpp-python venv: `cpu_peers.run_llama_cpp`).
@@ -25,8 +31,9 @@ decode step's weights are far larger than the caches. Figures:
   few MiB of weights, measured the same way), against the file's tensor bytes. "raw" keeps the
   fixed cost in.
 
-    /work/venv/bin/python ci/bench/quant.py                       # everything
-    /work/venv/bin/python ci/bench/quant.py --peers int8,llama.cpp-q8_0 --num-prompts 4   # quick
+    python ci/bench/quant.py                                    # GGUF vs llama.cpp, 1 and all threads
+    python ci/bench/quant.py --quick                            # the same, small and fast
+    python ci/bench/quant.py --suite kernels --peers int8,llama.cpp-q8_0 --num-prompts 4
 
 Writes ci/bench/results/quant.json and quant.md (the table; the analysis is in docs/cpu.md).
 Random weights: speed only. On a shared machine only ratios within one run are comparable.
@@ -39,6 +46,7 @@ import gc
 import json
 import os
 import platform as _platform
+import shutil
 import subprocess
 import tempfile
 import time
@@ -49,6 +57,10 @@ from typing import Any
 import torch
 from cpu import RESULTS, _decode, load_info, make_prompts, matmul_gflops, measure_machine, read_bandwidth_huge_pages
 from peers.llama_cpp_run import bench_llama_cpp
+from quant_gguf import FORMATS
+from quant_gguf import PEERS as GGUF_PEERS
+from quant_gguf import markdown as gguf_markdown
+from quant_gguf import run as gguf_vs_llama_cpp
 
 from portside.testing.tiny import make_tiny_gguf, make_tiny_model
 
@@ -70,6 +82,12 @@ def cpu_description() -> dict[str, str]:
                 wanted = ("avx", "fma", "f16c", "amx", "vnni", "bf16")
                 info["flags"] = " ".join(f for f in value.split() if any(w in f for w in wanted))
     except (OSError, subprocess.SubprocessError):
+        pass
+    try:  # lscpu's name can be as vague as "AMD EPYC": family/model tell the generation (25/17: Zen 4 Genoa)
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        f = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+        info["family_model"] = f"family {f['cpu family']} model {f['model']} stepping {f['stepping']}"
+    except (OSError, KeyError):
         pass
     from portside.backends.cpu.platform import CpuPlatform
 
@@ -277,12 +295,26 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     m, w = result["machine"], result["workload"]
     lines = [
         "# Quantized kernels benchmark (`ci/bench/quant.py`)", "",
-        f"Run of {result['date']}: {m['cpu']['model_name']} ({m['cpu']['portside']}), flags: {m['cpu']['flags']}; "
+        f"Run of {result['date']}: {m['cpu']['model_name']} ({m['cpu'].get('family_model', '?')}; {m['cpu']['portside']}), "
+        f"flags: {m['cpu']['flags']}; "
         f"quantized kernel paths `{result['quant_isa']}`; torch {m['torch']}, {m['threads']} threads; read bandwidth "
         f"{m['read_bandwidth_gbs']:.1f} GB/s at the start, best of the run {result['read_bandwidth_best_gbs']:.1f}; "
         f"load {result['load_before']} before.", "",
         f"Model: random Llama {SHAPE['hidden_size']} hidden, {SHAPE['intermediate_size']} intermediate, "
-        f"{SHAPE['num_hidden_layers']} layers. Throughput: {w['num_prompts']} prompts x {w['prompt_len']} -> "
+        f"{SHAPE['num_hidden_layers']} layers, {SHAPE['num_attention_heads']}/{SHAPE['num_key_value_heads']} heads of "
+        f"{SHAPE['head_dim']}.", ""]
+    if "gguf_vs_llama_cpp" in result:
+        lines += ["## GGUF formats vs llama.cpp", "", *gguf_markdown(result["gguf_vs_llama_cpp"]), ""]
+    if result["runs"]:
+        lines += _kernels_table(result, w)
+    _other_sections(result, lines)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _kernels_table(result: dict[str, Any], w: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Quantized kernels (`--suite kernels`)", "",
+        f"Throughput: {w['num_prompts']} prompts x {w['prompt_len']} -> "
         f"{w['gen_len']} tokens. Decode: batch 1, {w['decode_tokens']} tokens after a {w['prompt_len']}-token prompt; "
         "\"then\": against the bound at the bandwidth read around that decode, \"strict\": at the run's best; "
         "kernel stream: every quantized linear on one row, nothing else.", "",
@@ -297,6 +329,10 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             f"| {name} | {s['decode_mb_per_token']} | {s['decode_ms_per_token']} | {s['decode_vs_bound_then']}x / "
             f"{s['decode_vs_bound_strict']}x | {str(s.get('kernel_stream_vs_bound', '')) + 'x' if 'kernel_stream_vs_bound' in s else '-'} | "
             f"{s.get('decode_speedup_vs_fp32', '-')}x | {s.get('decode_speedup_vs_llama_cpp_q8_0', '-')}x | {s['output_tok_s']} |")
+    return lines
+
+
+def _other_sections(result: dict[str, Any], lines: list[str]) -> None:
     if "memory" in result:
         mem = result["memory"]
         lines += ["", f"Resident memory, load + generate ({mem['prompt_len']} -> {mem['gen_len']} tokens) in a fresh process, "
@@ -317,25 +353,42 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         for k, v in rp.items():
             if k.isdigit():
                 lines.append(f"| {k} | " + " | ".join(str(v.get(c, "")) for c in cols) + " |")
-    path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("gguf", "kernels", "all"), default="gguf",
+                    help="gguf: the GGUF formats vs llama.cpp; kernels: --peers, memory, row paths; all: both")
+    ap.add_argument("--quick", action="store_true", help="2 layers, 32-token prompts, 16 decode tokens, 1 thread, one repeat")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="default: 128 (gguf), 32 (kernels)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="gguf suite: comma-separated GGUF formats")
+    ap.add_argument("--thread-counts", default="1,all", help="gguf suite: comma-separated thread counts, 'all': every usable core")
+    ap.add_argument("--gguf-peers", default=",".join(GGUF_PEERS), help=f"gguf suite: of {', '.join(GGUF_PEERS)}")
+    ap.add_argument("--batch", type=int, default=4, help="gguf suite: prompts of the batched prefill")
+    ap.add_argument("--repeats", type=int, default=3, help="gguf suite: best of this many timings")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="gguf suite: no llama.cpp (files by make_tiny_gguf)")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"kernels suite: comma-separated, of {', '.join(PEERS)}")
     ap.add_argument("--skip-row-paths", action="store_true")
     ap.add_argument("--skip-memory", action="store_true", help="no resident-memory measurement of the GGUF formats")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers of the random model")
-    ap.add_argument("--threads", type=int, default=None, help="threads for every peer (default: the usable cores)")
-    ap.add_argument("--out", default=str(RESULTS / "quant"), help="output path without extension")
+    ap.add_argument("--threads", type=int, default=None, help="kernels suite: threads for every peer (default: the usable cores)")
+    ap.add_argument("--out", default=None, help="output path without extension (default: ci/bench/results/quant; "
+                    "with --quick <tmp>/portside-quant-quick/quant, so a smoke run leaves the recorded results alone)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.prompt_len, args.batch, args.repeats, args.thread_counts = 2, 32, 2, 1, "1"
+        args.decode_tokens, args.num_prompts, args.skip_memory, args.skip_row_paths = args.decode_tokens or 16, 4, True, True
+    if args.decode_tokens is None:
+        args.decode_tokens = 32 if args.suite == "kernels" else 128
+    if args.out is None:
+        args.out = str(Path(tempfile.gettempdir()) / "portside-quant-quick" / "quant" if args.quick else RESULTS / "quant")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
     from portside.backends.cpu import quant
-    from portside.backends.cpu.platform import configure_threads, has_native_bf16
+    from portside.backends.cpu.platform import configure_threads, has_native_bf16, usable_cores
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -343,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     SHAPE["num_hidden_layers"] = args.layers
     work = Path(tempfile.mkdtemp(prefix="portside-quant-bench-"))
     path = make_tiny_model(work / "hf", "llama", **SHAPE)
-    peers = [p for p in args.peers.split(",") if p]
+    peers = [p for p in args.peers.split(",") if p] if args.suite != "gguf" else []
     ggufs: dict[str, Path] = {}
     for qtype in ("Q8_0", "Q4_K"):
         if any(p.endswith(qtype.lower()) for p in peers):
@@ -363,6 +416,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print("machine:", json.dumps(result["machine"]), flush=True)
     prompts = make_prompts(400, args.num_prompts, args.prompt_len)
+    if args.suite != "kernels":
+        counts = sorted({usable_cores() if c == "all" else int(c) for c in args.thread_counts.split(",") if c})
+        result["gguf_vs_llama_cpp"] = gguf_vs_llama_cpp(
+            path, work, make_prompts(400, max(args.batch, 1), args.prompt_len), formats=args.formats.split(","),
+            thread_counts=counts, peers=args.gguf_peers.split(","), decode_tokens=args.decode_tokens,
+            batch=args.batch, repeats=args.repeats, llama_cpp=not args.no_llama_cpp)
+        _summary(result)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
         "fp32": lambda: bench_portside(str(path), prompts, args.gen_len, args.decode_tokens, dtype="float32"),
         "bf16": lambda: bench_portside(str(path), prompts, args.gen_len, args.decode_tokens, dtype="bfloat16"),
@@ -401,9 +462,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         _summary(result)
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    if not args.skip_memory:
+    if peers and not args.skip_memory:
         result["memory"] = resident_memory(path, ggufs, work, args.prompt_len, args.gen_len)
-    if not args.skip_row_paths:
+    if peers and not args.skip_row_paths:
         result["row_paths"] = row_paths()
         result["machine"]["fp32_after"] = matmul_gflops()
     _summary(result)
@@ -411,7 +472,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     write_markdown(result, out.with_suffix(".md"))
-    print(json.dumps(result["summary"], indent=2))
+    print(out.with_suffix(".md").read_text())
+    shutil.rmtree(work, ignore_errors=True)  # GB of model files and their converted copies
     return result
 
 

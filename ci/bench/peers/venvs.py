@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
@@ -51,12 +53,30 @@ def ensure_venv(name: str, packages: list[str], check: str, *, system_site_packa
         except (OSError, subprocess.SubprocessError) as e:
             raise PeerUnavailable(f"could not install {' '.join(packages)} into {root}: {e}; "
                                   f"last lines of {log}: {_tail(log)}") from e
+    if system_site_packages:
+        _see_this_environment(python)
     probe = subprocess.run([str(python), "-c", check], capture_output=True, text=True, timeout=600)
     if probe.returncode:
         raise PeerUnavailable(f"{' '.join(packages)} installed in {root} but `{check}` failed: "
                               f"{probe.stderr.strip()[-800:]}")
     ready.write_text(probe.stdout)
     return python
+
+
+def _see_this_environment(python: Path) -> None:
+    """Where this interpreter is itself a venv (the project's .venv), `system_site_packages` gives
+    the peer venv the base interpreter's packages, not this venv's: a ``.pth`` file in the peer's
+    site-packages adds this environment's site-packages (and its .pth files) after its own, so the
+    peer's packages win and the harness imports torch, gguf and portside from here."""
+    if sys.prefix == sys.base_prefix:
+        return
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    pth = Path(out) / "portside-parent-env.pth"
+    # an "import" line runs: addsitedir also reads that folder's own .pth files (the editable portside)
+    lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages())
+    if not pth.exists() or pth.read_text() != lines:
+        pth.write_text(lines)
 
 
 def run_harness(python: Path, script: Path, args: dict, out: Path, env: dict[str, str] | None = None,
