@@ -61,6 +61,7 @@ class Request:
     # images (portside.multimodal.inputs.MultiModalFeature), by prompt position
     mm_features: list[Any] = field(default_factory=list)
     mm_encoded: set[int] = field(default_factory=set)  # images charged to an encoder budget (scheduler)
+    token_type_ids: list[int] | None = None  # encoder-only models: the prompt's segment ids (BERT pairs)
 
     @property
     def lora_id(self) -> int | None:

@@ -139,6 +139,7 @@ class CpuAttentionBackend(CpuLatentAttention, AttentionBackend):
     name = "torch-sdpa"
     graph_support = GraphCaptureSupport.NEVER
     features = frozenset({"sliding_window", "logit_softcap", "sinks"})
+    encoder_features = frozenset({"sliding_window"})
     kv_cache_dtypes = KV_CACHE_DTYPES
 
     def kv_cache_shape(
@@ -191,10 +192,9 @@ class CpuAttentionBackend(CpuLatentAttention, AttentionBackend):
         return _attend_batch(query, key, value, kv_cache, metadata, plan, scale, sliding_window, logit_softcap,
                              sinks=sinks)
 
-    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
-        """Non-causal attention within each sequence (vision encoders): one SDPA per sequence
-        length (`encoder_attention.py`)."""
-        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
+    # non-causal attention within each sequence (vision encoders, encoder-only models): one SDPA per
+    # sequence length, a band mask for a local window (`encoder_attention.py`)
+    encoder_attention = staticmethod(encoder_attention)  # type: ignore[assignment]
 
 
 def _attend_batch(

@@ -76,6 +76,7 @@ class XlaAttentionBackend(AttentionBackend):
     name = "xla-gather"
     graph_support = GraphCaptureSupport.ALWAYS
     features = frozenset({"sliding_window", "logit_softcap", "sinks"})
+    encoder_features = frozenset({"sliding_window"})
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def __init__(self, use_pallas: bool = False) -> None:
@@ -160,10 +161,11 @@ class XlaAttentionBackend(AttentionBackend):
         return _gather_attention(query, kv_cache, metadata.block_tables, data, scale, sliding_window, logit_softcap,
                                  sinks)  # fmt: skip
 
-    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen: int, scale: float,
+                          sliding_window: int | None = None) -> torch.Tensor:
         """One masked attention over the packed tokens (`encoder_attention_masked`); nothing is
         read back to the host, and `max_seqlen` is not needed."""
-        return encoder_attention_masked(query, key, value, cu_seqlens, scale)
+        return encoder_attention_masked(query, key, value, cu_seqlens, scale, sliding_window)
 
     def _pallas(
         self, query, kv_cache, md: AttentionMetadata, data: XlaAttentionData, scale: float,
@@ -231,16 +233,21 @@ def encoder_attention_masked(
     value: torch.Tensor,  # [T, H, D]
     cu_seqlens: torch.Tensor,  # [S + 1] int32, on the device
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Non-causal attention within each sequence as one attention over all T tokens: token t
     belongs to sequence ``#{s : cu_seqlens[s + 1] <= t}`` and sees the keys of its sequence only
-    (rows past cu_seqlens[-1], padding, form one more sequence, so no row is empty). fp32 math,
-    [T, H, D] in the query's dtype. Shapes depend on T, H, D and S alone: traced once per size."""
+    (rows past cu_seqlens[-1], padding, form one more sequence, so no row is empty); with
+    `sliding_window` W only those at most W rows away (a sequence's rows are consecutive, so
+    that is ``|p - k| <= W`` in its positions). fp32 math, [T, H, D] in the query's dtype.
+    Shapes depend on T, H, D and S alone: traced once per size."""
     num_tokens = query.shape[0]
     t = torch.arange(num_tokens, device=query.device, dtype=torch.int64)
     ends = cu_seqlens[1:].to(torch.int64)  # [S]
     seq = (ends.unsqueeze(0) <= t.unsqueeze(1)).sum(dim=1)  # [T]: each token's sequence
     same = seq.unsqueeze(0) == seq.unsqueeze(1)  # [T, T] block diagonal
+    if sliding_window is not None:
+        same &= (t.unsqueeze(0) - t.unsqueeze(1)).abs() <= sliding_window
     scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale  # [H, T, T]
     probs = torch.softmax(scores.masked_fill(~same, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)

@@ -18,7 +18,7 @@ One module per part (each name is also importable from here):
 - `platform`: `Platform`, `Availability`, `DeviceInfo`;
 - `options`: `BackendOption` (what `Platform.backend_options` declares), `check_backend_options`;
 - `attention`: `AttentionBackend`, `AttentionMetadata`, `ForwardContext`, `KVCacheSpec`,
-  `GraphCaptureSupport`, `ATTENTION_FEATURES`, `EncoderAttention`;
+  `GraphCaptureSupport`, `ATTENTION_FEATURES`, `ENCODER_ATTENTION_FEATURES`, `EncoderAttention`;
 - `latent`: `LatentKVCacheSpec`, `LatentAttention` (multi-head latent attention, mixed into
   `AttentionBackend`);
 - `kv_quant`: 8-bit KV caches, `KV_CACHE_DTYPES` and the reference formats (`quantize_kv`, ...);
@@ -49,6 +49,7 @@ from portside.contract import (
 )
 from portside.contract.attention import (
     ATTENTION_FEATURES,
+    ENCODER_ATTENTION_FEATURES,
     AttentionBackend,
     AttentionMetadata,
     EncoderAttention,

@@ -24,6 +24,7 @@ from portside.ops.attention import encoder_attention as reference_encoder_attent
 
 __all__ = [
     "ATTENTION_FEATURES",
+    "ENCODER_ATTENTION_FEATURES",
     "AttentionBackend",
     "AttentionMetadata",
     "EncoderAttention",
@@ -42,6 +43,16 @@ keyword arguments of these names (never when a layer does not use them; semantic
 - ``sinks: torch.Tensor``: [num_heads on this rank] fp32 learned logits (gpt-oss), one per query
   head, that join each query's softmax denominator and contribute no value: the output is
   ``sum_k exp(s_k) v_k / (exp(sink) + sum_k exp(s_k))``.
+"""
+
+ENCODER_ATTENTION_FEATURES = ("sliding_window",)
+"""Features of bidirectional (encoder) attention a layer may ask for, passed to
+`AttentionBackend.encoder_attention` as keyword arguments of these names by a backend that lists
+them in `encoder_features` (core's reference, `portside.ops.attention.encoder_attention`, runs
+them for any other):
+
+- ``sliding_window: int``: local attention (ModernBERT's local layers): a query at position p
+  of its sequence sees the keys at positions k with ``|p - k| <= window``.
 """
 
 EncoderAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
@@ -144,6 +155,9 @@ class AttentionBackend(LatentAttention, ABC):
     unsupported_features: ClassVar[frozenset[str]] = frozenset()
     """Features core's eager fallback cannot stand in for here (the platform's graphs cannot run
     it): the model runner refuses a model that needs one, naming it."""
+    encoder_features: ClassVar[frozenset[str]] = frozenset()
+    """The `ENCODER_ATTENTION_FEATURES` its `encoder_attention` takes as keyword arguments; for a
+    layer that needs another one, core runs its reference (plain torch, eager) instead."""
     kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto"})
     """The cache formats it stores (canonical `KV_CACHE_DTYPES` names; "auto": the model's dtype)."""
     prefault_host_cache: bool = False
@@ -202,8 +216,10 @@ class AttentionBackend(LatentAttention, ABC):
         scale: float,
     ) -> torch.Tensor:
         """Non-causal attention within each sequence, no KV cache (vision encoders: one image,
-        or one window of an image, per sequence). Returns [num_tokens, num_heads, head_size] in
-        the query's dtype. Default: core's reference (`portside.ops.attention.encoder_attention`)."""
+        or one window of an image, per sequence; encoder-only models: one prompt per sequence,
+        `ForwardContext.encoder_attention`). Returns [num_tokens, num_heads, head_size] in the
+        query's dtype. Takes the `encoder_features` it lists as further keyword arguments.
+        Default: core's reference (`portside.ops.attention.encoder_attention`)."""
         return reference_encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -258,6 +274,9 @@ class ForwardContext:
     for a model without recurrent layers."""
     recurrent: Any = None
     """This step's `portside.contract.recurrent.RecurrentMetadata` (None without recurrent layers)."""
+    token_type_ids: torch.Tensor | None = None
+    """[T] int64 segment ids of the step's tokens (BERT's token types: 0 for the first text of a
+    pair, 1 for the second), for an encoder-only model; None: all 0."""
 
     def attention(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **features: Any
@@ -272,3 +291,17 @@ class ForwardContext:
         if used.keys() <= self.backend.features:
             return self.backend.forward(q, k, v, cache, self.metadata, scale, **used)
         return attention_through_read_kv(self.backend, q, k, v, cache, self.metadata, scale, **used)
+
+    def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          **features: Any) -> torch.Tensor:
+        """Bidirectional attention of an encoder-only model's layer (BERT): each request's tokens
+        of this step attend to all of its tokens of this step, no causal mask, nothing written to
+        or read from a cache (the step holds each request's whole prompt: the runner never
+        chunks such a model's prompts). q, k, v: [T, H, D]. `features`: the layer's
+        `ENCODER_ATTENTION_FEATURES`, None values meaning not used; one the backend does not
+        list in `encoder_features` runs core's reference."""
+        md = self.metadata
+        used = {name: value for name, value in features.items() if value is not None}
+        if used.keys() <= self.backend.encoder_features:
+            return self.backend.encoder_attention(q, k, v, md.query_start_loc, md.max_query_len, scale, **used)
+        return reference_encoder_attention(q, k, v, md.query_start_loc, md.max_query_len, scale, **used)

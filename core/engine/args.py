@@ -24,6 +24,7 @@ from portside.config import (
     SchedulerConfig,
 )
 from portside.contract import Platform, check_backend_options
+from portside.engine.encoder_only import encoder_only_config
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
 from portside.spec_decode.config import SpeculativeConfig
@@ -147,6 +148,7 @@ class EngineArgs:
             device=platform.name,
             platform_options=tuple(sorted(self._platform_options(platform).items())),
         )
+        config = encoder_only_config(config, hf, self.max_model_len, self.max_num_batched_tokens)  # whole prompts
         self._check_vllm_flags()
         if self.pipeline_parallel_size > 1 and hf.get("num_hidden_layers"):  # the split fails here, not in a worker
             pipeline_stages(int(hf["num_hidden_layers"]), self.pipeline_parallel_size, config.parallel.pipeline_layers)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from portside.chat_template import render_chat
+from portside.engine.token_types import token_type_ids
 from portside.multimodal.processor import check_features, image_list
 from portside.request import Request
 from portside.sampling_params import SamplingParams
@@ -103,11 +104,12 @@ class InputProcessor:
         prompt_text, prompt_ids, mm_features = self.prompt(prompt, add_special_tokens)
         self._validate(prompt_ids, params)
         self._check_task(params, mm_features)
+        token_types = token_type_ids(prompt, prompt_ids, self.model_path)
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs is not None else None
         best_n = params.n if params.num_samples > params.n else None
         common = {"prompt_token_ids": prompt_ids, "eos_token_id": self.eos.primary, "priority": priority,
                   "max_tokens": self._max_tokens(params, len(prompt_ids)), "lora_request": lora_request,
-                  "mm_features": mm_features}
+                  "mm_features": mm_features, "token_type_ids": token_types}
         sequences = self._sequences(request_id, params, grammar, best_n, common)
         return EngineRequest(request_id, prompt_text, prompt_ids, params, sequences, best_n)
 

@@ -28,7 +28,8 @@ class Architecture:
 
     module: str
     cls: str
-    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES), "moe", "recurrent", "latent"
+    needs: tuple[str, ...] = ()  # attention features (portside.contract.ATTENTION_FEATURES), "moe", "recurrent", "latent",
+    # "bidirectional" (an encoder-only model: whole prompts in one step, no KV cache)
     may_need: tuple[str, ...] = ("sliding_window",)  # only where a checkpoint's config asks for it
 
 
@@ -77,6 +78,15 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "LlavaForConditionalGeneration": Architecture("portside.model.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": Architecture("portside.model.llava", "LlavaNextForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": Architecture("portside.model.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    # encoder-only (pooling) models: bidirectional attention, no KV cache (portside.model.bert_base)
+    "BertModel": Architecture("portside.model.bert", "BertModel", ("bidirectional",), ()),
+    "BertForSequenceClassification": Architecture("portside.model.bert", "BertForSequenceClassification", ("bidirectional",), ()),
+    "XLMRobertaModel": Architecture("portside.model.bert", "XLMRobertaModel", ("bidirectional",), ()),
+    "XLMRobertaForSequenceClassification": Architecture("portside.model.bert", "XLMRobertaForSequenceClassification",
+                                                        ("bidirectional",), ()),
+    "ModernBertModel": Architecture("portside.model.modernbert", "ModernBertModel", ("bidirectional",), ()),
+    "ModernBertForSequenceClassification": Architecture("portside.model.modernbert", "ModernBertForSequenceClassification",
+                                                        ("bidirectional",), ()),
 }
 
 

@@ -1,6 +1,7 @@
 """Attention's pure-torch math, independent of any cache layout: the causal attention of one
 request (`attend`), attention through a backend's own `write_kv` / `read_kv` (what core runs for
-a layer feature the backend does not handle), and the non-causal attention of vision encoders.
+a layer feature the backend does not handle), and the non-causal attention of vision encoders
+and encoder-only models.
 The contract's defaults call these; `portside.attention.reference` builds the paged reference
 (canonical layout) on them.
 """
@@ -86,14 +87,21 @@ def encoder_attention(
     cu_seqlens: torch.Tensor,  # [S + 1] int32: sequence s is rows cu_seqlens[s]:cu_seqlens[s + 1]
     max_seqlen: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Non-causal (bidirectional) attention within each sequence, no KV cache: a vision
-    encoder's images, or Qwen2.5-VL's windows of one image. fp32 math; returns [T, H, D] in
-    the query's dtype."""
+    encoder's images, Qwen2.5-VL's windows of one image, or an encoder-only model's prompts
+    (BERT). With `sliding_window` W (ModernBERT's local layers) a query at position p sees the
+    keys at positions k with ``|p - k| <= W`` only. fp32 math; returns [T, H, D] in the
+    query's dtype."""
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds, bounds[1:]):
         q, k, v = query[a:b].float(), key[a:b].float(), value[a:b].float()
-        probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * scale, dim=-1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if sliding_window is not None:
+            pos = torch.arange(b - a, device=query.device)
+            scores = scores.masked_fill((pos.unsqueeze(1) - pos.unsqueeze(0)).abs() > sliding_window, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         out[a:b] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

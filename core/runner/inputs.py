@@ -45,6 +45,7 @@ class CachedRequestState:
     mm_features: list[MultiModalFeature] = dataclasses.field(default_factory=list)
     mrope: tuple[torch.Tensor, int] | None = None  # (prompt positions [3, P], delta): `SupportsMultiModal`
     state_slot: int = -1  # its recurrent layers' state slot (a hybrid model's)
+    token_type_ids: list[int] | None = None  # encoder-only models: the prompt's segment ids (None: all 0)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +77,8 @@ class BatchInputs:
     prompt_targets: torch.Tensor | None = None  # [M] int64
     # image rows: (first batch row, feature, first and end embedding row) per image slice in the step
     mm_rows: list[tuple[int, MultiModalFeature, int, int]] = dataclasses.field(default_factory=list)
+    # encoder-only models: [T] segment ids of the step's tokens, None when no request has any
+    token_type_ids: torch.Tensor | None = None
 
 
 def update_request_states(requests: dict[str, CachedRequestState], so: SchedulerOutput, append_tokens: bool) -> None:
@@ -95,6 +98,7 @@ def update_request_states(requests: dict[str, CachedRequestState], so: Scheduler
             lora_request=new.lora_request,
             mm_features=list(new.mm_features),
             state_slot=new.state_slot,
+            token_type_ids=new.token_type_ids,
         )
     for cached in so.scheduled_cached_reqs:
         state = requests[cached.req_id]
@@ -170,6 +174,8 @@ class _StepRows:
     prompt_indices: list[int] = dataclasses.field(default_factory=list)
     prompt_targets: list[int] = dataclasses.field(default_factory=list)
     mm_rows: list[tuple[int, MultiModalFeature, int, int]] = dataclasses.field(default_factory=list)
+    token_types: list[int] = dataclasses.field(default_factory=list)
+    any_token_types: bool = False
 
     def add(self, state: CachedRequestState, n: int, spec: list[int]) -> None:
         """A request's `n` tokens from its computed count, the last `len(spec)` of them proposals."""
@@ -178,6 +184,9 @@ class _StepRows:
         self.ids.extend(state.token_slice(start, end - len(spec)))
         self.ids.extend(spec)
         self.positions.extend(range(start, end))
+        types = state.token_type_ids
+        self.token_types.extend(types[start:end] if types is not None else [0] * n)  # (prompt tokens only)
+        self.any_token_types |= types is not None
         if self.mrope_model is not None:
             self.mrope.append(mrope_positions(self.mrope_model, state, start, end))
         for f in state.mm_features:  # images whose placeholder rows this chunk holds
@@ -227,6 +236,7 @@ class _StepRows:
             prompt_indices=tensor(self.prompt_indices) if self.prompt_rows else None,
             prompt_targets=tensor(self.prompt_targets) if self.prompt_rows else None,
             mm_rows=self.mm_rows,
+            token_type_ids=tensor(self.token_types) if self.any_token_types else None,
         )
 
 

@@ -161,7 +161,11 @@ class ModelRunner:
                 logger.info("%s: latent attention (MLA), which the %s graph runner does not run; the model runs eagerly",
                             self.model.config.architecture, self.graph_runner.name)
                 self.graph_runner = EagerGraphRunner(self.model, config)
-        else:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
+        if getattr(self.model, "is_encoder_only", False):  # `portside.model.bert_base`: whole prompts, no cache
+            logger.info("%s: an encoder-only model (bidirectional attention); it runs eagerly",
+                        self.model.config.architecture)
+            self.graph_runner = EagerGraphRunner(self.model, config)
+        elif self.lora is not None:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
         # vision-language models: steps with image rows run in a runner that passes the step's
@@ -328,7 +332,8 @@ class ModelRunner:
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         """This stage's hidden states [T, hidden] (sent on to the next stage, if any)."""
         metadata = self.attn_backend.prepare(batch.metadata)
-        ctx = ForwardContext(self.attn_backend, self.kv_caches, metadata, inputs_embeds=self._stage_input(batch))
+        ctx = ForwardContext(self.attn_backend, self.kv_caches, metadata, inputs_embeds=self._stage_input(batch),
+                             token_type_ids=batch.token_type_ids)
         if self.states is not None:
             ctx.state_caches, ctx.recurrent = self.states.tensors, self._recurrent_metadata(batch)
         runner = self.eager_runner if batch.mm_rows and self.pp_rank == 0 else self.graph_runner

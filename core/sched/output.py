@@ -28,6 +28,7 @@ class NewRequestData:
     lora_request: Any = None  # a portside.lora.request.LoRARequest: the adapter its tokens use
     mm_features: list[Any] = field(default_factory=list)  # its images (portside.multimodal.inputs.MultiModalFeature)
     state_slot: int = -1  # its recurrent layers' state slot (a hybrid model's; -1: none)
+    token_type_ids: list[int] | None = None  # encoder-only models: the prompt's segment ids (None: all 0)
 
 
 @dataclass

@@ -35,6 +35,7 @@ class RunnerView:
             lora_request=request.lora_request,
             mm_features=request.mm_features,
             state_slot=self.kv.state_slot(request.request_id),
+            token_type_ids=request.token_type_ids,
         )
 
     def cached_request(self, request: Request) -> CachedRequestData:

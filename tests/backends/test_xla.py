@@ -329,6 +329,18 @@ def test_encoder_attention_masked_on_cpu_tensors(lengths, dtype):
     assert torch.equal(out, encoder_attention_masked(q, k, v, cu, 0.1))
 
 
+@pytest.mark.parametrize("window", [0, 3, 40])
+def test_encoder_attention_masked_window_on_cpu_tensors(window):
+    """ModernBERT's local layers (encoder feature sliding_window) in the masked formulation."""
+    from portside.attention.reference import encoder_attention
+
+    g = torch.Generator().manual_seed(window)
+    q, k, v, cu = _encoder_inputs((7, 100, 1, 64, 16), 3, 16, torch.float32, g)
+    assert "sliding_window" in _backend().encoder_features
+    out = _backend().encoder_attention(q, k, v, cu, 100, 0.1, sliding_window=window)
+    torch.testing.assert_close(out, encoder_attention(q, k, v, cu, 100, 0.1, sliding_window=window), atol=1e-5, rtol=1e-5)
+
+
 def test_encoder_attention_masked_padding_rows_stay_finite():
     """Rows past cu_seqlens[-1] (a padded batch) attend among themselves: finite, and the real
     rows are unchanged by them."""

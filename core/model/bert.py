@@ -1,0 +1,233 @@
+"""BERT and XLM-RoBERTa (BGE-M3 style) encoders, and their sequence-classification heads
+(cross-encoders), from Hugging Face folders: `BertModel`, `BertForSequenceClassification`,
+`XLMRobertaModel`, `XLMRobertaForSequenceClassification` (RoBERTa's too).
+
+Post-norm layers: attention (q, k, v and output projections with biases, bidirectional through
+`ForwardContext.encoder_attention`), add and LayerNorm, then a dense-act-dense MLP, add and
+LayerNorm. Embeddings: word + absolute position + token type (segment ids from
+``ctx.token_type_ids``), then LayerNorm. XLM-R numbers positions from ``pad_token_id + 1`` (its
+first token has position ``padding_idx + 1``; a prompt is assumed to hold no pad token, as
+transformers then gives that token position ``padding_idx``). The modules carry transformers'
+names, so checkpoint tensors load by name (`EncoderModel.load_weights`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from portside.contract import Communicator, ForwardContext, ModelOps
+from portside.model.args import ModelArgs
+from portside.model.bert_base import EncoderModel, check_whole_prompts, hf_activation
+
+__all__ = ["BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification"]
+
+
+class _Linear(nn.Linear):
+    def __init__(self, n_in: int, n_out: int, dtype: torch.dtype, bias: bool = True) -> None:
+        super().__init__(n_in, n_out, bias=bias, dtype=dtype)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, hf: Any, dtype: torch.dtype, position_offset: int) -> None:
+        super().__init__()
+        if getattr(hf, "position_embedding_type", "absolute") not in (None, "absolute"):
+            raise ValueError(f"position_embedding_type {hf.position_embedding_type!r} is not supported (absolute only)")
+        self.word_embeddings = nn.Embedding(hf.vocab_size, hf.hidden_size, dtype=dtype)
+        self.position_embeddings = nn.Embedding(hf.max_position_embeddings, hf.hidden_size, dtype=dtype)
+        self.token_type_embeddings = nn.Embedding(hf.type_vocab_size, hf.hidden_size, dtype=dtype)
+        self.LayerNorm = nn.LayerNorm(hf.hidden_size, eps=hf.layer_norm_eps, dtype=dtype)
+        self.position_offset = position_offset
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
+        h = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        if token_types is None:
+            h = h + self.token_type_embeddings.weight[0]
+        else:
+            h = h + self.token_type_embeddings(token_types)
+        return self.LayerNorm(h)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = hf.hidden_size
+        self.query, self.key, self.value = _Linear(h, h, dtype), _Linear(h, h, dtype), _Linear(h, h, dtype)
+
+
+class _Output(nn.Module):
+    """dense, then LayerNorm(dense + residual)."""
+
+    def __init__(self, n_in: int, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = _Linear(n_in, hf.hidden_size, dtype)
+        self.LayerNorm = nn.LayerNorm(hf.hidden_size, eps=hf.layer_norm_eps, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self = _SelfAttention(hf, dtype)
+        self.output = _Output(hf.hidden_size, hf, dtype)
+        self.num_heads = hf.num_attention_heads
+        self.head_dim = hf.hidden_size // hf.num_attention_heads
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        shape = (x.shape[0], self.num_heads, self.head_dim)
+        s = self.self
+        q, k, v = s.query(x).view(shape), s.key(x).view(shape), s.value(x).view(shape)
+        o = ctx.encoder_attention(q, k, v, self.head_dim**-0.5)
+        return self.output(o.reshape(x.shape[0], -1), x)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = _Linear(hf.hidden_size, hf.intermediate_size, dtype)
+        self.act = hf_activation(hf.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attention = _Attention(hf, dtype)
+        self.intermediate = _Intermediate(hf, dtype)
+        self.output = _Output(hf.intermediate_size, hf, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        a = self.attention(x, ctx)
+        return self.output(self.intermediate(a), a)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(hf, dtype) for _ in range(hf.num_hidden_layers))
+
+
+class _Pooler(nn.Module):
+    """BERT's pooler: dense + tanh on the first (CLS) token's state."""
+
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = _Linear(hf.hidden_size, hf.hidden_size, dtype)
+
+    def forward(self, cls_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls_states))
+
+
+class BertBody(nn.Module):
+    """The encoder stack (transformers' `BertModel` / `XLMRobertaModel` modules, same names)."""
+
+    def __init__(self, hf: Any, dtype: torch.dtype, pooler: bool, position_offset: int = 0) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(hf, dtype, position_offset)
+        self.encoder = _Encoder(hf, dtype)
+        self.pooler = _Pooler(hf, dtype) if pooler else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return _encode(self.embeddings, self.encoder, input_ids, positions, ctx)
+
+
+def _encode(embeddings: BertEmbeddings, encoder: _Encoder, input_ids: torch.Tensor, positions: torch.Tensor,
+            ctx: ForwardContext) -> torch.Tensor:
+    check_whole_prompts(ctx.metadata)
+    h = embeddings(input_ids, positions, ctx.token_type_ids)
+    for layer in encoder.layer:
+        h = layer(h, ctx)
+    return h
+
+
+def _roberta_offset(hf: Any) -> int:
+    """XLM-R / RoBERTa positions start after the padding index."""
+    pad = hf.pad_token_id if hf.pad_token_id is not None else 1
+    return pad + 1
+
+
+class BertModel(EncoderModel):
+    """`BertModel`: final hidden states (BERT has no final norm past its last layer's)."""
+
+    checkpoint_prefixes = ("bert.",)
+    ignored = ("cls.",)  # BertForPreTraining / MaskedLM heads
+    _position_offset = staticmethod(lambda hf: 0)
+
+    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
+                 ops: ModelOps | None = None) -> None:
+        super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
+        body = BertBody(self.hf, dtype, pooler=True, position_offset=self._position_offset(self.hf))
+        # transformers' BertModel names: embeddings., encoder.layer.N., pooler.
+        self.embeddings, self.encoder, self.pooler = body.embeddings, body.encoder, body.pooler
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return _encode(self.embeddings, self.encoder, input_ids, positions, ctx)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        # a base model saved without its pooler (sentence-transformers exports) leaves it unused
+        loaded = super().load_weights(weights)
+        if self.pooler is not None and not any(n.startswith("pooler.") for n in loaded):
+            self.pooler = None
+        return loaded
+
+
+class XLMRobertaModel(BertModel):
+    """`XLMRobertaModel` (BGE-M3, multilingual-e5) and `RobertaModel`: BERT with positions after
+    the padding index and one token type."""
+
+    checkpoint_prefixes = ("roberta.",)
+    ignored = ("lm_head.",)
+    _position_offset = staticmethod(_roberta_offset)
+
+
+class BertForSequenceClassification(EncoderModel):
+    """BERT cross-encoder: CLS state -> pooler (dense + tanh) -> classifier."""
+
+    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
+                 ops: ModelOps | None = None) -> None:
+        super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
+        self.num_labels = int(self.hf.num_labels)
+        self.bert = BertBody(self.hf, dtype, pooler=True)
+        self.classifier = _Linear(self.hf.hidden_size, self.num_labels, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.bert(input_ids, positions, ctx)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[B, H] CLS states -> [B, num_labels] logits."""
+        assert self.bert.pooler is not None
+        return self.classifier(self.bert.pooler(pooled.to(self.dtype)))
+
+
+class _RobertaClassificationHead(nn.Module):
+    def __init__(self, hf: Any, num_labels: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = _Linear(hf.hidden_size, hf.hidden_size, dtype)
+        self.out_proj = _Linear(hf.hidden_size, num_labels, dtype)
+
+    def forward(self, cls_states: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(cls_states)))
+
+
+class XLMRobertaForSequenceClassification(EncoderModel):
+    """XLM-R / RoBERTa cross-encoder (bge-reranker): CLS state -> dense + tanh -> out_proj."""
+
+    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
+                 ops: ModelOps | None = None) -> None:
+        super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
+        self.num_labels = int(self.hf.num_labels)
+        self.roberta = BertBody(self.hf, dtype, pooler=False, position_offset=_roberta_offset(self.hf))
+        self.classifier = _RobertaClassificationHead(self.hf, self.num_labels, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.roberta(input_ids, positions, ctx)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[B, H] CLS states -> [B, num_labels] logits."""
+        return self.classifier(pooled.to(self.dtype))

@@ -1,0 +1,110 @@
+"""What every encoder-only model (`portside.model.bert`, `modernbert`, `nomic_bert`) shares: the
+runner-facing interface of a pooling model with bidirectional attention, and loading its
+Hugging Face checkpoint by the tensors' own names.
+
+An encoder-only model (`is_encoder_only`) is run by the engine as a pooling model: each
+request's whole prompt in one step (bidirectional attention cannot be split over steps), never a
+KV cache (`kv_cache_spec` has no layers: the scheduler's blocks hold no memory and are freed when
+the request ends with its step), no prefix caching, eagerly. `forward(input_ids [T], positions
+[T], ctx) -> hidden [T, H]`: the final hidden states of the step's tokens (after the final norm
+where the architecture has one), requests back to back as the step's attention metadata says;
+``ctx.token_type_ids`` are the tokens' segment ids (None: all 0). Attention is
+`ForwardContext.encoder_attention`.
+
+Pooling (the pooler calls these): `default_pooling_type` ("cls" or "mean", sentence-transformers'
+default for the architecture); a `*ForSequenceClassification` model also has `num_labels` and
+`classify(pooled [B, H]) -> logits [B, num_labels]` (before any activation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from portside.contract import AttentionMetadata, Communicator, KVCacheSpec, ModelOps
+from portside.model.args import ModelArgs
+
+__all__ = ["EncoderModel", "check_whole_prompts", "hf_activation"]
+
+
+def hf_activation(name: str) -> nn.Module:
+    """transformers' activation of that name (``gelu`` exact, ``gelu_new`` tanh, ``silu``...)."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def check_whole_prompts(md: AttentionMetadata) -> None:
+    """Refuse a step in which some request's tokens continue ones computed earlier: bidirectional
+    attention needs every token of the sequence in the same step."""
+    qsl = md.query_start_loc_cpu
+    if qsl and any(qsl[i + 1] - qsl[i] != n for i, n in enumerate(md.seq_lens_cpu)):
+        raise ValueError("an encoder-only model needs each prompt whole in one step (bidirectional attention); "
+                         "the step continues a prompt computed earlier (chunked prefill or a prefix-cache hit)")
+
+
+class EncoderModel(nn.Module):
+    """Base of the encoder-only models: construction checks, the empty KV-cache spec, loading."""
+
+    is_encoder_only: ClassVar[bool] = True
+    default_pooling_type: ClassVar[str] = "cls"
+    # checkpoint name prefixes dropped when the rest names one of our parameters (a base model saved
+    # inside a task model: "bert.", "roberta.", "model.")
+    checkpoint_prefixes: ClassVar[tuple[str, ...]] = ()
+    # checkpoint tensors a pooling model does not use (masked-LM heads, position-id buffers)
+    ignored: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
+                 ops: ModelOps | None = None) -> None:
+        super().__init__()
+        if tp_size > 1:
+            raise ValueError(f"{args.architecture} (an encoder-only model) runs at tensor_parallel_size 1; "
+                             f"got {tp_size}")
+        self.config = args
+        self.hf: Any = args.hf_config
+        self.dtype = dtype
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """No layer keeps a cache: bidirectional attention over the step's tokens only."""
+        return KVCacheSpec(num_layers=0, num_kv_heads=self.config.num_heads, head_size=self.config.head_dim,
+                           dtype=self.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{self.config.architecture} is an encoder-only model: it pools (embed, classify, "
+                         "score), it does not generate")
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    def _target(self, name: str, params: dict[str, nn.Parameter]) -> str | None:
+        if name in params:
+            return name
+        for prefix in self.checkpoint_prefixes:
+            if name.startswith(prefix) and name[len(prefix) :] in params:
+                return name[len(prefix) :]
+        if name.endswith("position_ids") or any(name.startswith(p) for p in self.ignored):
+            return None
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy the checkpoint's tensors (HF names) into the parameters of the same names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target(name, params)
+            if target is None:
+                continue
+            param = params[target]
+            if param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(target)
+        return loaded
+
+    def check_loaded(self, loaded: set[str]) -> None:
+        missing = sorted(set(dict(self.named_parameters())) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

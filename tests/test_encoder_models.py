@@ -1,0 +1,179 @@
+"""Encoder-only models (BERT, XLM-RoBERTa, ModernBERT and their sequence-classification heads):
+portside's final hidden states and classifier logits equal transformers' on the same tiny
+random-weight folder (fp32), for prompts alone and packed in one step with different lengths,
+with BERT token types, through core's reference and the cpu backend's encoder attention; and
+bidirectional attention's reference (windowed too) against an independent masked softmax."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from portside.attention.reference import ReferenceAttentionBackend, encoder_attention
+from portside.backends.cpu.attention import CpuAttentionBackend
+from portside.testing.tiny_encoder import encoder_step_context, load_encoder, make_tiny_encoder
+
+LENGTHS = [5, 17, 1, 12]  # ModernBERT's local window is 4 either side: the longer prompts use it
+BACKENDS = {"reference": ReferenceAttentionBackend, "cpu": CpuAttentionBackend}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[tuple[str, bool], Path]:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("encoders")
+    return {(arch, clf): make_tiny_encoder(root / f"{arch}-{clf}", arch, classifier=clf, seed=3)
+            for arch in ("bert", "xlm-roberta", "modernbert") for clf in (False, True)}
+
+
+def _hf(path: Path):  # type: ignore[no-untyped-def]
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    return getattr(transformers, cfg.architectures[0]).from_pretrained(path).eval()
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 300, (n,), generator=g) for n in lengths]
+
+
+def _segments(n: int) -> torch.Tensor:
+    """A text pair's token types: the first half 0, the rest 1."""
+    return torch.cat([torch.zeros(n // 2, dtype=torch.long), torch.ones(n - n // 2, dtype=torch.long)])
+
+
+@torch.no_grad()
+def _hf_hidden(hf, ids: torch.Tensor, types: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+    """transformers' last hidden state [n, H] (after ModernBERT's final norm) and, for a
+    classifier, its logits [1, num_labels]."""
+    kw = {} if types is None else {"token_type_ids": types[None]}
+    base = getattr(hf, "bert", None) or getattr(hf, "roberta", None) or getattr(hf, "model", None) or hf
+    hidden = base(ids[None], **kw).last_hidden_state[0]
+    logits = hf(ids[None], **kw).logits if base is not hf else None
+    return hidden, logits
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("clf", [False, True], ids=["model", "classifier"])
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "modernbert"])
+def test_matches_transformers_batched_and_alone(folders, arch: str, clf: bool, backend: str) -> None:  # type: ignore[no-untyped-def]
+    path = folders[(arch, clf)]
+    model, hf = load_encoder(path), _hf(path)
+    prompts = _prompts(LENGTHS)
+    types = [_segments(len(p)) for p in prompts] if arch == "bert" else None
+    ctx, positions = encoder_step_context(BACKENDS[backend](), LENGTHS, None if types is None else [t.tolist() for t in types])
+    with torch.no_grad():
+        packed = model(torch.cat(prompts), positions, ctx)
+    assert packed.shape == (sum(LENGTHS), 64)
+    start = 0
+    for i, ids in enumerate(prompts):
+        t = None if types is None else types[i]
+        want, logits = _hf_hidden(hf, ids, t)
+        rows = packed[start : start + len(ids)]
+        torch.testing.assert_close(rows, want, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"prompt {i} batched: {m}")
+        alone_ctx, alone_pos = encoder_step_context(BACKENDS[backend](), [len(ids)], None if t is None else [t.tolist()])
+        with torch.no_grad():
+            alone = model(ids, alone_pos, alone_ctx)
+        torch.testing.assert_close(alone, want, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"prompt {i} alone: {m}")
+        if clf:
+            assert model.num_labels == 3
+            pooled = rows[0:1] if model.default_pooling_type == "cls" else rows.mean(0, keepdim=True)
+            with torch.no_grad():
+                got = model.classify(pooled)
+            torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"prompt {i} logits: {m}")
+        start += len(ids)
+
+
+def test_token_types_change_bert_states(folders) -> None:  # type: ignore[no-untyped-def]
+    """Segment ids reach the embeddings (a pair's second text differs from the same ids as type 0)."""
+    model = load_encoder(folders[("bert", False)])
+    ids = _prompts([9])[0]
+    with torch.no_grad():
+        plain = model(ids, *reversed(encoder_step_context(CpuAttentionBackend(), [9])))
+        pair = model(ids, *reversed(encoder_step_context(CpuAttentionBackend(), [9], [_segments(9).tolist()])))
+    assert not torch.allclose(plain, pair)
+
+
+def test_modernbert_mean_pooling_classifier(tmp_path: Path) -> None:
+    path = make_tiny_encoder(tmp_path / "mb-mean", "modernbert", classifier=True, classifier_pooling="mean", seed=5)
+    model, hf = load_encoder(path), _hf(path)
+    assert model.default_pooling_type == "mean"
+    ids = _prompts([14], seed=2)[0]
+    ctx, pos = encoder_step_context(CpuAttentionBackend(), [14])
+    with torch.no_grad():
+        logits = model.classify(model(ids, pos, ctx).mean(0, keepdim=True))
+    torch.testing.assert_close(logits, _hf_hidden(hf, ids, None)[1], atol=1e-5, rtol=1e-4)
+
+
+def test_default_pooling_types(folders) -> None:  # type: ignore[no-untyped-def]
+    for arch in ("bert", "xlm-roberta", "modernbert"):
+        assert load_encoder(folders[(arch, False)]).default_pooling_type == "cls"
+
+
+def test_encoder_models_generate_nothing_and_keep_no_cache(folders) -> None:  # type: ignore[no-untyped-def]
+    model = load_encoder(folders[("bert", False)])
+    assert model.kv_cache_spec().num_layers == 0 and model.kv_cache_spec().bytes_per_token == 0
+    with pytest.raises(ValueError, match="encoder-only model: it pools"):
+        model.compute_logits(torch.zeros(1, 64))
+
+
+def test_a_chunked_prompt_is_refused(folders) -> None:  # type: ignore[no-untyped-def]
+    """A step that continues a prompt computed earlier cannot be attended bidirectionally."""
+    model = load_encoder(folders[("bert", False)])
+    ctx, pos = encoder_step_context(CpuAttentionBackend(), [4])
+    ctx.metadata.seq_lens_cpu = [9]  # 4 new tokens after 5 computed in an earlier step
+    with pytest.raises(ValueError, match="whole in one step"):
+        model(_prompts([4])[0], pos, ctx)
+
+
+# ---- bidirectional attention: the reference and the cpu fast path -------------------------------
+
+
+def _masked_softmax_attention(q, k, v, lengths, scale, window):  # type: ignore[no-untyped-def]
+    """An independent formulation: one [T, T] mask over the packed tokens (same sequence, and
+    within the window), one softmax."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    t = torch.arange(sum(lengths))
+    allowed = seq[:, None] == seq[None, :]
+    if window is not None:
+        allowed &= (t[:, None] - t[None, :]).abs() <= window
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("window", [None, 0, 2, 6, 50])
+@pytest.mark.parametrize("lengths", [(7, 1, 16, 16, 3), (1,), (30,)], ids=str)
+def test_encoder_attention_window(lengths: tuple[int, ...], window: int | None) -> None:
+    g = torch.Generator().manual_seed(len(lengths))
+    q, k, v = (torch.randn(sum(lengths), 3, 16, generator=g) for _ in range(3))
+    cu = torch.tensor((0, *lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    want = _masked_softmax_attention(q, k, v, list(lengths), 0.3, window)
+    ref = encoder_attention(q, k, v, cu, max(lengths), 0.3, sliding_window=window)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+    fast = CpuAttentionBackend().encoder_attention(q, k, v, cu, max(lengths), 0.3, sliding_window=window)
+    torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
+    half = CpuAttentionBackend().encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, max(lengths), 0.3,
+                                                   sliding_window=window)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_context_routes_an_unlisted_feature_to_the_reference() -> None:
+    """A backend whose `encoder_features` lack the window gets windowed layers run by core's reference."""
+
+    class NoWindow(CpuAttentionBackend):
+        encoder_features = frozenset()
+
+        def encoder_attention(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            assert not kwargs, "a feature the backend does not list reached it"
+            return super().encoder_attention(*args)
+
+    lengths = [6, 11]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(17, 2, 8, generator=g) for _ in range(3))
+    ctx, _ = encoder_step_context(NoWindow(), lengths)
+    torch.testing.assert_close(ctx.encoder_attention(q, k, v, 0.5, sliding_window=2),
+                               _masked_softmax_attention(q, k, v, lengths, 0.5, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ctx.encoder_attention(q, k, v, 0.5, sliding_window=None),
+                               _masked_softmax_attention(q, k, v, lengths, 0.5, None), atol=1e-5, rtol=1e-5)
