@@ -34,6 +34,8 @@ waits. It holds:
   (`csrc/cpu_allocator.cpp`, installed by `platform.install_caching_allocator`);
 - `portside_cpu_native::quant_linear` / `quant_linear_w8a8`: linears over quantized weights
   (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`);
+- `portside_cpu_native::gguf_dot`: GGUF blocks times activations quantized to int8 per block, as
+  llama.cpp's vec_dot (`csrc/gguf_dot*.cpp`, `gguf_dot`, `quant.CpuQuantOps` with ``cpu_gguf_act=int8``);
 - `portside_cpu_native::block_quant_linear`: linears over block-wise fp8 and mxfp4 weights,
   decoded 32 columns at a time (`csrc/block_quant.cpp`, `block_quant`);
 - `portside_cpu_native::causal_conv1d` / `ssd_scan` / `selective_scan` / `gated_delta_rule`: the
@@ -81,9 +83,12 @@ SOURCES = (
     CSRC / "block_quant.cpp",
     CSRC / "recurrent.cpp",
     CSRC / "mla.cpp",
+    CSRC / "gguf_dot.cpp",
+    CSRC / "gguf_dot_q8.cpp",
+    CSRC / "gguf_dot_k.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "amx_tiles.h",
-            CSRC / "recurrent.h")
+            CSRC / "recurrent.h", CSRC / "gguf_dot.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 
 
@@ -323,6 +328,7 @@ def load() -> Path:
             torch.library.register_fake("portside_cpu_native::quant_linear_w8a8", _quant_linear_w8a8_fake),
             torch.library.register_fake("portside_cpu_native::mla_decode", _mla_decode_fake),
             torch.library.register_fake("portside_cpu_native::block_quant_linear", _block_quant_linear_fake),
+            torch.library.register_fake("portside_cpu_native::gguf_dot", _gguf_dot_fake),
         )
     return target
 
@@ -360,6 +366,11 @@ def _quant_linear_w8a8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torc
 
 def _block_quant_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                              fmt: int, block_n: int, block_k: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _gguf_dot_fake(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+                   isa: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 

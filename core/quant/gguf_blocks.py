@@ -5,8 +5,10 @@ bit for bit what llama.cpp's own reference (``gguf.quants.dequantize``) gives.
 Each row of K values is K / block_size blocks of ``type_size`` bytes (`block_shape`). Within a
 block, llama.cpp's layouts (ggml-common.h): a float16 scale ``d`` (and a minimum ``m`` for the
 ``_1`` types) and packed codes; the K-quants group 256 values as 8 or 16 sub-blocks with
-6- or 8-bit sub-scales under float16 super-scales. Types read: F32, F16, BF16, Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+6- or 8-bit sub-scales under float16 super-scales; IQ4_NL and IQ4_XS map 4-bit codes through a
+table of 16 non-linear values (IQ4_XS: 8 sub-blocks of 32 with 6-bit scales under a float16
+one). Types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["GGML_TYPES", "block_shape", "row_bytes", "type_name", "type_from_name", "dequantize_blocks", "is_float_type"]
+__all__ = ["GGML_TYPES", "IQ4_NL_VALUES", "block_shape", "row_bytes", "type_name", "type_from_name", "dequantize_blocks", "is_float_type"]
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -171,9 +173,37 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
 
 
+# IQ4_NL / IQ4_XS: the 16 values a 4-bit code stands for (llama.cpp's kvalues_iq4nl)
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_values(codes: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * _iq4_values(_nibbles(b[:, 2:], 16).reshape(b.shape[0], 32))
+
+
+def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks [n, 136] -> the 8 sub-block scales [n, 8] (6 bits: 4 low from scales_l, 2 high
+    from scales_h) minus 32."""
+    n = b.shape[0]
+    high = (_bits(b[:, 2:4], 16).reshape(n, 8, 2) * torch.tensor([1, 2], dtype=b.dtype, device=b.device)).sum(-1)
+    low = (_shr(b[:, 4:8].reshape(n, 4, 1), [0, 4], 2) & 0x0F).reshape(n, 8)
+    return (low | (high << 4)) - 32
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    dl = (_f16(b[:, :2]) * iq4_xs_scales(b).float()).reshape(n, 8, 1)
+    return (dl * _iq4_values(_nibbles(b[:, 8:], 16).reshape(n, 8, 32))).reshape(n, 256)
+
+
 _DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
 }
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 GGML_TYPES = (*_FLOAT_TYPES, *_DECODERS)  # the types portside reads

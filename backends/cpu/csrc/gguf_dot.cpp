@@ -1,0 +1,174 @@
+// GGUF weights times 8-bit activations, as torch operators (quant.py's ``cpu_gguf_act=int8``):
+//
+//   portside_cpu_native::gguf_dot(Tensor x, Tensor qweight, int ggml_type, Tensor? bias, int isa) -> Tensor
+//     y [T, N] = x [T, K] . W^T (+ bias) in x's dtype (fp32 or bf16), W the raw GGUF blocks
+//     [N, row_bytes] of Q8_0, Q4_0, Q4_K, Q5_K, Q6_K or IQ4_XS exactly as the file stores them
+//     (no repacking).
+//   portside_cpu_native::gguf_dot_quantize(Tensor x, int block) -> (Tensor q, Tensor d)
+//     the activations as the kernels see them (int8 codes [T, K], fp32 scales [T, K / block]),
+//     for the tests against the reference.
+//   portside_cpu_native::gguf_dot_isas() -> str: the paths this build can run here, e.g.
+//     "scalar,avx2,avx512vnni".
+//
+// The arithmetic is portside.quant.gguf_dot_ref's (read it first), llama.cpp's vec_dot design:
+// x is quantized on the fly per block (Q8_0/Q4_0: blocks of 32 as Q8_0; the 256-value formats:
+// blocks of 256 as Q8_K, with sums of the codes per 16), scale = amax / 127, codes = round-half-even(x / scale)
+// in [-127, 127]; each weight block's integer dot product with the codes is exact in int32, then
+// scaled in fp32 by the weight block's and the activation block's scales. Q4_K's minimums come
+// from the activation's per-16 sums (sum_j min_j * sum(x codes of sub-block j)), so its nibbles
+// multiply unsigned. Only the fp32 accumulation across blocks differs between the paths (and
+// from the reference): a few ulps of the sum of |block terms|.
+//
+// Files: this one (the operators, the activations' quantization), gguf_dot.h (what the kernels
+// share: Ctx, the row driver), gguf_dot_q8.cpp (Q8_0, Q4_0), gguf_dot_k.cpp (Q4_K, Q5_K, Q6_K,
+// IQ4_XS; its header says how those differ).
+//
+// Paths (`isa`: 0 the best here, 1 scalar, 2 AVX2, 3 AVX-512 VNNI; a path not compiled in or not
+// on this CPU is refused), each compiled under its own -march=native macros and checked at run
+// time against the CPU's flags:
+//   - scalar: portable C++, block by block;
+//   - AVX2: u8 x s8 pairs with maddubs (Q8_0: |w| times x carrying w's sign, llama.cpp's trick;
+//     Q4_0/Q4_K: the unsigned nibbles), madd to int32 lanes (Q4_K: by the sub-block scales);
+//   - AVX-512 VNNI: two blocks (64 codes) per zmm; Q8_0/Q4_0 with vpdpbusd on unsigned codes
+//     (Q8_0's w ^ 0x80 = w + 128, Q4_0's nibble), the bias (128 resp. 8 times the block's code
+//     sum over the lane's 4 codes) preloaded into each int32 lane (`Ctx::lb`, once per call): every
+//     lane holds its 4 codes' true signed dot product, so converting the lanes to fp32 and scaling
+//     them loses nothing to cancellation (a bias left in the lanes would cost ~10x the rounding);
+//     Q4_K/Q5_K with maddubs then vpdpwssd by the sub-block scales; Q6_K and IQ4_XS run their
+//     AVX2 kernels on this path.
+// Rows: one token row (decode) streams the packed weight rows once, two side by side, output
+// rows split across threads (at::parallel_for); several token rows share each decoded weight
+// block, 4 at a time (a 5..8-row step reads each weight row once from memory, then from L1).
+
+#include "gguf_dot.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace portside_gguf {
+namespace {
+
+// x [T, K] fp32 -> codes [T, K] and scales [T, K / block]: the reference's rounding exactly
+// (IEEE division, round half to even under the default rounding mode, no fast-math).
+void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t* q, float* d) {
+  at::parallel_for(0, T * (K / block), 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * block;
+      int8_t* qb = q + b * block;
+      float amax = 0.f;
+      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float scale = amax / 127.f;
+      d[b] = scale;
+      if (amax == 0.f) {
+        std::memset(qb, 0, block);
+        continue;
+      }
+      for (int64_t j = 0; j < block; ++j) {
+        const float v = std::min(std::max(xb[j] / scale, -127.f), 127.f);
+        qb[j] = int8_t(std::nearbyint(v));
+      }
+    }
+  });
+}
+
+// (values per block, bytes per block) of a type with a kernel; (0, 0) for any other.
+std::pair<int64_t, int64_t> block_shape(int64_t ggml_type) {
+  switch (ggml_type) {
+    case GGML_Q8_0: return {32, 34};
+    case GGML_Q4_0: return {32, 18};
+    case GGML_Q4_K: return {256, 144};
+    case GGML_Q5_K: return {256, 176};
+    case GGML_Q6_K: return {256, 210};
+    case GGML_IQ4_XS: return {256, 136};
+  }
+  return {0, 0};
+}
+
+int64_t best_isa() {
+  for (int64_t isa : {ISA_VNNI, ISA_AVX2})
+    if (isa_runs(isa)) return isa;
+  return ISA_SCALAR;
+}
+
+at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, const std::optional<at::Tensor>& bias,
+                    int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gguf_dot: x must be a 2-D fp32 or bf16 cpu tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1 && qweight.device().is_cpu(),
+              "gguf_dot: qweight must be contiguous 2-D bytes on the cpu");
+  if (isa == ISA_BEST) isa = best_isa();
+  TORCH_CHECK(isa_runs(isa), "gguf_dot: instruction-set path ", isa, " is not built in or not on this CPU");
+  const auto [block, bb] = block_shape(ggml_type);
+  TORCH_CHECK(bb > 0, "gguf_dot: GGUF type ", ggml_type, " has no kernel (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS)");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t T = xf.size(0), K = xf.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % block == 0 && qweight.size(1) == K / block * bb, "gguf_dot: ", K, " input features and rows of ",
+              qweight.size(1), " bytes are not whole blocks of type ", ggml_type);
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "gguf_dot: bias must have ", N, " values");
+  at::Tensor out = at::empty({T, N}, xf.options());
+  if (T > 0 && N > 0) {
+    std::vector<int8_t> xq(T * K);
+    std::vector<float> xd(T * (K / block)), xdl;
+    std::vector<int32_t> lb;
+    std::vector<int16_t> bs;
+    quantize_blocks(xf.data_ptr<float>(), T, K, block, xq.data(), xd.data());
+    if (block == 256) {
+      bs.resize(T * (K / 16));
+      for (int64_t i = 0; i < T * (K / 16); ++i) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; ++j) s += xq[i * 16 + j];
+        bs[i] = int16_t(s);
+      }
+    } else {
+      const int64_t B = T * (K / 32);
+      const int32_t off = ggml_type == GGML_Q8_0 ? 128 : 8;
+      lb.resize(B * 8), xdl.resize(B * 8);
+      for (int64_t l = 0; l < B * 8; ++l) {
+        lb[l] = -off * (int32_t(xq[4 * l]) + xq[4 * l + 1] + xq[4 * l + 2] + xq[4 * l + 3]);
+        xdl[l] = xd[l / 8];
+      }
+    }
+    const Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), K, N, T, xq.data(), xd.data(),
+                lb.data(), xdl.data(), bs.data(), out.data_ptr<float>()};
+    if (block == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0);
+    else dot_k(c, isa, ggml_type);
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat).reshape({1, N}));
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> gguf_dot_quantize(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && block > 0 && x.size(1) % block == 0,
+              "gguf_dot_quantize: x [T, K] on cpu, K a multiple of the block");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t T = xf.size(0), K = xf.size(1);
+  at::Tensor q = at::empty({T, K}, xf.options().dtype(at::kChar));
+  at::Tensor d = at::empty({T, K / block}, xf.options());
+  quantize_blocks(xf.data_ptr<float>(), T, K, block, q.data_ptr<int8_t>(), d.data_ptr<float>());
+  return {q, d};
+}
+
+std::string gguf_dot_isas() {
+  std::string s = "scalar";
+  if (isa_runs(ISA_AVX2)) s += ",avx2";
+  if (isa_runs(ISA_VNNI)) s += ",avx512vnni";
+  return s;
+}
+
+}  // namespace
+}  // namespace portside_gguf
+
+TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
+  m.def("gguf_dot(Tensor x, Tensor qweight, int ggml_type, Tensor? bias, int isa) -> Tensor");
+  m.def("gguf_dot_quantize(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("gguf_dot_isas() -> str", &portside_gguf::gguf_dot_isas);
+}
+
+TORCH_LIBRARY_IMPL(portside_cpu_native, CPU, m) {
+  m.impl("gguf_dot", &portside_gguf::gguf_dot);
+  m.impl("gguf_dot_quantize", &portside_gguf::gguf_dot_quantize);
+}

@@ -1,0 +1,162 @@
+// GGUF weights times 8-bit activations: what the kernels of gguf_dot_q8.cpp (Q8_0, Q4_0) and
+// gguf_dot_k.cpp (Q4_K, Q5_K, Q6_K, IQ4_XS) share with the operators of gguf_dot.cpp (read its
+// header for the arithmetic and the paths).
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PORTSIDE_GD_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(PORTSIDE_GD_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define PORTSIDE_GD_VNNI 1
+#endif
+
+namespace portside_gguf {
+
+// The scalar kernels are not auto-vectorized: GCC 12 at -march=native with AVX-512 VNNI turns the
+// signed int8 x int8 sum of ScalarQ8_0 into vpdpbusd (unsigned x signed), a wrong result; the
+// scalar path is the portable one anyway (the SIMD paths are written out).
+#if defined(__GNUC__) && !defined(__clang__)
+#define PORTSIDE_GD_SCALAR __attribute__((optimize("no-tree-vectorize")))
+#else
+#define PORTSIDE_GD_SCALAR
+#endif
+
+enum Isa : int64_t { ISA_BEST = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
+constexpr int64_t GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_XS = 23;
+
+inline bool isa_runs(int64_t isa) {
+  switch (isa) {
+    case ISA_SCALAR: return true;
+#ifdef PORTSIDE_GD_AVX2
+    case ISA_AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+#ifdef PORTSIDE_GD_VNNI
+    case ISA_VNNI:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+  }
+  return false;
+}
+
+// IEEE half -> float, portable and exact (as F16C's conversion).
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0) {
+    const float f = std::ldexp(float(man), -24);  // zero or subnormal
+    return sign ? -f : f;
+  }
+  const uint32_t bits = exp == 31 ? (sign | 0x7F800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K / Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit minimums (the same unpacking as
+// quant_gemm.cpp's FmtQ4_K::scales, four bytes at a time; little-endian).
+inline void k_scales(const uint8_t* s12, uint8_t* sc, uint8_t* mn) {
+  uint32_t u[3], o[4];
+  std::memcpy(u, s12, 12);
+  o[0] = u[0] & 0x3f3f3f3fu;
+  o[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  o[2] = u[1] & 0x3f3f3f3fu;
+  o[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  std::memcpy(sc, o, 8);
+  std::memcpy(mn, o + 2, 8);
+}
+
+// IQ4_XS: the 8 sub-block scales (6 bits: 4 low from scales_l, 2 high from scales_h) minus 32.
+inline void iq4_scales(const uint8_t* blk, int16_t* ls) {
+  uint16_t h;
+  std::memcpy(&h, blk + 2, 2);
+  for (int j = 0; j < 8; ++j) ls[j] = int16_t((((blk[4 + j / 2] >> (4 * (j & 1))) & 0x0F) | (((h >> (2 * j)) & 3) << 4)) - 32);
+}
+
+// The 16 IQ4_NL code values.
+inline constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+struct Ctx {
+  const uint8_t* w;  // GGUF blocks [N, rb]
+  int64_t rb, K, N, T;
+  const int8_t* xq;  // activation codes [T, K]
+  const float* xd;  // their scales [T, K / 32] (Q8_0, Q4_0) or [T, K / 256] (the 256-value formats)
+  const int32_t* lb;  // Q8_0/Q4_0: per int32 lane (4 codes), -bias * their sum [T, K / 4]
+  const float* xdl;  // Q8_0/Q4_0: the block's scale per int32 lane [T, K / 4]
+  const int16_t* bs;  // 256-value formats: code sums per 16 [T, K / 16]
+  float* y;  // [T, N]
+};
+
+// Runs Kern::rows<NR, R>(c, n, t) (NR weight rows from n, R token rows from t, writing y) over
+// the whole output, split across threads by weight rows.
+template <class Kern>
+void drive(const Ctx& c) {
+  if (c.T == 1) {  // decode: two weight rows side by side per thread (two streams in flight)
+    at::parallel_for(0, c.N, 16, [&](int64_t n0, int64_t n1) {
+      int64_t n = n0;
+      for (; n + 2 <= n1; n += 2) Kern::template rows<2, 1>(c, n, 0);
+      if (n < n1) Kern::template rows<1, 1>(c, n, 0);
+    });
+    return;
+  }
+  at::parallel_for(0, c.N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t = 0; t < c.T; t += 4) {
+        switch (std::min<int64_t>(4, c.T - t)) {
+          case 4: Kern::template rows<1, 4>(c, n, t); break;
+          case 3: Kern::template rows<1, 3>(c, n, t); break;
+          case 2: Kern::template rows<1, 2>(c, n, t); break;
+          default: Kern::template rows<1, 1>(c, n, t); break;
+        }
+      }
+  });
+}
+
+#ifdef PORTSIDE_GD_AVX2
+
+inline float hsum256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 bytes -> 32 codes 0..15: low nibbles are elements 0..15, high ones 16..31 (Q4_0, IQ4_XS).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i b = load128(p), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+// 8 unsigned bytes as 16 int16, each twice (lanes 2j, 2j + 1): Q4_K/Q5_K's minimums against the
+// per-16 sums of sub-block j.
+inline __m256i pairs16(const uint8_t* mn) {
+  const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+}
+
+#endif  // PORTSIDE_GD_AVX2
+
+// The kernels, per file: Q8_0 (q4 false) and Q4_0 (q4 true); the 256-value formats.
+void dot_q8_q4(const Ctx& c, int64_t isa, bool q4);
+void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type);
+
+}  // namespace portside_gguf
