@@ -10,21 +10,43 @@ import torch
 from portside.quant.config import QuantConfig
 from portside.spec_decode.config import SpeculativeConfig
 
-POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TYPES = ("last", "mean", "cls", "max")
+POOLING_TASKS = ("embed", "classify", "reward")  # what a pooling model's vector is (score: embed or classify)
 
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """Task embed: how a prompt's final hidden states (after the final norm) become one vector.
-    `last` (vLLM's default for decoder LMs): the last token's; `mean`: the mean over every prompt
-    token; `cls`: the first token's. `normalize`: L2-normalised, as vLLM's embed default."""
+    """A pooling model (vLLM's --runner pooling): how a prompt's final hidden states (after the
+    final norm) become its one output vector; resolved by `portside.pooling.resolve`.
+
+    `pooling_type`: `last` (vLLM's default for decoder LMs), `mean` over every prompt token, `cls`
+    (the first token's) or `max` (elementwise). `task` embed: the pooled state through the
+    sentence-transformers Dense layers (`dense`: their folders), L2-normalised when `normalize`;
+    classify / reward: the model's classifier (`num_labels` logits; `from_token_ids`: the LM
+    head's logits of those tokens, two of them as one logit, the second's minus the first's).
+    `activation` (classify only; applied by the front end): softmax, sigmoid or none."""
 
     pooling_type: str = "last"
     normalize: bool = True
+    task: str = "embed"
+    dense: tuple[str, ...] = ()
+    activation: str = "none"
+    from_token_ids: tuple[int, ...] = ()
+    num_labels: int = 0  # classify / reward: logits per input
+    labels: tuple[str, ...] = ()  # classify: the config's id2label, in id order
+    output_size: int = 0  # embed: the vector's size before any `dimensions` truncation (0: unknown)
+    matryoshka_dimensions: tuple[int, ...] = ()  # the sizes a model was trained for (empty: any up to output_size)
+    prompts: tuple[tuple[str, str], ...] = ()  # sentence-transformers' named prompts (instructions)
+    default_prompt_name: str | None = None
+    include_prompt: bool = True  # sentence-transformers' Pooling include_prompt
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"unknown pooling type {self.pooling_type!r}; use one of {', '.join(POOLING_TYPES)}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"unknown pooling task {self.task!r}; use one of {', '.join(POOLING_TASKS)}")
+        if self.activation not in ("softmax", "sigmoid", "none"):
+            raise ValueError(f"unknown activation {self.activation!r}; use softmax, sigmoid or none")
 
 
 @dataclass(frozen=True)
@@ -40,7 +62,13 @@ class ModelConfig:
 
     @property
     def task(self) -> str:
+        """The runner: "generate", or "embed" for any pooling model (`pooling_task` says which)."""
         return "generate" if self.pooler is None else "embed"
+
+    @property
+    def pooling_task(self) -> str | None:
+        """A pooling model's task (`PoolerConfig.task`: embed, classify or reward); None: generate."""
+        return None if self.pooler is None else self.pooler.task
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,6 @@ def test_models_table_fits_80_columns(capsys: pytest.CaptureFixture[str], monkey
     (("--model-impl", "transformers"), "--model-impl transformers"),
     (("--skip-tokenizer-init",), "--skip-tokenizer-init"),
     (("--override-generation-config", '{"temperature": 0.5}'), "--override-generation-config"),
-    (("--hf-overrides", "{}"), "--hf-overrides"),
     (("--rope-scaling", '{"rope_type": "yarn"}'), "--rope-scaling"),
     (("--rope-theta", "1000000"), "--rope-theta"),
     (("--disable-sliding-window",), "--disable-sliding-window"),

@@ -102,15 +102,17 @@ def test_task_and_api_disagree(tiny_llama: Path) -> None:
 
 def test_pooling_config_errors(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="unknown pooling type"):
-        PoolerConfig("max")
+        PoolerConfig("sum")
     with pytest.raises(ValueError, match="unknown task"):
+        LLM(model=str(tiny_llama), device="cpu", task="rank")
+    with pytest.raises(ValueError, match="has no classifier"):
         LLM(model=str(tiny_llama), device="cpu", task="classify")
-    with pytest.raises(ValueError, match="--task embed"):
-        LLM(model=str(tiny_llama), device="cpu", pooling_type="mean")
+    with pytest.raises(ValueError, match="--runner pooling"):
+        LLM(model=str(tiny_llama), device="cpu", task="generate", pooling_type="mean")
 
 
 def test_runner_pooling_spelling(tiny_llama: Path) -> None:
-    """vLLM's current spelling, `--runner pooling`, is task embed."""
+    """vLLM's current spelling, `--runner pooling`, is task embed for a causal LM."""
     import argparse
 
     from portside.engine.args import EngineArgs
@@ -122,4 +124,6 @@ def test_runner_pooling_spelling(tiny_llama: Path) -> None:
     for flags in (["--runner", "pooling"], ["--task", "embed"]):
         args = EngineArgs(model=str(tiny_llama), **engine_kwargs(parser.parse_args([*flags, "--pooling-type", "MEAN"])))
         config = args.create_engine_config(resolve_platform("cpu"))
-        assert config.model.task == "embed" and config.model.pooler == PoolerConfig("mean")
+        pooler = config.model.pooler
+        assert config.model.task == "embed" and pooler is not None
+        assert (pooler.task, pooler.pooling_type, pooler.normalize, pooler.output_size) == ("embed", "mean", True, 64)

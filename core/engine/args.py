@@ -81,8 +81,14 @@ class EngineArgs:
     max_logprobs: int = 20  # most logprobs / top_logprobs per request (-1: no limit)
     trust_remote_code: bool = False  # accepted for vLLM parity; no effect (checkpoint code never runs)
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
-    task: str = "generate"  # "generate", or "embed": prompts in, pooled vectors out (vLLM's --task / --runner pooling)
-    pooling_type: str | None = None  # task embed: last (default), mean or cls
+    # vLLM's --runner: auto (pooling for a pooling architecture), generate, pooling, or a pooling task (embed,
+    # classify, score, reward); convert: make a model a pooling model of that task (portside.pooling.resolve)
+    task: str = "auto"
+    runner: str | None = None  # vLLM's LLM(runner=...) spelling of `task` (wins where given)
+    convert: str | None = None  # auto, none, embed, classify, reward
+    pooling_type: str | None = None  # pooling models: last, mean, cls or max (default: the folder's, else the model's)
+    pooler_config: dict[str, Any] | str | None = None  # JSON: pooling_type, normalize, use_activation
+    hf_overrides: dict[str, Any] | str | None = None  # JSON: classifier_from_token, is_original_qwen3_reranker, architectures
     # speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     # "prompt_lookup_max": b} or {"model": DRAFT, "num_speculative_tokens": k} (a dict, or its JSON text from
     # --speculative-config)
@@ -121,7 +127,7 @@ class EngineArgs:
         if max_model_len > max_pos:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
-        pooler = self._resolve_pooler()
+        pooler = self._resolve_pooler(path, hf)
         config = EngineConfig(
             model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed,
                               quantization=quant, pooler=pooler, max_logprobs=self.max_logprobs),
@@ -283,17 +289,14 @@ class EngineArgs:
             limits |= parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         return MultiModalConfig(limit_per_prompt=tuple(sorted(limits.items())), max_encoder_tokens_per_step=n)
 
-    def _resolve_pooler(self) -> PoolerConfig | None:
-        task = {"pooling": "embed"}.get(self.task, self.task)  # vLLM's --runner pooling
-        if task not in ("generate", "embed"):
-            raise ValueError(f"unknown task {self.task!r}; use generate or embed")
-        if task == "generate":
-            if self.pooling_type is not None:
-                raise ValueError("pooling_type applies to task embed only; pass --task embed")
-            return None
-        if self.enable_prefix_caching:
-            logger.info("task embed: prefix caching is off (pooling needs every prompt token's hidden state)")
-        return PoolerConfig(pooling_type=(self.pooling_type or "last").lower())
+    def _resolve_pooler(self, path: str, hf: dict[str, Any]) -> PoolerConfig | None:
+        from portside.pooling.resolve import resolve_pooler
+
+        pooler = resolve_pooler(path, hf, task=self.runner or self.task, convert=self.convert, pooling_type=self.pooling_type,
+                                pooler_config=self.pooler_config, hf_overrides=self.hf_overrides, tokenizer=self.tokenizer)
+        if pooler is not None and self.enable_prefix_caching:
+            logger.info("pooling model: prefix caching is off (pooling needs every prompt token's hidden state)")
+        return pooler
 
     def _resolve_dtype(self, hf: dict[str, Any], platform: type[Platform]) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

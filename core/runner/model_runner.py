@@ -36,6 +36,7 @@ from portside.model.interface import is_multimodal
 from portside.model.registry import load_model
 from portside.multimodal.encoder_cache import EncoderCache
 from portside.multimodal.inputs import MultiModalFeature
+from portside.pooling.head import PoolingHead
 from portside.quant.apply import weight_bytes
 from portside.runner.inputs import BatchInputs, CachedRequestState, prepare_inputs, update_request_states
 from portside.runner.kv_cache import (
@@ -100,7 +101,8 @@ class ModelRunner:
         self._setup_graph_runners()
         self.sampler = platform.sampler(config)
         # task embed: every request ends with its pooled prompt (`pooler`), never samples
-        self.pooler = Pooler(config.model.pooler) if config.model.pooler is not None else None
+        self.pooler = Pooler(config.model.pooler, PoolingHead(config.model.pooler, self.model, self.device)) \
+            if config.model.pooler is not None else None
         assert config.cache.block_size is not None
         self.block_size: int = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}

@@ -1,9 +1,11 @@
-"""Task embed: one vector per request from the final hidden states of its prompt tokens.
+"""Pooling models: one vector per request from the final hidden states of its prompt tokens.
 
 A prompt may be computed over several steps (chunked prefill): `Pooler.step` takes each step's
 chunk of every request and keeps what the pooling type needs across chunks (the first token's
-state for cls, a running fp32 sum for mean); the vector comes out in the step that computes the
-prompt's last token. A request the runner forgets (finished, aborted, preempted: it is then
+state for cls, a running fp32 sum for mean, a running maximum for max); the pooled states of the
+prompts whose last token is computed in the step go through the model's head together
+(`portside.pooling.head.PoolingHead`: Dense layers and normalisation, or the classifier), and
+their vectors come out in that step. A request the runner forgets (finished, aborted, preempted: it is then
 recomputed from its first token) is forgotten here too.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from portside.config import PoolerConfig
+from portside.pooling.head import PoolingHead
 
 
 @dataclass
@@ -28,9 +31,11 @@ class PoolChunk:
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig, head: PoolingHead | None = None) -> None:
+        """`head`: what the pooled states go through (None: L2-normalised when `config.normalize`)."""
         self.config = config
-        self._partial: dict[str, torch.Tensor] = {}  # req_id -> cls state or running sum (fp32)
+        self.head = head
+        self._partial: dict[str, torch.Tensor] = {}  # req_id -> cls state, running sum or maximum (fp32)
 
     def forget(self, req_id: str) -> None:
         self._partial.pop(req_id, None)
@@ -45,6 +50,10 @@ class Pooler:
                 acc = self._partial.get(c.req_id)
                 total = rows.sum(dim=0) if acc is None else acc + rows.sum(dim=0)
                 self._partial[c.req_id] = total
+            elif kind == "max":
+                acc = self._partial.get(c.req_id)
+                top = rows.amax(dim=0)
+                self._partial[c.req_id] = top if acc is None else torch.maximum(acc, top)
             elif kind == "cls" and c.start == 0:
                 self._partial[c.req_id] = rows[0].clone()
             if c.start + c.n < c.prompt_len:
@@ -59,6 +68,8 @@ class Pooler:
         if not done:
             return {}
         vectors = torch.stack([v for _, v in done])
-        if self.config.normalize:
+        if self.head is not None:
+            vectors = self.head(vectors)
+        elif self.config.normalize:
             vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
         return {rid: row for (rid, _), row in zip(done, vectors.cpu().tolist())}
