@@ -91,6 +91,7 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "ModernBertModel": Architecture("portside.model.modernbert", "ModernBertModel", ("bidirectional",), ()),
     "ModernBertForSequenceClassification": Architecture("portside.model.modernbert", "ModernBertForSequenceClassification",
                                                         ("bidirectional",), ()),
+    "NomicBertModel": Architecture("portside.model.nomic_bert", "NomicBertModel", ("bidirectional",), ()),
 }
 
 
@@ -125,7 +126,9 @@ def read_model_args(folder: str | Path, max_model_len: int | None = None) -> Mod
     """`ModelArgs` from a HF folder's config.json (and generation_config.json for eos ids)."""
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(str(folder))
+    from portside.model.nomic_bert import read_nomic_config  # custom code in its repo, no transformers class
+
+    hf = read_nomic_config(folder) or AutoConfig.from_pretrained(str(folder))
     archs = getattr(hf, "architectures", None) or []
     if not archs:
         raise ValueError(f"{folder}/config.json names no architecture; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")

@@ -14,7 +14,8 @@ import torch
 
 from portside.testing.tiny_tokenizer import make_tiny_tokenizer
 
-__all__ = ["ENCODER_ARCHS", "make_tiny_encoder", "make_bert_tokenizer", "encoder_step_context", "load_encoder"]
+__all__ = ["ENCODER_ARCHS", "make_tiny_encoder", "make_tiny_nomic", "make_bert_tokenizer", "encoder_step_context",
+           "load_encoder"]
 
 # arch key -> (transformers config class, base architecture, classifier architecture)
 ENCODER_ARCHS = {
@@ -118,3 +119,40 @@ def encoder_step_context(backend: Any, lengths: list[int], token_type_ids: list[
     types = None if token_type_ids is None else torch.tensor([t for ts in token_type_ids for t in ts], dtype=torch.int64)
     positions = torch.cat([torch.arange(n) for n in lengths])
     return ForwardContext(backend, [], md, token_type_ids=types), positions
+
+
+def make_tiny_nomic(path: str | os.PathLike, *, seed: int = 0, rotary_emb_fraction: float = 1.0,
+                    activation_function: str = "swiglu") -> Path:
+    """A tiny random-weight NomicBERT folder as nomic's checkpoints are laid out (transformers has no
+    class for it): config.json in nomic's spellings, tensors by nomic's names, the BERT tokenizer."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tok = make_bert_tokenizer(path)
+    h, inner, layers = 64, 96, 2
+    cfg = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "auto_map": {
+        "AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig"},
+        "vocab_size": len(tok), "n_embd": h, "n_head": 4, "n_layer": layers, "n_inner": inner, "n_positions": 128,
+        "layer_norm_epsilon": 1e-12, "rotary_emb_base": 1000, "rotary_emb_fraction": rotary_emb_fraction,
+        "rotary_emb_interleaved": False, "rotary_scaling_factor": None, "type_vocab_size": 2, "qkv_proj_bias": False,
+        "mlp_fc1_bias": False, "mlp_fc2_bias": False, "activation_function": activation_function, "prenorm": False,
+        "causal": False, "pad_token_id": tok.pad_token_id}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float = 0.15, mean: float = 0.0) -> torch.Tensor:
+        return mean + std * torch.randn(shape, generator=g)
+
+    t = {"embeddings.word_embeddings.weight": rnd(len(tok), h, std=0.5),
+         "embeddings.token_type_embeddings.weight": rnd(2, h, std=0.5),
+         "emb_ln.weight": rnd(h, std=0.1, mean=1.0), "emb_ln.bias": rnd(h, std=0.1)}
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        t |= {p + "attn.Wqkv.weight": rnd(3 * h, h), p + "attn.out_proj.weight": rnd(h, h),
+              p + "mlp.fc11.weight": rnd(inner, h), p + "mlp.fc12.weight": rnd(inner, h), p + "mlp.fc2.weight": rnd(h, inner)}
+        for n in ("norm1", "norm2"):
+            t |= {p + n + ".weight": rnd(h, std=0.1, mean=1.0), p + n + ".bias": rnd(h, std=0.1)}
+    save_file(t, str(path / "model.safetensors"))
+    return path
