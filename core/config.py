@@ -178,6 +178,8 @@ class EngineConfig:
     # options only the platform understands (e.g. {"cpu_graph": "inductor"}; --backend-option KEY=VALUE):
     # checked against `Platform.backend_options` (`portside.contract.check_backend_options`), then by the platform
     platform_options: tuple[tuple[str, str], ...] = ()
+    # --batch-invariant: a request's tokens and logprobs do not depend on its batch (portside.ops.batch_invariant)
+    batch_invariant: bool = False
 
     def option(self, key: str, default: str | None = None) -> str | None:
         return dict(self.platform_options).get(key, default)

@@ -31,7 +31,9 @@ from portside.contract import (
     AttentionBackend,
     Availability,
     BackendOption,
+    BatchInvariantAttention,
     DeviceInfo,
+    EagerGraphRunner,
     GraphRunner,
     ModelFn,
     ModelOps,
@@ -103,6 +105,8 @@ class CpuPlatform(Platform):
     eager_options: ClassVar[dict[str, str] | None] = {"cpu_graph": "eager"}  # --enforce-eager
     backend_options: ClassVar[tuple[BackendOption, ...]] = BACKEND_OPTIONS  # docs/cpu.md
     kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # 8-bit: the torch and native paths, not IPEX
+    # --batch-invariant: core's batch-invariant layers, eager, attention over the torch backend's cache
+    supports_batch_invariant = True
     attention_name = "native-paged|torch-sdpa|ipex-paged"
     graph_name = "eager|inductor|openvino"
     collectives_name = dist_backend
@@ -160,6 +164,9 @@ class CpuPlatform(Platform):
         options = cpu_options(config)
         backend: AttentionBackend = {"ipex": IpexAttentionBackend, "native": NativeAttentionBackend,
                                      "torch": CpuAttentionBackend}[options.attention]()
+        if getattr(config, "batch_invariant", False):  # core's invariant attention over this cache layout
+            backend = BatchInvariantAttention(CpuAttentionBackend())
+            backend.inner.prefault_host_cache = options.kv_prefault
         backend.prefault_host_cache = options.kv_prefault
         return backend
 
@@ -196,4 +203,6 @@ class CpuPlatform(Platform):
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config) -> GraphRunner:
         """The runner `CpuOptions.graph` names (option cpu_graph: `graph.make_graph_runner`)."""
+        if getattr(config, "batch_invariant", False):  # op by op in core's kernels: no fused or native linears
+            return EagerGraphRunner(model_fn, config)
         return make_graph_runner(model_fn, config)

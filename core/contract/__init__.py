@@ -19,6 +19,7 @@ One module per part (each name is also importable from here):
 - `options`: `BackendOption` (what `Platform.backend_options` declares), `check_backend_options`;
 - `attention`: `AttentionBackend`, `AttentionMetadata`, `ForwardContext`, `KVCacheSpec`,
   `GraphCaptureSupport`, `ATTENTION_FEATURES`, `ENCODER_ATTENTION_FEATURES`, `EncoderAttention`;
+- `batch_invariant`: `BatchInvariantAttention` (any backend's cache, core's batch-invariant attention);
 - `latent`: `LatentKVCacheSpec`, `LatentAttention` (multi-head latent attention, mixed into
   `AttentionBackend`);
 - `kv_quant`: 8-bit KV caches, `KV_CACHE_DTYPES` and the reference formats (`quantize_kv`, ...);
@@ -36,6 +37,7 @@ One module per part (each name is also importable from here):
 # ruff: noqa: F401  (the names below are re-exported: `__all__` is computed from the parts' own)
 from portside.contract import (
     attention,
+    batch_invariant,
     collectives,
     graph,
     kv_quant,
@@ -57,6 +59,7 @@ from portside.contract.attention import (
     GraphCaptureSupport,
     KVCacheSpec,
 )
+from portside.contract.batch_invariant import BatchInvariantAttention
 from portside.contract.collectives import Communicator, SingleRankCommunicator, TorchDistributedCommunicator
 from portside.contract.graph import EagerGraphRunner, GraphRunner, ModelFn, PiecewiseModel
 from portside.contract.kv_quant import (
@@ -87,5 +90,5 @@ from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, Sta
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
 # every part's public names, in the order of the module map above
-__all__ = [name for part in (platform, options, attention, latent, kv_quant, graph, collectives, model_ops, recurrent, sampling, memory)
+__all__ = [name for part in (platform, options, attention, batch_invariant, latent, kv_quant, graph, collectives, model_ops, recurrent, sampling, memory)
            for name in part.__all__]

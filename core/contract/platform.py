@@ -100,6 +100,12 @@ class Platform(ABC):
     supports_pipeline_parallel: ClassVar[bool] = True
     """Pipeline parallelism (`pipeline_parallel_size` > 1): stages exchange hidden states through
     `Communicator.send` / `recv` (defaults: torch.distributed); False makes the engine refuse it."""
+    supports_batch_invariant: ClassVar[bool] = False
+    """Batch-invariant mode (`EngineConfig.batch_invariant`, --batch-invariant): with it set, the
+    platform's attention backend, graph runner and model ops give each token the same bits
+    whatever its batch (`portside.contract.BatchInvariantAttention` wraps any attention backend;
+    the layers' kernels are core's, `portside.ops.batch_invariant`); False makes the engine
+    refuse the mode, naming the platform."""
     default_kv_cache_memory: ClassVar[float] = 0.9
     """KV-cache size when the user gives none: a fraction (<= 1) of free memory, or bytes (> 1)."""
     pipeline_micro_batch_tokens: ClassVar[int | None] = None

@@ -24,6 +24,7 @@ from portside.config import (
     SchedulerConfig,
 )
 from portside.contract import Platform, check_backend_options
+from portside.engine.batch_invariant import check_batch_invariant
 from portside.engine.encoder_only import encoder_only_config
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
@@ -99,6 +100,7 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = None
     # options only the chosen platform understands (`Platform.backend_options`; --backend-option KEY=VALUE)
     platform_options: dict[str, str] = field(default_factory=dict)
+    batch_invariant: bool = False  # a request's tokens and logprobs do not depend on its batch (--batch-invariant)
 
     def resolve_model_path(self) -> str:
         from portside.default_model import DEFAULT_MODEL_NAME, default_model_path, is_default_model_name
@@ -153,7 +155,9 @@ class EngineArgs:
             multimodal=self._resolve_multimodal(),
             device=platform.name,
             platform_options=tuple(sorted(self._platform_options(platform).items())),
+            batch_invariant=self.batch_invariant,
         )
+        check_batch_invariant(config, platform)
         config = encoder_only_config(config, hf, self.max_model_len, self.max_num_batched_tokens)  # whole prompts
         self._check_vllm_flags()
         if self.pipeline_parallel_size > 1 and hf.get("num_hidden_layers"):  # the split fails here, not in a worker

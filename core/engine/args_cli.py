@@ -42,6 +42,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture graphs or compile: cpu runs --backend-option cpu_graph=eager, cuda/rocm run without "
                         "CUDA/HIP graphs")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs do not depend on its batch, chunking or preemption (with a "
+                        "seed, bitwise the same run to run); slower; cpu only (docs/batch_invariant.md)")
     add_backend_option_args(g)
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; no effect: portside never runs model code from checkpoints")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portside.contract import Communicator, SingleRankCommunicator
+from portside.ops import batch_invariant
 
 __all__ = [
     "LinearBase",
@@ -71,12 +72,16 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: o
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last axis, in fp32, scaled in x's dtype (Llama's order)."""
 
+    batch_invariant = False  # set by batch-invariant mode (`portside.model.batch_invariant`)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param(dim, dtype=dtype, loader=default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        if self.batch_invariant:
+            return batch_invariant.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -86,6 +91,8 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in fp32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        if self.batch_invariant:
+            return batch_invariant.rms_norm(x, self.weight, self.eps, offset=True)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -105,6 +112,7 @@ class LinearBase(nn.Module):
     quant: nn.Module | None
     weight: nn.Parameter | None  # None once quantized
     lora: Any = None  # a portside.lora.layers.LoRALayer: its adapters' term is added to the output
+    batch_invariant = False  # set by batch-invariant mode (`portside.model.batch_invariant`)
 
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype, bias_sharded: bool) -> None:
         super().__init__()
@@ -158,6 +166,8 @@ class LinearBase(nn.Module):
         if self.quant is not None:
             return self.ops.quantized_linear(x, self.quant, bias)  # type: ignore[attr-defined]
         assert self.weight is not None
+        if self.batch_invariant:
+            return batch_invariant.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -333,6 +343,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         if self.quant is not None:
             logits = self.ops.quantized_linear(hidden, self.quant)  # type: ignore[attr-defined]
+        elif getattr(self, "batch_invariant", False):  # set by batch-invariant mode
+            logits = batch_invariant.linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)  # [N, rows]
         if self.tp_size > 1:

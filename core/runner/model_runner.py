@@ -119,6 +119,10 @@ class ModelRunner:
                                 pp_rank=self.pp_rank, pp_size=self.pp_size, pipeline_layers=par.pipeline_layers,
                                 mamba_ssm_cache_dtype=config.cache.mamba_ssm_cache_dtype)
         self.platform.prepare_model(cast(torch.nn.Module, self.model), config)
+        if config.batch_invariant:  # its layers on core's batch-invariant kernels, or refused
+            from portside.model.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(cast(torch.nn.Module, self.model))
         self.lora = LoRAModelManager(cast(torch.nn.Module, self.model), config.lora, ops) \
             if config.lora is not None else None
         self.weight_bytes = weight_bytes(cast(torch.nn.Module, self.model))  # after the platform's re-layout
