@@ -26,6 +26,7 @@ from portside.backends.cpu.options import (
     check_cpu_options,
     cpu_options,
 )
+from portside.backends.cpu.weight_sleep import SleepingBuffer, offload_packed, restore_packed
 from portside.backends.cpu.weights import pack_weights
 from portside.contract import (
     AttentionBackend,
@@ -136,6 +137,20 @@ class CpuPlatform(Platform):
         allocated from then on come from the caching allocator (`install_caching_allocator`)."""
         pack_weights(model)
         install_caching_allocator(cpu_options(config).allocator_cache_mb)
+
+    @classmethod
+    def offload_weights(cls, model, keep):
+        """The packed weights' pages go back to the OS, saved to a temporary file first at level 1
+        (`weight_sleep`); weights that were not packed: core's default."""
+        handle = offload_packed(model, keep)
+        return handle if handle is not None else super().offload_weights(model, keep)
+
+    @classmethod
+    def restore_weights(cls, model, handle) -> None:
+        if isinstance(handle, SleepingBuffer):
+            restore_packed(handle)
+        else:
+            super().restore_weights(model, handle)
 
     @classmethod
     def check_and_update_config(cls, config):

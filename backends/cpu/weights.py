@@ -11,6 +11,7 @@ huge-page buffer at 33.1 GB/s).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -20,6 +21,12 @@ from portside.contract import HUGE_PAGE, host_zeros, release_free_memory
 logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: each tensor starts on a cache line
+_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()  # model -> its buffer
+
+
+def packed_buffer(model: nn.Module) -> torch.Tensor | None:
+    """The buffer `pack_weights` put `model`'s weights in (uint8, page-aligned), or None."""
+    return _PACKED.get(model)
 
 
 def pack_weights(model: nn.Module) -> int:
@@ -42,6 +49,7 @@ def pack_weights(model: nn.Module) -> int:
         view = flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t.detach())
         t.data = view
+    _PACKED[model] = flat
     release_free_memory()  # of the tensors the weights were loaded into, freed just now
     logger.info(
         "cpu: %d weight tensors packed into one %.0f MiB buffer (huge pages of %d MiB where the kernel allows)",

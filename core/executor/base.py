@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -68,6 +69,14 @@ class Executor(ABC):
         """How many submitted steps the engine may keep in flight (pipeline parallelism's
         micro-batches); 1 where a step runs to its end before the next starts."""
         return 1
+
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` on the model runner of every rank, between steps: a `ModelRunner`
+        method's name, or a picklable function called as ``method(runner, *args, **kwargs)``
+        (vLLM's `collective_rpc`). Returns every rank's result, by rank. An error a rank raises
+        comes back raised here (ValueError and TypeError as themselves), and the ranks go on.
+        Default: not supported (NotImplementedError)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run collective_rpc")
 
     def check_health(self) -> None:
         """Raise the error a step would raise when a rank has died; called while the engine is

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from portside.config import EngineConfig
 from portside.contract import Platform
 from portside.distributed.env import LauncherEnv, init_process_group
-from portside.distributed.messages import InitKVCache, Shutdown, WorkerSetup
+from portside.distributed.messages import CollectiveRPC, InitKVCache, Shutdown, WorkerSetup
+from portside.distributed.rpc import rpc_results
 from portside.distributed.worker import (
     Worker,
     broadcast_message,
@@ -73,6 +74,17 @@ class LaunchedExecutor(Executor):
             return self.worker.handle(scheduler_output)
 
         return self._guard(step)
+
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        msg = CollectiveRPC(method, tuple(args), dict(kwargs or {}))
+
+        def call() -> list[Any]:
+            broadcast_message(msg, self._group)
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, self.worker.handle(msg), group=self._group)
+            return gathered
+
+        return rpc_results(dict(enumerate(self._guard(call))))
 
     def shutdown(self) -> None:
         """Tell the other ranks to exit (when they still listen) and leave the process group."""

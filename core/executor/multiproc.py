@@ -37,7 +37,16 @@ from typing import Any, NoReturn, cast
 from portside.config import EngineConfig
 from portside.contract import Platform
 from portside.distributed.env import free_port
-from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
+from portside.distributed.messages import (
+    CollectiveRPC,
+    InitKVCache,
+    KVCacheReady,
+    RPCReply,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+)
+from portside.distributed.rpc import rpc_results
 from portside.distributed.worker import run_pipe_worker
 from portside.executor.workers import GRACE_S, WORKER_TIMEOUT_S, WorkerExecutor, no_reply, protocol_error
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -92,6 +101,10 @@ class MultiprocExecutor(WorkerExecutor):
         must be made in the order of the submits."""
         self._broadcast(scheduler_output)
         return lambda: self._collect([self.output_rank], ModelRunnerOutput, "running a step")[self.output_rank]
+
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        self._broadcast(CollectiveRPC(method, tuple(args), dict(kwargs or {})))
+        return rpc_results(self._collect(range(self.world_size), RPCReply, "running collective_rpc"))
 
     def check_health(self) -> None:
         """RuntimeError when a worker process exited while the engine was idle (a step would

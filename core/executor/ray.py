@@ -25,9 +25,18 @@ from typing import Any, NoReturn
 
 from portside.config import EngineConfig
 from portside.contract import Platform
-from portside.distributed.messages import InitKVCache, KVCacheReady, Shutdown, WorkerError, WorkerReady
+from portside.distributed.messages import (
+    CollectiveRPC,
+    InitKVCache,
+    KVCacheReady,
+    RPCReply,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+)
 from portside.distributed.ray_cluster import bundle_resource, connect, disconnect, forwarded_env, import_ray, reserve
 from portside.distributed.ray_worker import RankPlace, RankSetup, RayWorker
+from portside.distributed.rpc import rpc_results
 from portside.executor.workers import GRACE_S, WORKER_TIMEOUT_S, WorkerExecutor, no_reply, protocol_error
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -82,6 +91,12 @@ class RayExecutor(WorkerExecutor):
             return self._expect(out, ModelRunnerOutput, "running a step")[self.output_rank]
 
         return result
+
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        self._check()
+        msg = CollectiveRPC(method, tuple(args), dict(kwargs or {}))
+        calls = {r: a.handle.remote(msg) for r, a in enumerate(self._actors)}
+        return rpc_results(self._expect(self._wait(calls, "running collective_rpc"), RPCReply, "running collective_rpc"))
 
     def check_health(self) -> None:
         """While the engine is idle (the async engine asks every second): the error a step would

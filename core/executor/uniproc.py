@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from portside.config import EngineConfig
 from portside.contract import Platform
+from portside.distributed.messages import CollectiveRPC
+from portside.distributed.rpc import call_on
 from portside.executor.base import Executor
 from portside.runner.model_runner import ModelRunner
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -23,6 +27,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [call_on(self.runner, CollectiveRPC(method, tuple(args), dict(kwargs or {})))]
 
     def shutdown(self) -> None:
         pass  # the runner and its KV cache go with the engine

@@ -171,6 +171,15 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (free or held), so that no later lookup finds one: after a
+        weight update their KV is stale. Held blocks stay with their requests, uncached. Returns
+        how many blocks were forgotten."""
+        blocks = list(self.cached.values())
+        for block in blocks:
+            self._evict(block)
+        return len(blocks)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]

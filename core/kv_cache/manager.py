@@ -73,6 +73,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}  # chain hashes of full blocks, by request
         self._num_cached_blocks: dict[str, int] = {}  # blocks already offered to the cache
+        self._stale: set[str] = set()  # requests holding blocks at a prefix-cache reset: never cached again
         self._pending_lookups: dict[str, tuple[int, int]] = {}  # req_id -> (queries, hits)
         self.prefix_cache_stats = PrefixCacheStats()
         self.state = StateSlots(num_state_slots, block_size, enable_prefix_caching) if num_state_slots else None
@@ -208,6 +209,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         req_id = request.request_id
+        if req_id in self._stale:
+            return
         blocks = self.req_to_blocks.get(req_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(req_id, 0)
@@ -260,9 +263,20 @@ class KVCacheManager:
         self.pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
         self._req_to_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
+        self._stale.discard(req_id)
         self._pending_lookups.pop(req_id, None)
         if self.state is not None:
             self.state.free(req_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (`BlockPool.reset_prefix_cache`; the recurrent state
+        checkpoints too). A request holding blocks keeps them but offers none of its later
+        blocks to the cache: their KV was computed over stale blocks. Returns the blocks forgotten."""
+        n = self.pool.reset_prefix_cache()
+        if self.state is not None:
+            self.state.pool.reset_prefix_cache()
+        self._stale.update(self.req_to_blocks)
+        return n
 
     def align_chunk(self, request: Request, start: int, num_new: int) -> int:
         """A chunk's token count, shortened (with recurrent layers and prefix caching) to end on a
@@ -306,7 +320,7 @@ class KVCacheManager:
             assert all(b is null for b in blocks[:num_null]), f"{req_id}: nulls are not a prefix of its table"
             assert num_null == 0 or self.sliding_window is not None, f"{req_id} holds nulls without a window"
             if self.enable_prefix_caching:
-                assert num_null <= self._num_cached_blocks.get(req_id, 0), f"{req_id} freed an unhashed block"
+                assert req_id in self._stale or num_null <= self._num_cached_blocks.get(req_id, 0), f"{req_id} freed an unhashed block"
             ids = [b.block_id for b in blocks[num_null:]]
             assert len(ids) == len(set(ids)), f"{req_id} holds a block twice: {ids}"
             for block in blocks[num_null:]:

@@ -49,6 +49,7 @@ from portside.runner.kv_cache import (
 from portside.runner.pooler import PoolChunk, Pooler
 from portside.runner.recurrent import RecurrentStates, state_spec_of
 from portside.runner.sampling import SamplingHandoff
+from portside.runner.weight_updates import RunnerWeights
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 from portside.spec_decode.backoff import ProposalBackoff
 from portside.spec_decode.draft_model import DraftModelProposer
@@ -69,7 +70,7 @@ def _check_platform(config: EngineConfig, platform: type[Platform]) -> None:
                          f"{platform.name} platform")
 
 
-class ModelRunner:
+class ModelRunner(RunnerWeights):
     def __init__(
         self,
         config: EngineConfig,
@@ -269,14 +270,18 @@ class ModelRunner:
                 f"sequence); {fit} sequences of {max_len} tokens fit at once")
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
-        self.scratch_block = num_blocks
-        if self.state_spec is not None:
-            self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device)
+        self._allocate_kv(num_blocks)
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks)
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        """The KV caches (and recurrent state slots) of `num_blocks` blocks, plus the scratch block."""
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
+        self.scratch_block = num_blocks
+        if self.state_spec is not None:
+            self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device)
 
     def _dummy_decode_context(self, num_decodes: int) -> ForwardContext:
         ctx = dummy_decode_context(self.attn_backend, self.kv_caches, self.scratch_block, self.block_size, self.device,
@@ -292,6 +297,8 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
+        if self._graphs_stale:  # the weights changed (an update, a wake-up): `RunnerWeights`
+            self._rebuild_graphs()
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
