@@ -105,3 +105,26 @@ def test_encoder_limits(tmp_path: Path, bert: Path) -> None:
         assert llm.engine.max_model_len == 129
         out = llm.embed([{"prompt_token_ids": [5] * 129}], use_tqdm=False)  # the last position is 129 + 0
         assert len(out[0].outputs.embedding) == 64
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "modernbert"])
+def test_cross_encoder_scores_match_transformers(tmp_path: Path, arch: str) -> None:
+    """A *ForSequenceClassification folder served with no task named: a pooling model; `LLM.score`
+    of (query, document) pairs equals transformers' sigmoid(logit) on the tokenizer's pair (BERT:
+    with its token types)."""
+    import transformers
+
+    path = make_tiny_encoder(tmp_path / arch, arch, classifier=True, num_labels=1, seed=13)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    docs = ["a small cat sleeps in the warm sun", "the river runs", "the harbour town woke early"]
+    with LLM(model=str(path), device="cpu") as llm:
+        tok = llm.get_tokenizer()
+        outs = llm.score("the quick brown fox", docs, use_tqdm=False)
+        for doc, out in zip(docs, outs):
+            enc = tok("the quick brown fox", doc, return_tensors="pt")
+            with torch.no_grad():
+                want = torch.sigmoid(hf(**enc).logits)[0, 0].item()
+            assert out.outputs.score == pytest.approx(want, abs=1e-5)
+        _assert_idle(llm)
+    with pytest.raises(ValueError, match="pooling model"):
+        LLM(model=str(path), device="cpu", task="generate")

@@ -50,6 +50,7 @@ class EncoderModel(nn.Module):
     """Base of the encoder-only models: construction checks, the empty KV-cache spec, loading."""
 
     is_encoder_only: ClassVar[bool] = True
+    is_pooling_model: ClassVar[bool] = True  # it cannot generate (`portside.pooling.resolve`)
     default_pooling_type: ClassVar[str] = "cls"
     # checkpoint name prefixes dropped when the rest names one of our parameters (a base model saved
     # inside a task model: "bert.", "roberta.", "model.")

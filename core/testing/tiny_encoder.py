@@ -25,8 +25,10 @@ ENCODER_ARCHS = {
 }
 
 
-def make_bert_tokenizer(path: str | os.PathLike) -> Any:
-    """The tiny BPE tokenizer with [CLS] / [SEP] / [PAD] and BERT's framing of texts and pairs."""
+def make_bert_tokenizer(path: str | os.PathLike, token_types: bool = True) -> Any:
+    """The tiny BPE tokenizer with [CLS] / [SEP] / [PAD] and BERT's framing of texts and pairs;
+    with `token_types` (BERT) it returns token_type_ids, 1 for a pair's second text; without
+    (XLM-R, ModernBERT, as their tokenizers) none, and pairs as RoBERTa joins them."""
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
@@ -35,11 +37,13 @@ def make_bert_tokenizer(path: str | os.PathLike) -> Any:
     cls, sep = base.convert_tokens_to_ids("[CLS]"), base.convert_tokens_to_ids("[SEP]")
     backend = base.backend_tokenizer
     backend.post_processor = TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1" if token_types else "[CLS] $A [SEP] [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
     )
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, cls_token="[CLS]", sep_token="[SEP]",
                                   pad_token="<|endoftext|>", model_max_length=512, clean_up_tokenization_spaces=False,
-                                  model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+                                  model_input_names=["input_ids", "token_type_ids", "attention_mask"] if token_types
+                                  else ["input_ids", "attention_mask"])
     tok.save_pretrained(str(path))
     return tok
 
@@ -68,7 +72,7 @@ def make_tiny_encoder(path: str | os.PathLike, arch: str = "bert", *, classifier
     import transformers
 
     path = Path(path)
-    tok = make_bert_tokenizer(path)
+    tok = make_bert_tokenizer(path, token_types=arch == "bert")
     config_cls, base, head = ENCODER_ARCHS[arch]
     kwargs: dict[str, Any] = dict(vocab_size=len(tok), hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                   intermediate_size=96, max_position_embeddings=128, pad_token_id=tok.pad_token_id)
