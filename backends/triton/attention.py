@@ -60,6 +60,7 @@ class TritonAttentionBackend(TritonLatentAttention, AttentionBackend):
     name = "triton"
     graph_support = GraphCaptureSupport.DECODE_ONLY
     features = frozenset({"sliding_window", "logit_softcap", "sinks"})
+    encoder_features = frozenset({"sliding_window"})
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def __init__(self, arch: ArchInfo | None = None, num_splits: int | None = None) -> None:
@@ -147,6 +148,7 @@ class TritonAttentionBackend(TritonLatentAttention, AttentionBackend):
         cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32, on the device
         max_seqlen: int,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         launch = choose_encoder_launch(self.arch(query.device), query.shape[2], max_seqlen, query.dtype)
-        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, launch)
+        return encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, launch, sliding_window)

@@ -17,6 +17,11 @@ Numerics as in `paged_attention`: every load is upcast to fp32 (the interpreter 
 dots wrongly, and fp32 accumulation is wanted anyway), fp32 operands use IEEE dots and upcast
 half-precision ones tf32 (their products are exact in it), the output is cast on store. Head
 sizes that are not powers of two (72, 80) are padded to the next power of two with masks.
+
+A local window (``sliding_window`` W, ModernBERT's local layers: a query sees the keys at most W
+positions away) masks the scores by distance and bounds a program's key loop to the keys its
+rows can see, ``[first row - W, last row + W]``; a row that sees no key of a step keeps a zero
+contribution (its running maximum stays -inf, taken as 0 in the exponentials).
 """
 
 from __future__ import annotations
@@ -85,11 +90,13 @@ def _encoder_attention_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
+    window,  # a local window (HAS_WINDOW): keys at most `window` positions away
     HEAD: tl.constexpr,
     HEAD_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -112,9 +119,13 @@ def _encoder_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, seq_len, BLOCK_N):
+    lo, hi = 0, seq_len
+    if HAS_WINDOW:  # only the keys some row of the block can see
+        lo = tl.maximum(q_block * BLOCK_M - window, 0)
+        hi = tl.minimum(q_block * BLOCK_M + BLOCK_M + window, seq_len)
+    for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + offs_n  # (N,) keys within the sequence
-        n_ok = keys < seq_len
+        n_ok = keys < hi
         krows = (start + keys).to(tl.int64)
         k = tl.load(
             k_ptr + krows[None, :] * stride_kt + head * stride_kh + offs_d[:, None],
@@ -123,8 +134,15 @@ def _encoder_attention_kernel(
         ).to(tl.float32)  # (D, N)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # (M, N)
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        # The first step holds key 0 of the sequence, so every row's maximum is finite from it on.
+        if HAS_WINDOW:
+            near = tl.abs(offs_m[:, None] - keys[None, :]) <= window
+            s = tl.where(near, s, float("-inf"))
+        # Without a window the first step holds key 0 of the sequence, so every row's maximum is
+        # finite from it on; with one, a row may see no key of a step: its maximum stays -inf
+        # (taken as 0 below, so p and alpha are 0, not NaN) until the step that holds its keys.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if HAS_WINDOW:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -136,6 +154,8 @@ def _encoder_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
 
+    if HAS_WINDOW:  # rows past the sequence's end may have seen nothing (not stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -152,9 +172,12 @@ def encoder_attention(
     max_seqlen: int,
     scale: float,
     launch: EncoderLaunch | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention within each sequence, one launch; [T, H, D] in the query's dtype.
-    `launch`: the tiles (None: `choose_encoder_launch` for the query's device)."""
+    `launch`: the tiles (None: `choose_encoder_launch` for the query's device). `sliding_window`
+    W: a query at position p sees the keys at ``|p - k| <= W`` only (ModernBERT's local layers);
+    a program then walks only the keys its rows can see."""
     num_tokens, num_heads, head_size = query.shape
     if key.shape != query.shape or value.shape != query.shape:
         raise ValueError(f"encoder attention needs q, k, v of one shape [T, H, D]: {query.shape}, {key.shape}, "
@@ -184,11 +207,13 @@ def encoder_attention(
         value.stride(1),
         out.stride(0),
         out.stride(1),
+        sliding_window or 0,
         HEAD=head_size,
         HEAD_P2=max(MIN_TILE, next_power_of_2(head_size)),
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         PRECISION=launch.input_precision,
+        HAS_WINDOW=sliding_window is not None,
         **launch.kernel_options(),
     )
     return out

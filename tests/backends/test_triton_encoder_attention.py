@@ -5,7 +5,8 @@ Without a GPU it runs in the Triton interpreter on CPU tensors (conftest sets TR
 Shapes: head sizes 32, 64 and 80 (padded to 128), sequences of lengths 1, 7, 16, 64 and 100
 packed in mixed order, fp32/fp16/bf16; forced 16 x 16 tiles (many query blocks and key steps
 per sequence, a row tile ending inside the sequence); q, k, v as strided views of a fused qkv
-projection; empty sequences and an empty batch; the launch heuristics.
+projection; empty sequences and an empty batch; local windows (ModernBERT) of 0, 3, 5, 20 and 200;
+the launch heuristics.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ def _inputs(lengths, heads, d, dtype, device, seed=0, fused=False):
     return (q, k, v, cu), (qd, kd, vd, cu.to(device))
 
 
-def _check(lengths, heads, d, dtype, device, launch=None, fused=False, seed=0):
+def _check(lengths, heads, d, dtype, device, launch=None, fused=False, seed=0, window=None):
     (q, k, v, cu), (qd, kd, vd, cud) = _inputs(lengths, heads, d, dtype, device, seed, fused)
     scale = d**-0.5
-    out = encoder_attention(qd, kd, vd, cud, max(lengths, default=0), scale, launch)
-    want = reference(q.float(), k.float(), v.float(), cu, max(lengths, default=0), scale).to(dtype)
+    out = encoder_attention(qd, kd, vd, cud, max(lengths, default=0), scale, launch, sliding_window=window)
+    want = reference(q.float(), k.float(), v.float(), cu, max(lengths, default=0), scale, sliding_window=window).to(dtype)
     assert out.shape == q.shape and out.dtype == dtype and out.device == qd.device
-    assert_close(out.cpu(), want, context=f"lengths {list(lengths)}, {heads} heads of {d}, {dtype}, {launch}")
+    assert_close(out.cpu(), want, context=f"lengths {list(lengths)}, {heads} heads of {d}, {dtype}, {launch}, window {window}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -75,6 +76,22 @@ def test_encoder_small_tiles_many_blocks(kernel_device):
 def test_encoder_fused_qkv_views(kernel_device):
     """q, k, v as strided views of one [T, 3, H, D] projection, as a model's qkv split gives them."""
     _check(MIXED, 2, 64, torch.bfloat16, kernel_device, fused=True, seed=5)
+
+
+@pytest.mark.parametrize("window", [0, 3, 20, 200])
+def test_encoder_local_window(kernel_device, window):
+    """ModernBERT's local layers: 16 x 16 tiles, so a block's rows see only some key steps, and
+    some steps of a row's loop hold none of its keys (window 0, 3); 200 covers every sequence."""
+    _check(MIXED, 2, 64, torch.float32, kernel_device, EncoderLaunch(16, 16, 4, 1, "ieee"), seed=window, window=window)
+
+
+def test_encoder_local_window_default_tiles(kernel_device):
+    _check(MIXED, 2, 80, torch.bfloat16, kernel_device, seed=8, window=5)
+    (q, k, v, cu), (qd, kd, vd, cud) = _inputs((3, 33), 4, 64, torch.float32, kernel_device, seed=2)
+    backend = TritonAttentionBackend()
+    assert "sliding_window" in backend.encoder_features
+    out = backend.encoder_attention(qd, kd, vd, cud, 33, 0.1, sliding_window=4)
+    assert_close(out.cpu(), reference(q, k, v, cu, 33, 0.1, sliding_window=4))
 
 
 def test_encoder_empty_sequences_and_batch(kernel_device):
