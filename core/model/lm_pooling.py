@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -53,9 +52,15 @@ class _PoolingDecoder(DecoderForCausalLM):
         yield from super().checkpoint_tensors(name, tensor)
 
 
-@functools.cache
-def _variant(cls: type[DecoderForCausalLM], keep_lm_head: bool) -> type[DecoderForCausalLM]:
-    return type(cls.__name__, (_PoolingDecoder, cls), {"keep_lm_head": keep_lm_head, "__module__": cls.__module__})
+_VARIANTS: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}
+
+
+def _variant(cls: type[nn.Module], keep_lm_head: bool) -> type[nn.Module]:
+    """`cls` as a pooling decoder (one class per (cls, keep_lm_head), made once)."""
+    key = (cls, keep_lm_head)
+    if key not in _VARIANTS:
+        _VARIANTS[key] = type(cls.__name__, (_PoolingDecoder, cls), {"keep_lm_head": keep_lm_head, "__module__": cls.__module__})
+    return _VARIANTS[key]
 
 
 def as_pooling_model(cls: type[nn.Module], pooler: PoolerConfig | None) -> type[nn.Module]:

@@ -116,7 +116,7 @@ def test_model_by_id(server: ServerProcess) -> None:
 
 def test_embeddings_refused_without_task_embed(server: ServerProcess) -> None:
     r = post(server, "/v1/embeddings", {"model": "tiny", "input": "hello"})
-    assert_error(r, 400, says="--task embed")
+    assert_error(r, 400, says="--runner pooling")
 
 
 # ---- embeddings ------------------------------------------------------------------------------------
@@ -213,7 +213,9 @@ def test_embeddings_bad_input(embed_server: ServerProcess) -> None:
     for bad in ("", [], [""], [[]], [1, "a"], 5, {"a": 1}, [True]):
         assert_error(embed({"input": bad}), 400, "input")
     assert_error(embed({}), 400, "input")
-    assert_error(embed({"input": "x", "dimensions": 8}), 400, "dimensions", says="matryoshka")
+    assert_error(embed({"input": "x", "dimensions": EMBED_LEN + 1}), 400, "dimensions", says="more than this model's")
+    assert_error(embed({"input": "x", "dimensions": 0}), 400, "dimensions", says="positive integer")
+    assert_error(embed({"input": ["x"] * 2049}), 400, "input", says="more than the 2048")
     assert_error(embed({"input": "x", "encoding_format": "int8"}), 400, "encoding_format")
     assert_error(embed({"input": [10**6]}), 400, "input", says="out of range")
     assert_error(embed({"input": list(range(3, 3 + EMBED_LEN + 1))}), 400, "input", says="maximum context length")

@@ -11,13 +11,17 @@ API is its request body, `prepare`, `response` and `events`: one file, and one l
 
 from portside.server.endpoints import (
     chat,
+    classify,
     completions,
     embeddings,
     lora_admin,
     messages,
     models,
     ops,
+    pooling,
+    rerank,
     responses,
+    score,
     tokenize,
 )
 
@@ -25,7 +29,11 @@ ENDPOINTS = (
     ops,  # /health, /metrics, /version
     models,  # /v1/models, /v1/models/{model_id}
     tokenize,  # /tokenize, /detokenize
-    embeddings,  # /v1/embeddings (--task embed)
+    embeddings,  # /v1/embeddings (--runner pooling: an embedding model)
+    score,  # /score, /v1/score (pooling: cross-encoder or embedding cosine)
+    rerank,  # /rerank, /v1/rerank (Jina), /v2/rerank (Cohere)
+    classify,  # /classify (pooling: a classifier)
+    pooling,  # /pooling (pooling: the model's raw vectors)
     lora_admin,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     completions,  # /v1/completions
     chat,  # /v1/chat/completions

@@ -1,51 +1,51 @@
-"""POST /v1/embeddings (a server started with --task embed): one pooled, L2-normalised vector per
-input, as float lists or base64 (little-endian float32, as OpenAI's). Inputs are texts, token ids,
-or one conversation through the chat template (`portside.server.rendering`)."""
+"""POST /v1/embeddings (a server running an embedding model: --runner pooling): one pooled vector
+per input (through the model's Dense layers, L2-normalised), its first `dimensions` values
+normalised again where asked (Matryoshka), as float lists or base64 (little-endian float32, as
+OpenAI's). Inputs are texts, token ids, or one conversation through the chat template
+(`portside.server.rendering`); every input of a request is submitted at once."""
 
 from __future__ import annotations
 
 import base64
 import time
-from typing import Any
 
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from portside.pooling.outputs import check_dimensions, truncate_dimensions
 from portside.server.context import Route, ServingContext, parse_body
 from portside.server.errors import bad_request
 from portside.server.pipeline import new_id, pool
+from portside.server.pooling_serving import check_count, require_pooler, usage
 from portside.server.protocol.bodies import EmbeddingRequest
 from portside.server.rendering import check_template_fields, render_ids
 
 
 async def create_embedding(ctx: ServingContext, request: Request) -> Response:
-    ctx.require_task("embed", "Embeddings")
+    pooler = require_pooler(ctx, "Embeddings", "embed")
     req, large = await parse_body(ctx, request, EmbeddingRequest)
     lora = ctx.check_model(req.model) if req.model is not None else None
     if req.messages is not None:
         check_template_fields(ctx, req)
-    if req.dimensions is not None:
-        raise bad_request("dimensions: this model does not support matryoshka representations (a smaller output size); "
-                          "leave dimensions unset", "dimensions")
+    try:
+        check_dimensions(pooler, req.dimensions)
+    except ValueError as e:
+        raise bad_request(str(e), "dimensions") from None
+    if req.input is not None:
+        check_count(len(req.input), "input")
     prompts = await ctx.offload.run(_tokenize, ctx, req, large=large or req.chat_template is not None)
     request_id = new_id("embd")
     finals = await pool(ctx, request, request_id, list(prompts), req.priority, "input", lora)
     data = []
     for i, out in enumerate(finals):
         assert out.pooled is not None, f"{out.request_id}: a finished embedding request without its vector"
-        data.append({"index": i, "object": "embedding", "embedding": _encode(out.pooled, req.encoding_format)})
+        vector = truncate_dimensions(out.pooled, req.dimensions, pooler.normalize)
+        data.append({"index": i, "object": "embedding", "embedding": encode_vector(vector, req.encoding_format)})
     return JSONResponse({
         "id": request_id, "object": "list", "created": int(time.time()), "model": req.model or ctx.served_model_names[0],
-        "data": data, "usage": embedding_usage(sum(len(p) for p in prompts)),
+        "data": data, "usage": usage(sum(len(p) for p in prompts)),
     })  # fmt: skip
-
-
-def embedding_usage(prompt_tokens: int) -> dict[str, Any]:
-    """vLLM's UsageInfo as its /v1/embeddings returns it: OpenAI's prompt_tokens and total_tokens,
-    plus completion_tokens 0 and prompt_tokens_details null, in vLLM's field order."""
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
-            "prompt_tokens_details": None}
 
 
 def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
@@ -76,7 +76,7 @@ def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
     return out
 
 
-def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
