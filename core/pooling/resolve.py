@@ -84,7 +84,10 @@ def resolve_pooler(path: str, hf: dict[str, Any], *, task: str, convert: str | N
 def _pooler(path: str, hf: dict[str, Any], cls: Any, task: str, pooling_type: str | None, opts: dict[str, Any],
             from_tokens: tuple[int, ...]) -> PoolerConfig:
     st = read_st_folder(path)
-    kind = pooling_type or opts.get("pooling_type") or st.pooling_type or getattr(cls, "default_pooling_type", None) or "last"
+    # a classifier reads the pooling its head was trained on (ModernBERT's classifier_pooling), else the class's
+    head_pooling = hf.get("classifier_pooling") if task != "embed" else None
+    kind = pooling_type or opts.get("pooling_type") or st.pooling_type or head_pooling \
+        or getattr(cls, "default_pooling_type", None) or "last"
     kind = str(kind).lower()
     kind = {"lasttoken": "last", "last_token": "last"}.get(kind, kind)
     if kind not in POOLING_TYPES:
