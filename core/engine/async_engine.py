@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from portside.contract.memory import release_free_memory
+from portside.engine.async_control import AsyncEngineControl
 from portside.engine.memory_hygiene import IDLE_GC_S, FullCollections
 from portside.engine.stats import RequestRecord, RequestTimings
 from portside.outputs import RequestOutput
@@ -158,7 +159,7 @@ class RequestStream:
         self._wake.set()
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncEngineControl):
     """Runs a `SyncEngine` on a background thread and streams outputs to asyncio callers.
 
     `max_waiting_requests` bounds the sequences (a request's n samples each) that have been
@@ -309,6 +310,8 @@ class AsyncLLMEngine:
         """
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down" if self.is_running else f"{self.name} stopped")
+        if (asleep := getattr(self.engine, "asleep_reason", lambda: None)()) is not None:
+            raise EngineStoppedError(asleep)  # 503: a sleeping engine (`rl_engine`)
         if check_capacity:
             self.check_capacity(params.num_samples)
         if request_id in self._streams:
@@ -412,13 +415,13 @@ class AsyncLLMEngine:
         try:
             while True:
                 with self._cv:
-                    idle = not self._commands and not self._stop and not self.engine.has_unfinished_requests()
+                    idle = not self._commands and not self._stop and not self._has_work()
                 if idle and worked and time.monotonic() - last_trim > 1.0:  # at most once a second
                     release_free_memory()
                     worked, last_trim = False, time.monotonic()
                 collect = check = False
                 with self._cv:
-                    while not self._commands and not self._stop and not self.engine.has_unfinished_requests():
+                    while not self._commands and not self._stop and not self._has_work():
                         gc_pending = self._gc is not None and self._gc.dirty
                         timeout = HEALTH_CHECK_S if check_health is not None else IDLE_GC_S if gc_pending else None
                         if self._cv.wait(timeout=timeout):
@@ -442,7 +445,7 @@ class AsyncLLMEngine:
                 aborted = self._apply(commands, loop)
                 if stop and not self.engine.has_unfinished_requests():
                     break
-                if self.engine.has_unfinished_requests() or aborted:
+                if self._has_work() or (aborted and not self._paused):
                     worked = True
                     if self._gc is not None:
                         self._gc.before_step()
@@ -458,6 +461,7 @@ class AsyncLLMEngine:
 
     def _apply(self, commands: list[tuple[str, Any]], loop: asyncio.AbstractEventLoop) -> bool:
         aborts: list[str] = []
+        aborted = False
         for kind, payload in commands:
             if kind == "add":
                 request_id, prompt, params, priority, lora_request = payload
@@ -468,8 +472,15 @@ class AsyncLLMEngine:
                 except Exception as e:  # a bad request must not kill the loop; the caller gets it
                     error = e
                 loop.call_soon_threadsafe(self._on_accepted, request_id, error)
+            elif kind == "call":  # `AsyncEngineControl.call`, after the aborts queued before it
+                aborted |= self._abort(aborts)
+                aborts = []
+                self._run_call(*payload, loop)
             else:
                 aborts.append(payload)
+        return self._abort(aborts) or aborted
+
+    def _abort(self, aborts: list[str]) -> bool:
         if aborts:
             self.engine.abort_request(aborts)
         return bool(aborts)

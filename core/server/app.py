@@ -59,6 +59,7 @@ class ServerConfig:
     max_connections: int | None = None
     lora_modules: list[Any] = field(default_factory=list)  # portside.server.lora.LoRAModule, with --enable-lora
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    enable_dev_endpoints: bool = False  # /sleep, /wake_up, /pause, ... (`endpoints.dev`); 404 without
     # operator output (`portside.server.request_log`, `portside.server.tracing`)
     log_requests: bool = True  # a line per finished request (--disable-log-requests)
     log_stats: bool = True  # a stats line every log_stats_interval s while busy (--disable-log-stats)
@@ -101,6 +102,7 @@ def build_app(engine: SyncEngine | list[SyncEngine], config: ServerConfig) -> Fa
                   root_path=config.root_path or "")
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.dev_endpoints = config.enable_dev_endpoints
     _guard(app, config)
     for module in ENDPOINTS:
         for route in module.ROUTES:

@@ -100,6 +100,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--allow-runtime-lora-updating", action="store_true",
         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)",
     )  # fmt: skip
+    g.add_argument(
+        "--enable-dev-endpoints", action="store_true",
+        help="serve /sleep, /wake_up, /is_sleeping, /pause, /resume, /reset_prefix_cache, /collective_rpc and "
+             "/update_weights_from_path for reinforcement-learning trainers (off by default: 404; docs/rl.md)",
+    )  # fmt: skip
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level, including its access log (default info)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request (logger portside.requests; on by default)")

@@ -36,7 +36,7 @@ def read_chat_template(value: str | None) -> str | None:
 
 # flags ServerConfig takes as they are, under their own names
 _AS_IS = ("max_waiting_requests", "max_request_body_bytes", "shutdown_timeout", "trust_request_chat_template", "read_timeout",
-          "stream_stall_timeout", "allow_runtime_lora_updating", "otlp_traces_endpoint")
+          "stream_stall_timeout", "allow_runtime_lora_updating", "otlp_traces_endpoint", "enable_dev_endpoints")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from portside.engine.async_engine import EngineStoppedError, QueueFullError, RequestStream
+from portside.engine.rl_engine import EngineAsleepError
 from portside.outputs import RequestOutput
 from portside.sampling_params import SamplingParams
 from portside.server.context import ServingContext
@@ -29,7 +30,7 @@ def engine_errors(ctx: ServingContext, param: str) -> Iterator[None]:
         yield
     except QueueFullError as e:
         raise APIError(503, str(e), code="queue_full", headers={"Retry-After": str(ctx.retry_after_s)}) from None
-    except EngineStoppedError as e:
+    except (EngineStoppedError, EngineAsleepError) as e:  # asleep: a request that met the engine falling asleep
         raise APIError(503, str(e), code="unavailable", headers={"Retry-After": str(ctx.retry_after_s)}) from None
     except ValueError as e:  # the engine's own validation
         raise from_value_error(e, default_param=param) from None

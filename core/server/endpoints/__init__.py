@@ -13,6 +13,7 @@ from portside.server.endpoints import (
     chat,
     classify,
     completions,
+    dev,
     embeddings,
     lora_admin,
     messages,
@@ -39,4 +40,5 @@ ENDPOINTS = (
     chat,  # /v1/chat/completions
     responses,  # /v1/responses, /v1/responses/{response_id}
     messages,  # /v1/messages, /v1/messages/count_tokens (Anthropic)
+    dev,  # /sleep, /wake_up, /pause, /resume, /collective_rpc, ... (--enable-dev-endpoints)
 )
