@@ -20,9 +20,10 @@ kernels (ci/bench/batch_invariant.py prints the same checks):
 - sums: `fixed_sum` adds halves elementwise (a pairwise tree fixed by the length), which no
   thread split or vector width can reorder; torch's own row sums are split over threads when the
   output is one row longer than its grain (32768 elements), so RMSNorm does not use them;
-- attention (`paged_attention`): each query reduces over its keys one KV block of `block_size`
-  positions at a time, in order, with an online softmax; blocks past the query's position are
-  masked entirely and leave its state bit for bit unchanged, so a query gets the same bits
+- attention (`paged_attention`): each query's keys are cut into KV blocks of `block_size`
+  positions; each block's softmax statistics are computed on their own and merged into the
+  query's running ones block after block, in order; blocks past the query's position are masked
+  entirely and leave its state bit for bit unchanged, so a query gets the same bits
   whether its prompt came in one chunk or several, alone or beside other requests, with its
   prefix computed now or read from the prefix cache.
 
@@ -111,7 +112,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return table[name]
 
 
-_QUERY_CHUNK_FLOATS = 1 << 24  # bounds one chunk's [queries, block, heads, head_size] products (64 MiB)
+_CHUNK_FLOATS = 1 << 19  # bounds one piece's [queries, keys, heads, head_size] products (2 MiB: in cache)
 
 
 def paged_attention(
@@ -125,50 +126,64 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention in fp32 -> [T, H, D] fp32, each query over its request's keys one block of
-    `block_size` positions at a time, in order, with an online softmax (running max, denominator
-    and weighted sum; every reduction a `fixed_sum` of one block or one head). A query's result
-    depends only on its own keys, values and position: blocks past its position are entirely
-    masked and change nothing. With `sliding_window` W a query at p sees p - W < k <= p; with
-    `logit_softcap` c scores become c * tanh(s / c) before the mask."""
+    """Causal attention in fp32 -> [T, H, D] fp32. Each query's keys are cut into blocks of
+    `block_size` positions; each block's softmax statistics (its max, its sum of exponentials and
+    their weighted sum of values: `fixed_sum`s over the block and over head_size) are computed on
+    their own, then merged into the query's running ones block after block, in order. A query's
+    result depends only on its own keys, values and position: a block past its position (or before
+    its window) is masked entirely and leaves its state bit for bit unchanged, so neither the
+    batch's longest sequence nor how the queries are grouped into calls or pieces matters. With
+    `sliding_window` W a query at p sees p - W < k <= p; with `logit_softcap` c scores become
+    c * tanh(s / c) before the mask."""
     T, H, D = query.shape
     R, S, KVH, _ = keys.shape
-    G = H // KVH
+    G, B = H // KVH, block_size
     out = query.new_zeros(T, H, D, dtype=torch.float32)
     if T == 0:
         return out
     qf = query.float().reshape(T, KVH, G, D)
-    blocks = -(-S // block_size)
-    pad = blocks * block_size - S
-    kf, vf = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).view(R, blocks, block_size, KVH, D) for t in (keys, values))
-    offsets = torch.arange(block_size, device=query.device)
-    chunk = max(1, _QUERY_CHUNK_FLOATS // (block_size * H * D))
+    blocks = -(-S // B)
+    pad = blocks * B - S
+    kf, vf = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).view(R, blocks, B, KVH, D) for t in (keys, values))
+    # pieces of queries x blocks whose products fit in _CHUNK_FLOATS (the pieces change the speed,
+    # never the bits)
+    per_block = B * H * D
+    chunk = max(1, _CHUNK_FLOATS // per_block)
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        q, req, pos = qf[t0:t1], query_req[t0:t1], query_pos[t0:t1]
+        req, pos = query_req[t0:t1], query_pos[t0:t1]
         C = t1 - t0
+        q = qf[t0:t1]
+        group = max(1, _CHUNK_FLOATS // (C * per_block))
         m = q.new_full((C, KVH, G), float("-inf"))
         den = q.new_zeros(C, KVH, G)
         acc = q.new_zeros(C, KVH, G, D)
-        last = int(pos.max()) // block_size
-        first = 0 if sliding_window is None else max(0, (int(pos.min()) - sliding_window + 1) // block_size)
-        for j in range(first, last + 1):
-            kpos = j * block_size + offsets  # [B]
-            kb, vb = kf[:, j].index_select(0, req), vf[:, j].index_select(0, req)  # [C, B, KVH, D]
-            s = fixed_sum(q[:, None] * kb[:, :, :, None, :]) * scale  # [C, B, KVH, G]
+        last = int(pos.max()) // B
+        first = 0 if sliding_window is None else max(0, (int(pos.min()) - sliding_window + 1) // B)
+        for j0 in range(first, last + 1, group):
+            j1 = min(last + 1, j0 + group)
+            n = j1 - j0
+            kpos = torch.arange(j0 * B, j1 * B, device=query.device).view(n, B)  # [n, B]
+            kb, vb = kf[:, j0:j1].index_select(0, req), vf[:, j0:j1].index_select(0, req)  # [C, n, B, KVH, D]
+            s = fixed_sum(q[:, None, None] * kb[:, :, :, :, None, :]) * scale  # [C, n, B, KVH, G]
             if logit_softcap is not None:
                 s = logit_softcap * torch.tanh(s / logit_softcap)
-            visible = kpos[None] <= pos[:, None]  # [C, B]
+            visible = kpos[None] <= pos[:, None, None]  # [C, n, B]
             if sliding_window is not None:
-                visible &= kpos[None] > pos[:, None] - sliding_window
-            s = s.masked_fill(~visible[:, :, None, None], float("-inf")).permute(0, 2, 3, 1)  # [C, KVH, G, B]
-            m_new = torch.maximum(m, s.amax(-1))
-            shift = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a query with no key seen yet
-            p = torch.exp(s - shift[..., None])  # [C, KVH, G, B]
-            alpha = torch.exp(m - shift)
-            den = den * alpha + fixed_sum(p)
-            vb = vb.masked_fill(~visible[:, :, None, None], 0.0).permute(0, 2, 3, 1)  # [C, KVH, D, B]
-            acc = acc * alpha[..., None] + fixed_sum(p[:, :, :, None, :] * vb[:, :, None])
-            m = m_new
+                visible &= kpos[None] > pos[:, None, None] - sliding_window
+            s = s.masked_fill(~visible[..., None, None], float("-inf")).permute(0, 1, 3, 4, 2)  # [C, n, KVH, G, B]
+            bm = s.amax(-1)  # [C, n, KVH, G]: each block's max (-inf: nothing visible)
+            bshift = bm.masked_fill(bm == float("-inf"), 0.0)
+            p = torch.exp(s - bshift[..., None])  # 0 where hidden
+            bden = fixed_sum(p)  # [C, n, KVH, G]
+            vb = vb.masked_fill(~visible[..., None, None], 0.0).permute(0, 1, 3, 4, 2)  # [C, n, KVH, D, B]
+            bacc = fixed_sum(p[:, :, :, :, None, :] * vb[:, :, :, None])  # [C, n, KVH, G, D]
+            for j in range(n):  # merge in block order
+                m_new = torch.maximum(m, bm[:, j])
+                shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
+                alpha, beta = torch.exp(m - shift), torch.exp(bm[:, j] - shift)
+                den = den * alpha + bden[:, j] * beta
+                acc = acc * alpha[..., None] + bacc[:, j] * beta[..., None]
+                m = m_new
         out[t0:t1] = (acc / den[..., None]).reshape(C, H, D)
     return out
