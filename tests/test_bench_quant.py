@@ -26,7 +26,8 @@ def _run(decode_ms: float, prefill: float, bw: float, tokens: list[int], **extra
 def _section() -> dict:
     return {
         "decode_tokens": 128, "prompt_len": 128, "batch": 4, "repeats": 3,
-        "files": {"Q4_0": {"bytes_per_token": 200e6, "writer": "llama.cpp's quantizer", "types": {"Q4_0": 57, "Q6_K": 1}}},
+        "files": {"Q4_0": {"bytes_per_token": 200e6, "writer": "llama.cpp's quantizer", "types": {"Q4_0": 57, "Q6_K": 1},
+                           "transformers_tokens": [5, 6, 7, 8]}},
         "runs": {"Q4_0": {"1": {
             "gguf-q4_0": _run(8.0, 300.0, 20.0, [5, 6, 7, 9], kernels={"Q4_0->gguf-Q4_0": 56, "Q6_K->gguf-Q6_K": 1}),
             "gguf-q4_0-a8": {"skipped": "this build has no cpu platform option cpu_gguf_act"},
@@ -44,6 +45,7 @@ def test_ratios_bound_and_targets_against_llama_cpp(qg):
     assert ours["decode_speedup_vs_llama_cpp"] == 1.5  # llama.cpp 12 ms / 8 ms
     assert ours["prefill_vs_llama_cpp"] == 1.2 and ours["prefill_batch_vs_llama_cpp"] == 1.2
     assert ours["greedy_prefix_equal_to_llama_cpp"] == 2 and ours["greedy_compared"] == 4
+    assert ours["greedy_equal_to_transformers"] == 3 and rows["llama.cpp-q4_0"]["greedy_equal_to_transformers"] == 2
     assert ours["targets_met"] == {"decode": True, "prefill": True, "bound": True}
     assert "targets_met" not in rows["llama.cpp-q4_0"]  # the reference is not compared with itself
     assert "cpu_gguf_act" in rows["gguf-q4_0-a8"]["note"]
@@ -56,7 +58,7 @@ def test_a_target_missed_is_reported_as_missed(qg):
     text = "\n".join(qg.markdown(section))
     assert "decode 1.09x (not met), prefill 1.2x (met), 1.1x bound (met)" in text
     assert "Q4_0->gguf-Q4_0 x56, Q6_K->gguf-Q6_K x1" in text
-    assert "| 2/4 |" in text
+    assert "| 3 / 2 of 4 |" in text
 
 
 def test_without_llama_cpp_no_target_is_claimed(qg):

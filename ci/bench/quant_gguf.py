@@ -1,7 +1,8 @@
 """GGUF formats side by side with llama.cpp (`ci/bench/quant.py`'s first table; issue 48's "Done when").
 
 Per format (Q8_0, Q4_0, Q4_K_M) one GGUF file, read by every peer: portside (``gguf-<fmt>``, the
-cpu backend's GGUF kernels as chosen for this CPU), portside with int8 activations
+cpu backend's GGUF kernels as chosen for this CPU, fp32 activations: ``cpu_gguf_act=fp32`` set
+where that option exists, as its default is int8), portside with int8 activations
 (``gguf-<fmt>-a8``, platform option ``cpu_gguf_act=int8``; skipped with a note where this build
 has no such option) and llama.cpp (``llama.cpp-<fmt>``: ``llama-cpp-python`` compiled for this
 machine, ``GGML_NATIVE=ON``, in the peer venv `cpu_peers.run_llama_cpp` uses, built on first use).
@@ -41,6 +42,7 @@ PEERS = ("portside", "a8", "llama.cpp")
 # what make_tiny_gguf writes for a format where llama.cpp's quantizer is not at hand
 FALLBACK = {"Q8_0": ("Q8_0", None), "Q4_0": ("Q4_0", None), "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"})}
 A8_OPTION = ("cpu_gguf_act", "int8")
+FP32_ACT = {"cpu_gguf_act": "fp32"}  # the gguf-<fmt> rows, where the option exists (its default may be int8)
 LLAMA_CPP_VERSION = "0.3.36"
 # issue 48's targets: decode llama.cpp ms / portside ms, prefill portside tok/s / llama.cpp's, ms / bound
 TARGETS = {"decode": 1.2, "prefill": 1.0, "bound": 1.3}
@@ -88,12 +90,49 @@ def write_files(hf_dir: Path, work: Path, formats: list[str], python: Path | Non
     return files
 
 
-def a8_unavailable() -> str | None:
-    """Why the int8-activation GGUF peer cannot run with this build (None: it can)."""
+def gguf_act_option() -> Any:
+    """The cpu platform option ``cpu_gguf_act`` (a `BackendOption`), None in a build without it."""
     from portside.backends.cpu.options import BACKEND_OPTIONS
 
+    return next((o for o in BACKEND_OPTIONS if o.name == A8_OPTION[0]), None)
+
+
+def transformers_tokens(path: Path, prompt: list[int], n: int = 16) -> list[int] | str:
+    """The oracle's greedy tokens (issue 48: those of the dequantized model in transformers):
+    transformers reading the same GGUF file (gguf-py dequantizes every tensor to fp32), `n` tokens
+    after `prompt`, EOS not stopping it; a string saying why where transformers cannot read it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:  # a format transformers does not dequantize: say so, keep the run
+        return f"transformers cannot read it: {type(e).__name__}: {e}"
+    out, ids, past = [], torch.tensor([prompt]), None
+    with torch.no_grad():
+        for _ in range(n):
+            r = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past, tok = r.past_key_values, int(r.logits[0, -1].argmax())
+            out.append(tok)
+            ids = torch.tensor([[tok]])
+    del model, past
+    gc.collect()
+    return out
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def a8_unavailable() -> str | None:
+    """Why the int8-activation GGUF peer cannot run with this build (None: it can)."""
     name, value = A8_OPTION
-    option = next((o for o in BACKEND_OPTIONS if o.name == name), None)
+    option = gguf_act_option()
     if option is None:
         return f"this build has no cpu platform option {name} (the int8-activation GGUF kernels are not in yet)"
     if option.choices and value not in option.choices:
@@ -169,10 +208,14 @@ def run(hf_dir: Path, work: Path, prompts: list[list[int]], *, formats: list[str
                                "prompt_len": len(prompts[0]), "batch": batch, "repeats": repeats,
                                "llama_cpp": None if python is None else {"python": str(python), "version": LLAMA_CPP_VERSION},
                                "files": write_files(hf_dir, work, formats, python, max(thread_counts)), "runs": {}}
-    a8_skip = a8_unavailable()
+    a8_skip, act = a8_unavailable(), gguf_act_option()
+    fp32_act = FP32_ACT if act is not None and "fp32" in (act.choices or ()) else None
+    section["gguf_act_default"] = None if act is None else act.default
     prompt, many = prompts[0], prompts[:batch]
     for fmt in formats:
         path = section["files"][fmt]["path"]
+        section["files"][fmt]["transformers_tokens"] = transformers_tokens(Path(path), prompt)
+        print(fmt, "transformers (dequantized):", section["files"][fmt]["transformers_tokens"], flush=True)
         for threads in thread_counts:
             row: dict[str, Any] = {}
             for peer in peers:
@@ -181,7 +224,7 @@ def run(hf_dir: Path, work: Path, prompts: list[list[int]], *, formats: list[str
                 load = load_info()
                 try:
                     if peer == "portside":
-                        info = bench_portside(path, prompt, many, decode_tokens, threads, repeats)
+                        info = bench_portside(path, prompt, many, decode_tokens, threads, repeats, fp32_act)
                     elif peer == "a8":
                         info = {"skipped": a8_skip} if a8_skip else bench_portside(
                             path, prompt, many, decode_tokens, threads, repeats, dict([A8_OPTION]))
@@ -221,16 +264,15 @@ def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
                            vs_bound=round(r["decode_ms_per_token"] / bound, 2), bandwidth_gbs=round(r["decode_read_bandwidth_gbs"], 1),
                            prefill_tok_s=round(r["prefill_tok_s"], 1), prefill_batch_tok_s=round(r["prefill_batch_tok_s"], 1),
                            load=" ".join(r["load_before"].split()[:1] + r["load_after"].split()[:1]))
+                oracle = section["files"][fmt].get("transformers_tokens")
+                if isinstance(oracle, list) and r.get("tokens"):
+                    row["greedy_equal_to_transformers"] = _same_prefix(r["tokens"], oracle)
+                    row["greedy_compared"] = min(len(r["tokens"]), len(oracle))
                 if ref is not None and ref is not r:
                     row["decode_speedup_vs_llama_cpp"] = round(ref["decode_ms_per_token"] / r["decode_ms_per_token"], 2)
                     row["prefill_vs_llama_cpp"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 2)
                     row["prefill_batch_vs_llama_cpp"] = round(r["prefill_batch_tok_s"] / ref["prefill_batch_tok_s"], 2)
-                    same = 0
-                    for a, b in zip(r.get("tokens", []), ref.get("tokens", [])):
-                        if a != b:
-                            break
-                        same += 1
-                    row["greedy_prefix_equal_to_llama_cpp"] = same
+                    row["greedy_prefix_equal_to_llama_cpp"] = _same_prefix(r.get("tokens", []), ref.get("tokens", []))
                     row["greedy_compared"] = min(len(r.get("tokens", [])), len(ref.get("tokens", [])))
                     row["targets_met"] = {"decode": row["decode_speedup_vs_llama_cpp"] >= TARGETS["decode"],
                                           "prefill": row["prefill_vs_llama_cpp"] >= TARGETS["prefill"],
@@ -245,30 +287,38 @@ def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
 def markdown(section: dict[str, Any]) -> list[str]:
     """The side-by-side table and its legend."""
     s = section
-    lines = [f"Same GGUF file per format, greedy: decode = {s['decode_tokens']} tokens after a {s['prompt_len']}-token "
+    act = s.get("gguf_act_default")
+    lines = [("portside: `gguf-<fmt>` rows with fp32 activations, `-a8` rows with activations quantized to 8 bits "
+              f"per block (`cpu_gguf_act=int8`); portside's default is `cpu_gguf_act={act}`." if act else
+              "portside: fp32 activations (this build has no `cpu_gguf_act` option)."), "",
+             f"Same GGUF file per format, greedy: decode = {s['decode_tokens']} tokens after a {s['prompt_len']}-token "
              f"prompt (ms/token); prefill = one {s['prompt_len']}-token prompt, and {s['batch']} of them (tokens/s; "
              "llama-cpp-python runs a batch's prompts one after another); best of "
              f"{s['repeats']}. Bound: the file's packed bytes per token over the read bandwidth measured around "
              "that decode, same threads. \"vs llama.cpp\": decode llama.cpp ms / peer ms (issue target >= 1.2), "
              "prefill peer tok/s / llama.cpp's (target >= 1.0); vs bound: ms / bound ms (target <= 1.3). Greedy: how "
-             "many of the first 16 greedy tokens equal llama.cpp's (random weights: near-tied logits, so an early "
-             "difference can be rounding). Load: the 1-minute load average before / after the peer.", ""]
+             "many of the first 16 greedy tokens after the prompt equal those of transformers on the same file "
+             "dequantized to fp32 (the oracle) / llama.cpp's (random weights give near-tied logits: 8-bit "
+             "activations and llama.cpp's f16 KV cache can flip one, and the rest follow). Load: the 1-minute "
+             "load average before / after the peer.", ""]
     for fmt, f in s["files"].items():
         lines.append(f"- {fmt}: {f['bytes_per_token'] / 1e6:.1f} MB/token, written by {f['writer']}; tensors "
-                     + ", ".join(f"{k} x{v}" for k, v in sorted(f["types"].items())))
+                     + ", ".join(f"{k} x{v}" for k, v in sorted(f["types"].items()))
+                     + ("" if isinstance(f.get("transformers_tokens", []), list) else f"; {f['transformers_tokens']}"))
     lines += ["", "| format | threads | peer | decode ms/tok | bound ms (GB/s) | vs bound | prefill tok/s 1 / batch "
-              "| vs llama.cpp decode | vs llama.cpp prefill 1 / batch | greedy = llama.cpp | load | portside kernels |",
+              "| vs llama.cpp decode | vs llama.cpp prefill 1 / batch | greedy = transformers / llama.cpp | load | portside kernels |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["summary"]:
         if "decode_ms" not in r:
             lines.append(f"| {r['format']} | {r['threads']} | {r['peer']} | {r['note']} | | | | | | | | |")
             continue
         kernels = ", ".join(f"{k} x{v}" for k, v in r.get("kernels", {}).items()) or "-"
-        vs = (f"{r['decode_speedup_vs_llama_cpp']}x", f"{r['prefill_vs_llama_cpp']}x / {r['prefill_batch_vs_llama_cpp']}x",
-              f"{r['greedy_prefix_equal_to_llama_cpp']}/{r['greedy_compared']}") \
-            if "decode_speedup_vs_llama_cpp" in r else ("-", "-", "-")
+        vs = (f"{r['decode_speedup_vs_llama_cpp']}x", f"{r['prefill_vs_llama_cpp']}x / {r['prefill_batch_vs_llama_cpp']}x") \
+            if "decode_speedup_vs_llama_cpp" in r else ("-", "-")
+        greedy = (f"{r.get('greedy_equal_to_transformers', '-')} / {r.get('greedy_prefix_equal_to_llama_cpp', '-')} "
+                  f"of {r['greedy_compared']}" if "greedy_compared" in r else "-")
         lines.append(f"| {r['format']} | {r['threads']} | {r['peer']} | {r['decode_ms']} | {r['bound_ms']} ({r['bandwidth_gbs']}) | "
-                     f"{r['vs_bound']}x | {r['prefill_tok_s']} / {r['prefill_batch_tok_s']} | {vs[0]} | {vs[1]} | {vs[2]} | "
+                     f"{r['vs_bound']}x | {r['prefill_tok_s']} / {r['prefill_batch_tok_s']} | {vs[0]} | {vs[1]} | {greedy} | "
                      f"{r['load']} | {kernels} |")
     return lines + ["", *targets_markdown(s["summary"])]
 
