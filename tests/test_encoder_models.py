@@ -85,6 +85,28 @@ def test_matches_transformers_batched_and_alone(folders, arch: str, clf: bool, b
         start += len(ids)
 
 
+@pytest.mark.parametrize("clf", [False, True], ids=["model", "classifier"])
+def test_xlm_roberta_positions_skip_padding_tokens(folders, clf: bool) -> None:  # type: ignore[no-untyped-def]
+    """A prompt holding XLM-R's padding token: transformers numbers the positions of the tokens
+    that are not padding only (the padding token sits at padding_idx); so does portside, per
+    prompt of a packed step."""
+    path = folders[("xlm-roberta", clf)]
+    model, hf = load_encoder(path), _hf(path)
+    pad = hf.config.pad_token_id
+    prompts = _prompts([9, 6, 11], seed=4)
+    prompts[0][3] = pad
+    prompts[2][0] = pad
+    prompts[2][7:9] = pad
+    ctx, positions = encoder_step_context(CpuAttentionBackend(), [9, 6, 11])
+    with torch.no_grad():
+        packed = model(torch.cat(prompts), positions, ctx)
+    start = 0
+    for ids in prompts:
+        want, _ = _hf_hidden(hf, ids, None)
+        torch.testing.assert_close(packed[start : start + len(ids)], want, atol=1e-5, rtol=1e-4)
+        start += len(ids)
+
+
 def test_token_types_change_bert_states(folders) -> None:  # type: ignore[no-untyped-def]
     """Segment ids reach the embeddings (a pair's second text differs from the same ids as type 0)."""
     model = load_encoder(folders[("bert", False)])

@@ -5,9 +5,9 @@
 Post-norm layers: attention (q, k, v and output projections with biases, bidirectional through
 `ForwardContext.encoder_attention`), add and LayerNorm, then a dense-act-dense MLP, add and
 LayerNorm. Embeddings: word + absolute position + token type (segment ids from
-``ctx.token_type_ids``), then LayerNorm. XLM-R numbers positions from ``pad_token_id + 1`` (its
-first token has position ``padding_idx + 1``; a prompt is assumed to hold no pad token, as
-transformers then gives that token position ``padding_idx``). The modules carry transformers'
+``ctx.token_type_ids``), then LayerNorm. XLM-R numbers positions as transformers does
+(`roberta_positions`): a prompt's tokens from ``padding_idx + 1``, counting only the tokens that
+are not the padding token, which itself gets ``padding_idx``. The modules carry transformers'
 names, so checkpoint tensors load by name (`EncoderModel.load_weights`).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from portside.contract import Communicator, ForwardContext, ModelOps
+from portside.contract import AttentionMetadata, Communicator, ForwardContext, ModelOps
 from portside.model.args import ModelArgs
 from portside.model.bert_base import EncoderModel, check_whole_prompts, hf_activation
 
@@ -30,8 +30,20 @@ class _Linear(nn.Linear):
         super().__init__(n_in, n_out, bias=bias, dtype=dtype)
 
 
+def roberta_positions(input_ids: torch.Tensor, md: AttentionMetadata, padding_idx: int) -> torch.Tensor:
+    """transformers' XLM-R / RoBERTa position ids of the step's prompts (back to back): in each
+    prompt, ``padding_idx`` plus the number of non-padding tokens up to and including the token,
+    ``padding_idx`` for a padding token."""
+    mask = (input_ids != padding_idx).long()
+    count = mask.cumsum(0)
+    starts = md.query_start_loc.long()
+    before = torch.cat([count.new_zeros(1), count]).index_select(0, starts[:-1])  # non-padding tokens of earlier prompts
+    count = count - before.repeat_interleave(starts[1:] - starts[:-1], output_size=input_ids.shape[0])
+    return count * mask + padding_idx
+
+
 class BertEmbeddings(nn.Module):
-    def __init__(self, hf: Any, dtype: torch.dtype, position_offset: int) -> None:
+    def __init__(self, hf: Any, dtype: torch.dtype, padding_idx: int | None) -> None:
         super().__init__()
         if getattr(hf, "position_embedding_type", "absolute") not in (None, "absolute"):
             raise ValueError(f"position_embedding_type {hf.position_embedding_type!r} is not supported (absolute only)")
@@ -39,10 +51,13 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(hf.max_position_embeddings, hf.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(hf.type_vocab_size, hf.hidden_size, dtype=dtype)
         self.LayerNorm = nn.LayerNorm(hf.hidden_size, eps=hf.layer_norm_eps, dtype=dtype)
-        self.position_offset = position_offset
+        self.padding_idx = padding_idx  # XLM-R / RoBERTa: positions after it (`roberta_positions`)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
-        h = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None,
+                md: AttentionMetadata) -> torch.Tensor:
+        if self.padding_idx is not None:
+            positions = roberta_positions(input_ids, md, self.padding_idx)
+        h = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         if token_types is None:
             h = h + self.token_type_embeddings.weight[0]
         else:
@@ -127,9 +142,9 @@ class _Pooler(nn.Module):
 class BertBody(nn.Module):
     """The encoder stack (transformers' `BertModel` / `XLMRobertaModel` modules, same names)."""
 
-    def __init__(self, hf: Any, dtype: torch.dtype, pooler: bool, position_offset: int = 0) -> None:
+    def __init__(self, hf: Any, dtype: torch.dtype, pooler: bool, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.embeddings = BertEmbeddings(hf, dtype, position_offset)
+        self.embeddings = BertEmbeddings(hf, dtype, padding_idx)
         self.encoder = _Encoder(hf, dtype)
         self.pooler = _Pooler(hf, dtype) if pooler else None
 
@@ -140,16 +155,15 @@ class BertBody(nn.Module):
 def _encode(embeddings: BertEmbeddings, encoder: _Encoder, input_ids: torch.Tensor, positions: torch.Tensor,
             ctx: ForwardContext) -> torch.Tensor:
     check_whole_prompts(ctx.metadata)
-    h = embeddings(input_ids, positions, ctx.token_type_ids)
+    h = embeddings(input_ids, positions, ctx.token_type_ids, ctx.metadata)
     for layer in encoder.layer:
         h = layer(h, ctx)
     return h
 
 
-def _roberta_offset(hf: Any) -> int:
-    """XLM-R / RoBERTa positions start after the padding index."""
-    pad = hf.pad_token_id if hf.pad_token_id is not None else 1
-    return pad + 1
+def _padding_idx(hf: Any) -> int:
+    """XLM-R / RoBERTa: the padding token, whose index its positions start after."""
+    return hf.pad_token_id if hf.pad_token_id is not None else 1
 
 
 class BertModel(EncoderModel):
@@ -157,12 +171,12 @@ class BertModel(EncoderModel):
 
     checkpoint_prefixes = ("bert.",)
     ignored = ("cls.",)  # BertForPreTraining / MaskedLM heads
-    _position_offset = staticmethod(lambda hf: 0)
+    _padding_idx = staticmethod(lambda hf: None)
 
     def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
                  ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
-        body = BertBody(self.hf, dtype, pooler=True, position_offset=self._position_offset(self.hf))
+        body = BertBody(self.hf, dtype, pooler=True, padding_idx=self._padding_idx(self.hf))
         # transformers' BertModel names: embeddings., encoder.layer.N., pooler.
         self.embeddings, self.encoder, self.pooler = body.embeddings, body.encoder, body.pooler
 
@@ -183,7 +197,7 @@ class XLMRobertaModel(BertModel):
 
     checkpoint_prefixes = ("roberta.",)
     ignored = ("lm_head.",)
-    _position_offset = staticmethod(_roberta_offset)
+    _padding_idx = staticmethod(_padding_idx)
 
 
 class BertForSequenceClassification(EncoderModel):
@@ -222,7 +236,7 @@ class XLMRobertaForSequenceClassification(EncoderModel):
                  ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         self.num_labels = int(self.hf.num_labels)
-        self.roberta = BertBody(self.hf, dtype, pooler=False, position_offset=_roberta_offset(self.hf))
+        self.roberta = BertBody(self.hf, dtype, pooler=False, padding_idx=_padding_idx(self.hf))
         self.classifier = _RobertaClassificationHead(self.hf, self.num_labels, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
