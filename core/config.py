@@ -59,6 +59,7 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # None: full-precision weights
     pooler: PoolerConfig | None = None  # task embed: requests return a pooled vector, never sample
     max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for (-1: no limit), as vLLM's
+    logprobs_mode: str = "raw_logprobs"  # what logprobs hold: raw_/processed_ logprobs/logits (vLLM's; portside.sample.sampler)
 
     @property
     def task(self) -> str:

@@ -80,6 +80,7 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None  # fraction of device memory for weights + KV cache (vLLM's)
     enforce_eager: bool = False  # no graph capture or compilation: the platform's `eager_options`
     max_logprobs: int = 20  # most logprobs / top_logprobs per request (-1: no limit)
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs, raw_logits, processed_logprobs or processed_logits (vLLM's)
     trust_remote_code: bool = False  # accepted for vLLM parity; no effect (checkpoint code never runs)
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder
     # vLLM's --runner: auto (pooling for a pooling architecture), generate, pooling, or a pooling task (embed,
@@ -132,7 +133,8 @@ class EngineArgs:
         pooler = self._resolve_pooler(path, hf)
         config = EngineConfig(
             model=ModelConfig(path=path, tokenizer=self.tokenizer, dtype=dtype, max_model_len=max_model_len, seed=self.seed,
-                              quantization=quant, pooler=pooler, max_logprobs=self.max_logprobs),
+                              quantization=quant, pooler=pooler, max_logprobs=self.max_logprobs,
+                              logprobs_mode=self.logprobs_mode),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
@@ -247,6 +249,10 @@ class EngineArgs:
                 raise ValueError("--gpu-memory-utilization and --kv-cache-memory both size the KV cache; pass one of them")
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}")
+        from portside.sample.sampler import LOGPROBS_MODES
+
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.trust_remote_code:
             logger.warning("--trust-remote-code has no effect: portside never runs model code from checkpoints "
                            "(it implements each architecture itself; see `portside models`)")

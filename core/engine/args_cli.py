@@ -108,6 +108,11 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
     """What a request may ask for and gets back: logprobs, structured output, reasoning, sampling defaults, the task."""
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs (completions) / top_logprobs (chat) a request may ask for; more is a 400 (-1: no limit)")
+    g.add_argument("--logprobs-mode", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                   default="raw_logprobs",
+                   help="what returned logprobs hold: the model's log-softmax (raw_logprobs, default) or logits (raw_logits), "
+                        "or those a token was sampled from, after penalties, temperature and top-k/top-p/min-p "
+                        "(processed_logprobs, processed_logits)")
     g.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
                    choices=["auto", "llguidance", "guidance", "xgrammar"], default="auto",
                    help="grammar engine for structured output (JSON schema, regex, choice, grammar); auto = llguidance")

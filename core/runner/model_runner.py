@@ -101,6 +101,7 @@ class ModelRunner(RunnerWeights):
         self.states: RecurrentStates | None = None
         self._setup_graph_runners()
         self.sampler = platform.sampler(config)
+        self.sampler.logprobs_mode = config.model.logprobs_mode
         # task embed: every request ends with its pooled prompt (`pooler`), never samples
         self.pooler = Pooler(config.model.pooler, PoolingHead(config.model.pooler, self.model, self.device)) \
             if config.model.pooler is not None else None

@@ -18,6 +18,10 @@ Order of operations, per row:
 Logprobs are those of the model's raw distribution (step 1: before penalties, temperature and
 truncation), as vLLM v1 returns by default. The sampled token's rank is 1 + the number of tokens
 with a strictly larger raw logprob (rank 1 = most likely; a tie with the top token is rank 1).
+`logprobs_mode` (vLLM's values, `LOGPROBS_MODES`) picks other values: ``raw_logits`` (step 0's
+logits), ``processed_logprobs`` / ``processed_logits`` (what the row was sampled from: after the
+penalties, and for random rows after temperature, min-p, top-k and top-p, truncated tokens -inf;
+a greedy row's after the penalties); ranks are counted in the same values.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from portside.sample.metadata import SamplingMetadata
 from portside.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from portside.sample.truncation import apply_min_p, apply_top_k_top_p
 from portside.sched.output import LogprobsLists
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 # q ~ Exp(1) can round to 0; 0/0 would be NaN, which argmax would pick
 _MIN_EXP_NOISE = 1e-30
@@ -88,6 +94,7 @@ class Sampler:
         self.generator = generator
         self.argmax = argmax
         self.apply_token_bitmask = apply_token_bitmask
+        self.logprobs_mode = "raw_logprobs"  # what logprobs hold (`LOGPROBS_MODES`; the runner sets the engine's)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Samples one token per row of `logits` [N, V] (left unmodified); rows under a grammar
@@ -98,19 +105,28 @@ class Sampler:
         logits = logits.float()
         if token_bitmask is not None:
             logits = self.apply_token_bitmask(logits, token_bitmask.bitmask, token_bitmask.rows)
-        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None  # [N, V]
+        mode = self.logprobs_mode if md.max_num_logprobs is not None else None
+        raw_logprobs = None  # [N, V]: the values logprobs are gathered from
+        if mode == "raw_logprobs":
+            raw_logprobs = logits.log_softmax(dim=-1)
+        elif mode == "raw_logits":
+            raw_logprobs = logits.clone()
 
         if md.needs_logits_processing:
             logits = apply_logit_bias(logits, md)
             logits = apply_min_tokens(logits, md)
             logits = apply_penalties(logits, md)
 
+        processed = logits  # what each row samples from (`logprobs_mode` processed_*)
         if md.all_greedy:
             sampled = self.argmax(logits)  # [N]
         else:
-            sampled = self._sample_random(logits, md)
+            sampled, processed = self._sample_random(logits, md)
             if not md.all_random:
                 sampled = torch.where(md.greedy_mask, self.argmax(logits), sampled)
+                processed = torch.where(md.greedy_mask[:, None], logits, processed) if mode else processed
+        if mode in ("processed_logprobs", "processed_logits"):
+            raw_logprobs = processed.log_softmax(dim=-1) if mode == "processed_logprobs" else processed
 
         lp = None
         if raw_logprobs is not None:
@@ -118,8 +134,9 @@ class Sampler:
             lp = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Temperature, truncation and the exponential race for every row; [N] int64."""
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, truncation and the exponential race for every row: ([N] int64, the
+        processed logits [N, V] the rows were drawn from)."""
         logits = logits / md.temperature[:, None]  # [N, V]
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
@@ -133,7 +150,7 @@ class Sampler:
                 q[row].exponential_(generator=gen)
             else:  # a host generator for a device without its own
                 q[row] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen).to(q.device)
-        return self.argmax(probs.div_(q.clamp_(min=_MIN_EXP_NOISE)))
+        return self.argmax(probs.div_(q.clamp_(min=_MIN_EXP_NOISE))), logits
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
