@@ -9,6 +9,7 @@ llama-cpp-python is installed) llama.cpp itself on the same files.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str, dict[str, str] | None]] = {
     "llama-Q4_K": ("llama", K_SHAPE, "Q4_K", None),
     "llama-Q5_K": ("llama", K_SHAPE, "Q5_K", None),
     "llama-Q6_K": ("llama", K_SHAPE, "Q6_K", None),
+    "llama-IQ4_XS": ("llama", K_SHAPE, "IQ4_XS", None),  # served in its blocks (no weight-only kernel: the reference)
     "qwen2-Q4_1": ("qwen2", {}, "Q4_1", None),  # qkv bias
     "phi3-Q5_0": ("phi3", {}, "Q5_0", None),  # q/k/v and gate/up fused in the checkpoint
     # tied embedding / LM head: one table; Gemma's sandwich norms and soft-caps
@@ -161,6 +163,45 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(case: st
     assert q["type"] == CASES[case][2]
     ratio = llm.engine.weight_bytes / _file_tensor_bytes(path)
     assert (ratio > 1.2) if case in _DEQUANTIZED_AT_LOAD else (ratio <= 1.2), f"weights take {ratio:.2f}x the file's tensor bytes"
+
+
+# cases run with int8 activations (backend option cpu_gguf_act=int8: the cpu backend's `gguf_dot` kernels)
+INT8_CASES = ("llama-Q8_0", "llama-Q4_0", "llama-IQ4_XS", "llama-mixed", "qwen3_moe-Q4_K")
+N_INT8 = 24
+INT8_CLEAR_MARGIN = 1.0  # logits: twice what rounding the activations to 8 bits moves them by here (<= 0.47)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _SLOW else c for c in INT8_CASES])
+def test_int8_activations_agree_with_transformers_where_the_margin_is_clear(case: str, tmp_path: Path) -> None:
+    """With cpu_gguf_act=int8 the activations are rounded to 8 bits per block inside the dot
+    products, as llama.cpp does, which moves a tiny random model's logits by up to ~0.5: free-
+    running greedy may part from transformers' (on the dequantized weights) where two tokens are
+    nearly tied. Teacher-forced on transformers' tokens, portside's next token must equal
+    transformers' wherever its top-2 margin is clear, and the logprobs must differ from the fp32
+    activations' (the int8 kernels ran)."""
+    from transformers import AutoModelForCausalLM
+
+    path, dequantized = _quantized_file(case, tmp_path)
+    theirs = hf_greedy(dequantized, PROMPT, N_INT8)
+    model = AutoModelForCausalLM.from_pretrained(str(dequantized), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + theirs])).logits[0, len(PROMPT) - 1 : len(PROMPT) - 1 + N_INT8]
+    top2 = logits.topk(2).values
+    clear = ((top2[:, 0] - top2[:, 1]) > INT8_CLEAR_MARGIN).tolist()
+    assert sum(clear) >= N_INT8 // 6  # (Q4_0's tiny llama: 4 of 24)
+    prompts = [{"prompt_token_ids": PROMPT + theirs[:i]} for i in range(N_INT8)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
+    runs = {}
+    for act in ("int8", "fp32"):
+        llm = LLM(model=str(path), device="cpu", max_model_len=128,
+                  platform_options={"cpu_fused_decode": "off", "cpu_gguf_act": act})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[act] = ([o.outputs[0].token_ids[0] for o in outs], [o.outputs[0].cumulative_logprob for o in outs])
+        llm.engine.shutdown()
+    forced, logprobs = runs["int8"]
+    assert [a for a, c in zip(forced, clear) if c] == [b for b, c in zip(theirs, clear) if c]
+    assert runs["fp32"][0] == theirs  # fp32 activations: every step, as the parity test above
+    assert max(abs(a - b) for a, b in zip(logprobs, runs["fp32"][1])) > 1e-4
 
 
 def test_embedded_default_conversion_still_dequantizes(tmp_path: Path) -> None:
@@ -369,3 +410,29 @@ def test_same_greedy_tokens_as_llama_cpp(qtype: str, tmp_path: Path) -> None:
           f"{sum(a == b for a, b, c in zip(forced, theirs, clear) if c)}")
     assert clear.sum() >= N_PARITY // 4
     assert [a for a, c in zip(forced, clear) if c] == [b for b, c in zip(theirs, clear) if c]
+
+
+def test_unsupported_quant_type_exits_2_naming_tensor_type_and_the_supported_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tensor in a type neither portside's decoders nor the `gguf` package read (Q8_1: llama.cpp's
+    intermediate activation format). The file is written by the real writer; only its encoder for
+    Q8_1, which gguf-py lacks, is filled in here (random blocks)."""
+    import gguf
+
+    from portside.cli import main
+
+    real = gguf.quants.quantize
+
+    def quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+        if qtype != gguf.GGMLQuantizationType.Q8_1:
+            return real(w, qtype)
+        size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        return np.random.default_rng(0).integers(0, 256, (*w.shape[:-1], w.shape[-1] // size * nbytes), dtype=np.uint8)
+
+    monkeypatch.setattr(gguf.quants, "quantize", quantize)
+    hf = make_tiny_model(tmp_path / "hf", "llama", seed=5)
+    path = make_tiny_gguf(hf, tmp_path / "q8_1.gguf", "Q8_0", tensor_types={"attn_q": "Q8_1"})
+    assert main(["generate", "hello", "--model", str(path), "--device", "cpu", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"GGUF tensor 'blk\.0\.attn_q\.weight' has type Q8_1, which portside cannot read \(and \d+ more tensors\)", err)
+    assert "supported types: F32, F16, BF16, Q4_0" in err and "IQ4_XS" in err and "IQ2_XXS" in err

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from portside.backends.cpu import kernels, native_ops
+from portside.backends.cpu.gguf_dot import DEFAULT_GGUF_ACT, GGUF_ACTS
 from portside.backends.cpu.host import has_amx_bf16, has_native_bf16
 from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
 from portside.backends.cpu.openvino_runner import openvino_available
@@ -53,6 +54,8 @@ BACKEND_OPTIONS = (
                   "(native), or fp32 copies of the weights (widen); auto by the CPU's flags", BF16_LINEAR_MODES, "auto"),
     BackendOption("cpu_kv_prefault", "touch the KV cache's pages at start-up (off: as blocks are first written)",
                   ON_OFF, "on"),
+    BackendOption("cpu_gguf_act", "GGUF weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS) times activations quantized "
+                  "to int8 per block as llama.cpp does, or times fp32 activations", GGUF_ACTS, DEFAULT_GGUF_ACT),
 )
 _DEFAULTS = {o.name: o.default for o in BACKEND_OPTIONS}
 

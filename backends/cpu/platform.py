@@ -210,10 +210,14 @@ class CpuPlatform(Platform):
 
     @classmethod
     def model_ops(cls, config) -> ModelOps:
-        """Core's references, but mixture-of-experts grouped by expert, native quantized linears and
-        multi-LoRA grouped by adapter (`moe.CpuModelOps`). A quantized model waits for a native
+        """Core's references, but mixture-of-experts grouped by expert, native quantized linears (GGUF
+        weights with the activations option cpu_gguf_act asks for) and multi-LoRA grouped by
+        adapter (`moe.CpuModelOps`). A quantized model waits for a native
         library built in the background: its weights are laid out for the kernels as they load."""
-        return CpuModelOps(wait=getattr(getattr(config, "model", None), "quantization", None) is not None)
+        ops = CpuModelOps(wait=getattr(getattr(config, "model", None), "quantization", None) is not None)
+        if hasattr(config, "option"):  # GGUF weights' activations: option cpu_gguf_act
+            ops.gguf_act = config.option("cpu_gguf_act", ops.gguf_act)
+        return ops
 
     @classmethod
     def graph_runner(cls, model_fn: ModelFn, config) -> GraphRunner:

@@ -5,6 +5,10 @@ inherits, over the native operators of `csrc/quant_gemm.cpp`:
   (x fp32 or bf16, computed in fp32): int8 and int4 in portside's canonical layout (per channel or
   grouped, with or without zero points), fp8 e4m3, and GGUF Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K
   blocks as llama.cpp stores them;
+- ``portside_cpu_native::gguf_dot`` (`gguf_dot`): GGUF Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K / IQ4_XS
+  blocks times activations quantized to int8 per block as the kernel goes, as llama.cpp does
+  (``gguf_act == "int8"``: backend option ``cpu_gguf_act``; its default ``fp32``: the weight-only
+  kernel above, IQ4_XS the reference);
 - ``portside_cpu_native::quant_linear_w8a8``: int8 weights x int8 activations (``act ==
   "int8"``, ``--quantized-activations int8``): the activations rounded per token as
   `portside.quant.weight.quantize_activation` does, exact integer dot products (AVX2
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.backends.cpu import block_quant, native_ops
+from portside.backends.cpu import block_quant, gguf_dot, native_ops
 from portside.contract import QuantWeight, pack_int4, quantize_activation, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 class CpuQuantLayout:
     """What `CpuQuantOps.prepare_quantized` chose for one weight (``weight.layout``)."""
 
-    kernel: str  # "int8", "int4", "fp8", "w8a8" or "gguf-<type>"
+    kernel: str  # "int8", "int4", "fp8", "w8a8", "gguf-<type>" or "gguf-<type>-int8" (`gguf_dot`)
     fmt: int  # csrc/quant_gemm.cpp's format code (unused for "w8a8")
     group_size: int  # columns per scale group (0: the whole row)
     permuted: bool  # act order: codes in ``packed_qweight``, x gathered by ``packed_perm``
@@ -60,15 +64,21 @@ def isa() -> str:
     return str(torch.ops.portside_cpu_native.quant_isa())
 
 
-def plan(w: QuantWeight) -> tuple[CpuQuantLayout | None, str]:
+def plan(w: QuantWeight, gguf_act: str = "fp32") -> tuple[CpuQuantLayout | None, str]:
     """The native layout for `w` (a linear's 2-D weight or stacked experts' 3-D one), or None and
-    why the reference stays."""
+    why the reference stays; `gguf_act` "int8": GGUF types with an int8-activation kernel take it."""
     n, k = w.shape
     if w.qweight.dim() not in (2, 3) or w.qweight.device.type != "cpu":
         return None, f"qweight of shape {tuple(w.qweight.shape)} on {w.qweight.device}"
     if k % 32:
         return None, f"{k} input features (the kernels take multiples of 32)"
     if w.kind == "gguf":
+        if gguf_act == "int8" and w.ggml_type in gguf_dot.TYPES:
+            name = gguf_dot.TYPES[w.ggml_type]
+            block = 32 if name in ("Q8_0", "Q4_0") else 256
+            if k % block:
+                return None, f"{k} input features are not whole {name} blocks"
+            return CpuQuantLayout(f"gguf-{name}-int8", FMT_GGUF + w.ggml_type, 0, False), ""
         if w.ggml_type not in GGUF_KERNELS:
             return None, f"GGUF type {w.ggml_type} has no cpu kernel (native: {', '.join(t for t, _ in GGUF_KERNELS.values())})"
         name, block = GGUF_KERNELS[w.ggml_type]
@@ -112,6 +122,7 @@ class CpuQuantOps:
     in sets ``native`` (the operator library builds)."""
 
     native: bool = False
+    gguf_act: str = gguf_dot.DEFAULT_GGUF_ACT  # backend option cpu_gguf_act (the platform sets it)
 
     def prepare_quantized(self, weight: QuantWeight) -> QuantWeight:
         weight = super().prepare_quantized(weight)  # type: ignore[misc]
@@ -119,7 +130,7 @@ class CpuQuantOps:
             return block_quant.prepare(weight, self.native)
         if not self.native or not isa():
             return weight
-        layout, why = plan(weight)
+        layout, why = plan(weight, self.gguf_act)
         if layout is None:
             logger.info("cpu: %s stays on the reference quantized linear: %s", weight.extra_repr(), why)
             return weight
@@ -174,6 +185,8 @@ def _linear(x: torch.Tensor, w: QuantWeight, layout: CpuQuantLayout, codes: torc
     if layout.permuted:
         x = x.index_select(1, w.packed_perm)
         codes = w.packed_qweight
+    if layout.kernel.endswith("-int8"):  # GGUF x int8 activations
+        return gguf_dot.linear(x, codes, w.ggml_type, bias)
     if layout.kernel == "w8a8":
         return ops.quant_linear_w8a8(x, codes, scales, zeros, w.input_scale, bias, layout.group_size)
     if w.act is not None:  # rounded as the reference rounds them, then the weight-only kernel

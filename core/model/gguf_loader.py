@@ -79,6 +79,29 @@ def _raw_rows(t: Any) -> np.ndarray:
     return data.reshape(*lead, width)
 
 
+def readable_types() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the GGML types served in their blocks, the others dequantized to float at load: those the
+    `gguf` package decodes)."""
+    import gguf.quants
+
+    from portside.quant.gguf_blocks import GGML_TYPES
+
+    decoded = getattr(gguf.quants, "_type_traits", {})
+    return GGML_TYPES, tuple(t.name for t in decoded if t.name not in GGML_TYPES)
+
+
+def _check_types(reader: Any) -> None:
+    """ValueError naming the first tensor whose type portside cannot read (and how many more),
+    listing the types it reads, before anything is converted."""
+    blocks, dequantized = readable_types()
+    bad = [t for t in reader.tensors if t.name not in _SKIP and t.tensor_type.name not in (*blocks, *dequantized)]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise ValueError(f"GGUF tensor {bad[0].name!r} has type {bad[0].tensor_type.name}, which portside cannot read{more}; "
+                         f"supported types: {', '.join(blocks)} (served in their blocks) and {', '.join(dequantized)} "
+                         "(dequantized to float at load)")
+
+
 def _read_tensors(
     reader: Any, key: str, n_head: int, n_head_kv: int, dtype: torch.dtype, dequantize: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -90,6 +113,7 @@ def _read_tensors(
     from portside.quant.gguf_blocks import GGML_TYPES, is_float_type
 
     spec = ARCHS[key]
+    _check_types(reader)
     out: dict[str, torch.Tensor] = {}
     kept: dict[str, dict[str, Any]] = {}
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not sys.stderr.isatty(), leave=False):

@@ -1,5 +1,5 @@
-"""Encoders for llama.cpp's K-quant blocks (Q4_K, Q5_K, Q6_K), for writing test files: the `gguf`
-package decodes these types but cannot encode them.
+"""Encoders for llama.cpp's 256-value blocks (the K-quants Q4_K, Q5_K, Q6_K, and IQ4_XS), for
+writing test files: the `gguf` package decodes these types but cannot encode them.
 
 Plain round-to-nearest, not llama.cpp's error-minimising search: what matters for tests is that
 every block is valid and decodes (with llama.cpp's layouts, ggml-common.h) close to the input.
@@ -12,7 +12,8 @@ import numpy as np
 
 __all__ = ["K_QUANTS", "quantize_k"]
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 
 def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -70,6 +71,24 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d_bytes], axis=-1)
 
 
+def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS: 8 sub-blocks of 32, each value one of 16 non-linear levels times the sub-block's
+    6-bit scale (minus 32) times a float16 one; a sub-block's largest magnitude maps to -127."""
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 8, 32)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]  # [n, 8], signed
+    scale = -peak / 127  # peak / scale = -127, the table's largest magnitude
+    d_bytes, d = _f16(np.abs(scale).max(-1) / 31)
+    ls = np.clip(np.rint(_safe_div(scale, np.broadcast_to(d, scale.shape))), -32, 31)
+    step = (d * ls.astype(np.float32))[..., None]  # [n, 8, 1]
+    q = np.abs(sub[..., None] - step[..., None] * IQ4_NL_VALUES).argmin(-1).astype(np.uint8)  # [n, 8, 32]
+    u = (ls + 32).astype(np.uint16)  # 6 bits: 4 in scales_l, 2 in scales_h
+    high = ((u >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16).reshape(n, 1)
+    low = (u[:, 0::2] & 0x0F) | ((u[:, 1::2] & 0x0F) << 4)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, 128)
+    return np.concatenate([d_bytes, high.view(np.uint8), low.astype(np.uint8), qs], axis=-1)
+
+
 def quantize_k(rows: np.ndarray, qtype: str) -> np.ndarray:
     """float32 [.., K] -> uint8 [.., K / 256 * type_size] blocks of `qtype` (one of `K_QUANTS`)."""
     if qtype not in K_QUANTS:
@@ -78,5 +97,8 @@ def quantize_k(rows: np.ndarray, qtype: str) -> np.ndarray:
     if x.shape[-1] % 256:
         raise ValueError(f"{qtype} rows must be a multiple of 256 values, got {x.shape[-1]}")
     blocks = x.reshape(-1, 256)
-    out = _q6_k(blocks) if qtype == "Q6_K" else _q45_k(blocks, 4 if qtype == "Q4_K" else 5)
+    if qtype == "IQ4_XS":
+        out = _iq4_xs(blocks)
+    else:
+        out = _q6_k(blocks) if qtype == "Q6_K" else _q45_k(blocks, 4 if qtype == "Q4_K" else 5)
     return out.reshape(*x.shape[:-1], -1)

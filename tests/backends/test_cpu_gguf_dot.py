@@ -139,3 +139,37 @@ def test_bad_arguments_are_refused():
         gguf_dot.linear(torch.randn(2, 96), qweight, 8)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         gguf_dot.linear(x.half(), qweight, 8)
+
+
+# ---- through CpuQuantOps (backend option cpu_gguf_act) ---------------------------------------------
+
+
+def test_quant_ops_run_gguf_weights_with_int8_activations_by_option():
+    from portside.backends.cpu.moe import CpuModelOps
+
+    assert CpuModelOps().gguf_act == "fp32"  # cpu_gguf_act's default
+    for name in FORMATS:
+        ggml_type = int(gguf.GGMLQuantizationType[name])
+        qweight = _weight(name, 9, 512, seed=1)
+        ops = CpuModelOps()
+        ops.gguf_act = "int8"
+        w = ops.prepare_quantized(QuantWeight("gguf", (9, 512), qweight, ggml_type=ggml_type, method="gguf"))
+        assert w.layout.kernel == f"gguf-{name}-int8"
+        x = _x(3, 512, torch.float32, seed=2)
+        assert torch.equal(ops.quantized_linear(x, w), gguf_dot.linear(x, qweight, ggml_type))
+        ops.gguf_act = "fp32"  # the weight-only kernels (IQ4_XS has none: the reference)
+        w = ops.prepare_quantized(QuantWeight("gguf", (9, 512), qweight, ggml_type=ggml_type, method="gguf"))
+        assert (w.layout is None) if name == "IQ4_XS" else (w.layout.kernel == f"gguf-{name}")
+
+
+def test_stacked_gguf_experts_take_the_int8_kernel_per_expert():
+    from portside.backends.cpu.moe import CpuModelOps
+
+    qweight = torch.stack([_weight("Q4_K", 16, 256, seed=e) for e in range(3)])  # [E, N, row_bytes]
+    ops = CpuModelOps()
+    ops.gguf_act = "int8"
+    w = ops.prepare_quantized(QuantWeight("gguf", (16, 256), qweight, ggml_type=12, method="gguf"))
+    assert w.layout.kernel == "gguf-Q4_K-int8"
+    x = _x(5, 256, torch.float32, seed=3)
+    for e in range(3):
+        assert torch.equal(ops._expert_linear(x, w, e), gguf_dot.linear(x, qweight[e], 12))

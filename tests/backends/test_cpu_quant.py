@@ -47,6 +47,7 @@ def _x(t: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
 
 def _check(w: QuantWeight, kernel: str, rows=ROWS, dtypes=X_DTYPES, bias: bool = False, tol=TOL) -> None:
     ops = CpuModelOps()
+    ops.gguf_act = "fp32"  # GGUF: the weight-only kernels (int8 activations: test_cpu_gguf_dot.py)
     w = ops.prepare_quantized(w)
     assert isinstance(w.layout, quant.CpuQuantLayout) and w.layout.kernel == kernel, w.layout
     n, k = w.shape
@@ -205,6 +206,7 @@ def test_gguf_against_gguf_py():
     from gguf.quants import dequantize
 
     ops = CpuModelOps()
+    ops.gguf_act = "fp32"
     for name in ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0"):
         w = _gguf_weight(name, 9, 256, seed=4)
         dense = torch.from_numpy(dequantize(w.qweight.numpy(), gguf.GGMLQuantizationType[name]).reshape(9, 256).copy())
