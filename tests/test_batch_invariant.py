@@ -147,11 +147,11 @@ def _result(out):
     return o.token_ids, lps
 
 
-def _alone_and_together(model: Path, dtype: str):
+def _alone_and_together(model: Path, dtype: str, **engine):
     # one torch thread: on a shared 2-core machine two threads wait on each other at every small
     # matmul (~100x slower here); the mode's guarantee holds for any fixed thread count
     common = dict(device="cpu", dtype=dtype, max_model_len=128, block_size=4, batch_invariant=True,
-                  platform_options={"cpu_threads": "1"})
+                  platform_options={"cpu_threads": "1"}, **engine)
     alone_llm = LLM(model=str(model), max_num_batched_tokens=2048, **common)
     prompts, params = _prompts_and_params(alone_llm.get_tokenizer())
     targets = range(0, 64, 4)
@@ -189,9 +189,19 @@ def test_alone_equals_together_bf16(odd_llama):
 
 
 @pytest.mark.slow
-def test_gemma2_features_alone_equals_together(tmp_path):
-    """Sliding window, logit soft-cap, GELU (tanh) and Gemma's norms under the mode."""
-    model = make_tiny_model(tmp_path / "gemma2", "gemma2")
+def test_alone_equals_together_tensor_parallel_2(odd_llama):
+    """Two ranks: each sums its half of a row-parallel product, and a + b is exact either way round."""
+    alone, together, stats = _alone_and_together(odd_llama, "float32", tensor_parallel_size=2)
+    assert stats.num_preemptions > 0, stats
+    _assert_bitwise(alone, together)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3"])
+def test_other_decoders_alone_equal_together(tmp_path, arch):
+    """Gemma 2: sliding window, logit soft-caps, GELU (tanh), Gemma's norms; Gemma 3: sliding and
+    full layers, q/k norms; Qwen3: q/k norms."""
+    model = make_tiny_model(tmp_path / arch, arch)
     alone, together, stats = _alone_and_together(model, "float32")
     _assert_bitwise(alone, together)
 
@@ -221,6 +231,8 @@ def test_features_without_invariant_kernels_refuse(odd_llama, tmp_path):
     with pytest.raises(ValueError, match="--speculative-config"):
         EngineArgs(model=str(odd_llama), batch_invariant=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config(CpuPlatform)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1 or 2"):
+        EngineArgs(model=str(odd_llama), batch_invariant=True, tensor_parallel_size=3).create_engine_config(CpuPlatform)
     moe = make_tiny_model(tmp_path / "moe", "mixtral")
     with pytest.raises(ValueError, match="does not support MixtralForCausalLM.*has no batch-invariant kernel"):
         LLM(model=str(moe), device="cpu", max_model_len=64, batch_invariant=True)

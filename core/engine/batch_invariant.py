@@ -1,6 +1,7 @@
 """What `--batch-invariant` (`EngineArgs.batch_invariant`) refuses up front, with the fix named:
-a platform that does not declare `Platform.supports_batch_invariant`, and the features whose
-kernels are not batch-invariant (LoRA adapters, quantized weights, speculative decoding). The
+a platform that does not declare `Platform.supports_batch_invariant`, the features whose
+kernels are not batch-invariant (LoRA adapters, quantized weights, speculative decoding), and
+tensor parallelism over more than two ranks. The
 model's layers are checked when it is loaded (`portside.model.batch_invariant`).
 """
 
@@ -24,6 +25,9 @@ def check_batch_invariant(config: EngineConfig, platform: type[Platform]) -> Non
         ("--quantization (a quantized checkpoint)", config.model.quantization is not None),
         ("--speculative-config", config.speculative is not None),
     ]
+    if config.parallel.tensor_parallel_size > 2:  # a + b is exact either way round; (a + b) + c is not
+        raise ValueError("--batch-invariant supports --tensor-parallel-size 1 or 2: summing the partial results of "
+                         "more ranks, the collective's chunking (which follows the batch's size) reorders the sum")
     for flag, used in refused:
         if used:
             raise ValueError(f"--batch-invariant does not support {flag}: its kernels are not batch-invariant; "
