@@ -100,6 +100,12 @@ def test_encoder_limits(tmp_path: Path, bert: Path) -> None:
         LLM(model=str(bert), device="cpu", task="embed", max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="has 128 positions; pass at most 128"):
         LLM(model=str(bert), device="cpu", task="embed", max_model_len=200)
+    for kwargs, message in [({"tensor_parallel_size": 2}, "does not run with tensor_parallel_size 2"),
+                            ({"pipeline_parallel_size": 2}, "does not run with pipeline_parallel_size 2"),
+                            ({"enable_lora": True}, "does not run with LoRA adapters"),
+                            ({"kv_cache_dtype": "fp8_e4m3"}, "does not run with --kv-cache-dtype fp8_e4m3")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model=str(bert), device="cpu", task="embed", **kwargs)
     xlmr = make_tiny_encoder(tmp_path / "xlmr", "xlm-roberta")
     with LLM(model=str(xlmr), device="cpu", task="embed") as llm:  # 130 positions, the first at padding_idx 0 + 1
         assert llm.engine.max_model_len == 129

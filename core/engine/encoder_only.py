@@ -34,6 +34,23 @@ def _position_limit(hf: dict[str, Any]) -> int | None:
     return int(max_pos)
 
 
+def _refuse_unsupported(config: EngineConfig, arch: str) -> None:
+    """What an encoder-only model does not run with: refused by name rather than ignored."""
+    par = config.parallel
+    refused = [
+        (par.tensor_parallel_size > 1, f"tensor_parallel_size {par.tensor_parallel_size}", "--tensor-parallel-size 1 "
+         "(scale out with --data-parallel-size)"),
+        (par.pipeline_parallel_size > 1, f"pipeline_parallel_size {par.pipeline_parallel_size}",
+         "--pipeline-parallel-size 1"),
+        (config.lora is not None, "LoRA adapters (enable_lora)", "drop --enable-lora"),
+        (config.cache.kv_cache_dtype not in ("auto", None), f"--kv-cache-dtype {config.cache.kv_cache_dtype} (it keeps no "
+         "KV cache)", "drop --kv-cache-dtype"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ValueError(f"{arch} (an encoder-only model) does not run with {what}; {fix}")
+
+
 def encoder_only_config(config: EngineConfig, hf: dict[str, Any], max_model_len: int | None,
                         max_num_batched_tokens: int | None) -> EngineConfig:
     """`config` for the model of `hf` (config.json): unchanged for a decoder; for an encoder-only
@@ -46,6 +63,7 @@ def encoder_only_config(config: EngineConfig, hf: dict[str, Any], max_model_len:
     if config.model.pooler is None:
         raise ValueError(f"{arch} is an encoder-only model: it pools (embed, classify, score), it does not generate; "
                          "drop --task generate (or pass --runner pooling)")
+    _refuse_unsupported(config, arch)
     model_len = config.model.max_model_len
     limit = _position_limit(hf)
     if limit is not None and model_len > limit:
