@@ -27,6 +27,18 @@ class LLMWeights:
         (a Hugging Face model folder; dtypes converted as loading does)."""
         return self.engine.update_weights_from_path(os.fspath(path))
 
+    def init_weight_transfer(self, host: str, port: int, world_size: int) -> None:
+        """Join a trainer's weight-update group: the trainer (another process) is member 0 and
+        hosts it at host:port (`portside.distributed.weight_transfer.WeightTransferGroup`); this
+        engine's ranks are members 1..world_size-1 (world_size = 1 + TP x PP). Blocks until every
+        member has joined."""
+        self.engine.init_weight_transfer(host, port, world_size)
+
+    def receive_weights(self) -> int:
+        """Wait for the trainer's next `WeightTransferGroup.send` and apply it on every rank, all
+        or nothing (a refusal raises ValueError here and in the trainer); returns the tensors."""
+        return self.engine.receive_weights()
+
     def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call `method` on the model runner of every rank: the name of a `ModelRunner` method, or
         a picklable function called as ``method(runner, *args, **kwargs)``; every rank's result,

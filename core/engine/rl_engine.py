@@ -56,6 +56,19 @@ class EngineRL:
         self._updated()
         return n
 
+    def init_weight_transfer(self, host: str, port: int, world_size: int) -> None:
+        """Join a trainer's weight-update group (`portside.distributed.weight_transfer`): the
+        trainer is member 0 at host:port, this engine's ranks members 1..; blocks until all joined."""
+        self.collective_rpc("init_weight_transfer", (host, int(port), 1, int(world_size)))
+
+    def receive_weights(self) -> int:
+        """Apply the trainer's next broadcast on every rank (blocks until it comes); all or
+        nothing, as `update_weights`. The prefix cache is reset."""
+        self._check_weights_awake()
+        n = self.collective_rpc("receive_weights")[0]
+        self._updated()
+        return n
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (requests running keep theirs, uncached); returns how many."""
         return self.scheduler.kv.reset_prefix_cache()

@@ -25,7 +25,7 @@ from torch import nn
 
 from portside.contract.memory import release_free_memory
 
-__all__ = ["RunnerWeights", "update_model_weights", "check_updatable"]
+__all__ = ["RunnerWeights", "update_model_weights", "check_updatable", "check_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +43,24 @@ def check_updatable(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} has no load_weights: its weights cannot be updated in place")
 
 
-def update_model_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cast: bool = False) -> int:
-    """Copy Hugging Face-named tensors into `model` (see the module docstring); all or nothing.
-    `cast`: a tensor of another floating dtype is converted (as loading a checkpoint does);
-    otherwise its dtype must be the parameter's. Returns how many tensors were given."""
+def check_weights(model: nn.Module, items: list[Any], cast: bool = False) -> None:
+    """ValueError naming the first tensor `update_model_weights` would refuse (tensors may be
+    meta tensors: only names, shapes and dtypes are read)."""
     check_updatable(model)
-    items = list(weights)
     for i, item in enumerate(items):
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise ValueError(f"weights[{i}]: expected a (Hugging Face parameter name, tensor) pair, got {_describe(item)}")
     with _dry_run(model, check_dtype=not cast):
         model.load_weights(iter(items))  # type: ignore[operator]
+
+
+def update_model_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cast: bool = False) -> int:
+    """Copy Hugging Face-named tensors into `model` (see the module docstring); all or nothing.
+    `cast`: a tensor of another floating dtype is converted (as loading a checkpoint does);
+    otherwise its dtype must be the parameter's. Returns how many tensors were given."""
+    items = list(weights)
+    check_weights(model, items, cast)
     with torch.no_grad():
         model.load_weights((n, t.detach()) for n, t in items)  # type: ignore[operator]
     return len(items)
@@ -150,6 +156,26 @@ class RunnerWeights:
             return self.update_weights(tensors, cast=True)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+    def init_weight_transfer(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join a trainer's weight-update group as member `rank_offset` + this rank
+        (`portside.distributed.weight_transfer`); blocks until every member has joined."""
+        from portside.distributed.weight_transfer import WeightTransferGroup
+
+        self._transfer = WeightTransferGroup(host, port, rank_offset + self.rank, world_size)  # type: ignore[attr-defined]
+
+    def receive_weights(self) -> int:
+        """The trainer's next broadcast into this rank's shard (checked before any tensor moves)."""
+        group = getattr(self, "_transfer", None)
+        if group is None:
+            raise ValueError("no weight-update group: call init_weight_transfer first")
+
+        def check(items: list[tuple[str, torch.Tensor]]) -> None:
+            if self._weights_asleep:
+                raise ValueError("the weights are asleep: wake_up(tags=['weights']) before updating them")
+            check_weights(self.model, items)
+
+        return self.update_weights(group.receive(check))
 
     def sleep(self, level: int) -> None:
         """Level 1: the weights offloaded (`Platform.offload_weights`, kept), the KV cache dropped;
