@@ -41,35 +41,54 @@ class Pooler:
         self._partial.pop(req_id, None)
 
     def step(self, hidden: torch.Tensor, chunks: list[PoolChunk]) -> dict[str, list[float]]:
-        """The pooled vectors of the requests whose prompt ends in this step ([hidden] floats each)."""
+        """The vectors of the requests whose prompt ends in this step. Every chunk of the step is
+        reduced at once (one segment op over the step's rows, not one op per request: many short
+        inputs are many small requests); only a request spread over several steps keeps a state."""
+        if not chunks:
+            return {}
+        acc = self._reduce(hidden, chunks)
         kind = self.config.pooling_type
-        done: list[tuple[str, torch.Tensor]] = []
-        for c in chunks:
-            rows = hidden[c.row : c.row + c.n].float()
-            if kind == "mean":
-                acc = self._partial.get(c.req_id)
-                total = rows.sum(dim=0) if acc is None else acc + rows.sum(dim=0)
-                self._partial[c.req_id] = total
-            elif kind == "max":
-                acc = self._partial.get(c.req_id)
-                top = rows.amax(dim=0)
-                self._partial[c.req_id] = top if acc is None else torch.maximum(acc, top)
-            elif kind == "cls" and c.start == 0:
-                self._partial[c.req_id] = rows[0].clone()
+        done: list[int] = []
+        carried: dict[int, torch.Tensor] = {}  # chunk index -> its state combined with earlier chunks'
+        for i, c in enumerate(chunks):
+            prev = self._partial.pop(c.req_id, None)
+            if prev is not None and kind != "last":
+                carried[i] = prev if kind == "cls" else (prev + acc[i] if kind == "mean" else torch.maximum(prev, acc[i]))
             if c.start + c.n < c.prompt_len:
+                if kind != "last":
+                    self._partial[c.req_id] = carried.get(i, acc[i])
                 continue
-            if kind == "last":
-                vec = rows[-1]
-            elif kind == "mean":
-                vec = self._partial.pop(c.req_id) / c.prompt_len
-            else:
-                vec = self._partial.pop(c.req_id)
-            done.append((c.req_id, vec))
+            done.append(i)
         if not done:
             return {}
-        vectors = torch.stack([v for _, v in done])
+        vectors = acc[done] if len(done) < len(chunks) else acc
+        for j, i in enumerate(done):
+            if i in carried:
+                vectors[j] = carried[i]
+        if kind == "mean":
+            lens = torch.tensor([chunks[i].prompt_len for i in done], dtype=torch.float32, device=vectors.device)
+            vectors = vectors / lens.unsqueeze(1)
         if self.head is not None:
             vectors = self.head(vectors)
         elif self.config.normalize:
             vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
-        return {rid: row for (rid, _), row in zip(done, vectors.cpu().tolist())}
+        return {chunks[i].req_id: row for i, row in zip(done, vectors.cpu().tolist())}
+
+    def _reduce(self, hidden: torch.Tensor, chunks: list[PoolChunk]) -> torch.Tensor:
+        """[len(chunks), hidden] fp32: each chunk's last row (last), first row (cls), row sum
+        (mean) or elementwise maximum (max)."""
+        kind = self.config.pooling_type
+        if kind in ("last", "cls"):
+            rows = [c.row + c.n - 1 if kind == "last" else c.row for c in chunks]
+            return hidden[torch.tensor(rows, device=hidden.device)].float()
+        sizes = torch.tensor([c.n for c in chunks])
+        seg = torch.repeat_interleave(torch.arange(len(chunks)), sizes).to(hidden.device)
+        if chunks[0].row == 0 and all(a.row + a.n == b.row for a, b in zip(chunks, chunks[1:])):
+            x = hidden[: chunks[-1].row + chunks[-1].n]
+        else:  # rows of other requests between the chunks
+            x = hidden[torch.cat([torch.arange(c.row, c.row + c.n) for c in chunks]).to(hidden.device)]
+        x = x.float()
+        out = torch.zeros(len(chunks), x.shape[1], dtype=torch.float32, device=x.device)
+        if kind == "mean":
+            return out.index_add_(0, seg, x)
+        return out.fill_(float("-inf")).scatter_reduce_(0, seg.unsqueeze(1).expand_as(x), x, "amax")
