@@ -44,6 +44,7 @@ def make_bert_tokenizer(path: str | os.PathLike, token_types: bool = True) -> An
                                   pad_token="<|endoftext|>", model_max_length=512, clean_up_tokenization_spaces=False,
                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"] if token_types
                                   else ["input_ids", "attention_mask"])
+    (Path(path) / "chat_template.jinja").unlink(missing_ok=True)  # the base tokenizer's; BERT's have none
     tok.save_pretrained(str(path))
     return tok
 
