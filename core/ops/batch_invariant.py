@@ -27,6 +27,11 @@ kernels (ci/bench/batch_invariant.py prints the same checks):
   whether its prompt came in one chunk or several, alone or beside other requests, with its
   prefix computed now or read from the prefix cache.
 
+A block's products (q . k over head_size, p . v over the block) are `torch.bmm` calls of one
+small matrix pair per (query, block, KV head), shapes fixed by the model and the block size: fp32
+bmm computes each pair alone, and its results did not change with the number of pairs (1 to 3000,
+one and two threads, measured).
+
 Softmax, log_softmax, cumsum, top-k and argmax over the vocabulary (the sampler's) are row-wise
 kernels in torch whose per-row order depends on the row's length only (measured for 1 to 300
 rows of 576 to 151936 values); a seeded request draws from its own generator (`SamplingMetadata`).
@@ -127,9 +132,9 @@ def paged_attention(
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention in fp32 -> [T, H, D] fp32. Each query's keys are cut into blocks of
-    `block_size` positions; each block's softmax statistics (its max, its sum of exponentials and
-    their weighted sum of values: `fixed_sum`s over the block and over head_size) are computed on
-    their own, then merged into the query's running ones block after block, in order. A query's
+    `block_size` positions; each block's softmax statistics (its max, its sum of exponentials (a
+    `fixed_sum`) and their weighted sum of values, the scores and that sum one fixed-shape `bmm`
+    pair per query, block and KV head) are computed on their own, then merged into the query's running ones block after block, in order. A query's
     result depends only on its own keys, values and position: a block past its position (or before
     its window) is masked entirely and leaves its state bit for bit unchanged, so neither the
     batch's longest sequence nor how the queries are grouped into calls or pieces matters. With
@@ -164,20 +169,24 @@ def paged_attention(
             j1 = min(last + 1, j0 + group)
             n = j1 - j0
             kpos = torch.arange(j0 * B, j1 * B, device=query.device).view(n, B)  # [n, B]
-            kb, vb = kf[:, j0:j1].index_select(0, req), vf[:, j0:j1].index_select(0, req)  # [C, n, B, KVH, D]
-            s = fixed_sum(q[:, None, None] * kb[:, :, :, :, None, :]) * scale  # [C, n, B, KVH, G]
+            rows = C * n * KVH  # one small product per (query, block, KV head): shapes fixed by the model
+            kb = kf[:, j0:j1].index_select(0, req).permute(0, 1, 3, 4, 2).reshape(rows, D, B)
+            vb = vf[:, j0:j1].index_select(0, req).permute(0, 1, 3, 2, 4)  # [C, n, KVH, B, D]
+            qb = q[:, None].expand(C, n, KVH, G, D).reshape(rows, G, D)
+            s = torch.bmm(qb, kb).view(C, n, KVH, G, B) * scale
             if logit_softcap is not None:
                 s = logit_softcap * torch.tanh(s / logit_softcap)
             visible = kpos[None] <= pos[:, None, None]  # [C, n, B]
             if sliding_window is not None:
                 visible &= kpos[None] > pos[:, None, None] - sliding_window
-            s = s.masked_fill(~visible[..., None, None], float("-inf")).permute(0, 1, 3, 4, 2)  # [C, n, KVH, G, B]
+            hidden = ~visible[:, :, None, None]  # [C, n, 1, 1, B]
+            s = s.masked_fill(hidden, float("-inf"))
             bm = s.amax(-1)  # [C, n, KVH, G]: each block's max (-inf: nothing visible)
             bshift = bm.masked_fill(bm == float("-inf"), 0.0)
-            p = torch.exp(s - bshift[..., None])  # 0 where hidden
+            p = torch.exp(s - bshift[..., None])  # [C, n, KVH, G, B]; 0 where hidden
             bden = fixed_sum(p)  # [C, n, KVH, G]
-            vb = vb.masked_fill(~visible[..., None, None], 0.0).permute(0, 1, 3, 4, 2)  # [C, n, KVH, D, B]
-            bacc = fixed_sum(p[:, :, :, :, None, :] * vb[:, :, :, None])  # [C, n, KVH, G, D]
+            vb = vb.masked_fill(hidden.transpose(-1, -2), 0.0).reshape(rows, B, D)
+            bacc = torch.bmm(p.reshape(rows, G, B), vb).view(C, n, KVH, G, D)
             for j in range(n):  # merge in block order
                 m_new = torch.maximum(m, bm[:, j])
                 shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
