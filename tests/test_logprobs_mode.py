@@ -77,3 +77,11 @@ def test_processed_greedy_row_has_the_penalties(model):
 def test_bad_mode_refused(model):
     with pytest.raises(ValueError, match="logprobs-mode must be one of raw_logprobs, raw_logits"):
         LLM(str(model), logprobs_mode="logits", **ENGINE)
+
+
+def test_beam_search_needs_logprobs(model):
+    from portside.sampling_params import BeamSearchParams
+
+    with LLM(str(model), logprobs_mode="raw_logits", **ENGINE) as llm:
+        with pytest.raises(ValueError, match="beam search ranks beams by logprobs"):
+            llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2, max_tokens=2))

@@ -27,9 +27,13 @@ from portside.outputs import BeamSearchSequence, Logprob, RequestOutput
 from portside.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
-def step_params(beam_width: int, max_logprobs: int) -> SamplingParams:
+def step_params(beam_width: int, max_logprobs: int, logprobs_mode: str = "raw_logprobs") -> SamplingParams:
     """The parameters of every beam's one-token request (greedy, top 2w raw logprobs, only the
-    final output). ValueError when the engine's `max_logprobs` cannot return 2w."""
+    final output). ValueError when the engine's `max_logprobs` cannot return 2w, or its
+    `logprobs_mode` returns logits (a greedy row's processed logprobs are its raw ones)."""
+    if logprobs_mode.endswith("_logits"):
+        raise ValueError(f"beam search ranks beams by logprobs, but this engine returns logits (logprobs_mode "
+                         f"{logprobs_mode}); use an engine with logprobs_mode raw_logprobs or processed_logprobs")
     k = 2 * beam_width
     if 0 <= max_logprobs < k:
         raise ValueError(f"beam search with beam_width {beam_width} ranks the top {k} logprobs of each beam, more than "

@@ -109,7 +109,7 @@ class LLM(LLMWeights, LLMPooling):
         every prompt is one request per step, batched together; beams share their KV blocks
         through the prefix cache."""
         engine = self.engine
-        step = step_params(params.beam_width, engine.config.model.max_logprobs)
+        step = step_params(params.beam_width, engine.config.model.max_logprobs, engine.config.model.logprobs_mode)
         # a prompt with images is processed once; every beam's request carries its images
         prompt_list = [engine.process_multimodal(p) if isinstance(p, dict) and p.get("multi_modal_data") else p
                        for p in _as_prompt_list(prompts)]

@@ -23,11 +23,11 @@ async def beam_search(ctx: ServingContext, request: Request, request_id: str, pr
                       mm_features: list[list[Any]] | None = None) -> list[RequestOutput]:
     """The best `req.n` beams of each prompt, as transformers' `generate(num_beams=n)` ranks them.
     `mm_features`: each prompt's processed images (`process_multimodal`), carried by its beams."""
+    engine: Any = ctx.engine.engine  # the LLMEngine behind the async front
     try:
-        step = step_params(req.n, ctx.max_logprobs)
+        step = step_params(req.n, ctx.max_logprobs, engine.config.model.logprobs_mode)
     except ValueError as e:
         raise bad_request(f"n: {e}", "n") from None
-    engine: Any = ctx.engine.engine  # the LLMEngine behind the async front
     batch = BeamSearchBatch([
         BeamSearchState(ids, BeamSearchParams(beam_width=req.n, max_tokens=m, length_penalty=req.length_penalty,
                                               ignore_eos=req.ignore_eos), engine.eos_token_ids, ctx.max_model_len)
