@@ -59,6 +59,19 @@ def test_embeddings_equal_sentence_transformers(folders: dict[str, Path], name: 
         assert got.shape[1] == 48
 
 
+def test_default_prompt(tmp_path: Path) -> None:
+    """A folder's default_prompt_name applies to every text, as sentence-transformers' encode;
+    prompt_name does not apply to token ids."""
+    path = make_tiny_st_folder(tmp_path / "st", arch="llama", pooling_mode="mean", prompts={"query": QUERY},
+                               default_prompt_name="query")
+    with LLM(model=str(path), device="cpu", max_model_len=64) as llm:
+        outs = llm.embed(TEXTS, use_tqdm=False)
+        assert outs[0].prompt_token_ids == llm.get_tokenizer()(QUERY + TEXTS[0]).input_ids
+        assert_cosine(torch.tensor([o.outputs.embedding for o in outs]), st_encode(path, TEXTS))
+        with pytest.raises(ValueError, match="prompt_name: applies to text prompts"):
+            llm.embed([[5, 6, 7]], prompt_name="query", use_tqdm=False)
+
+
 def test_prompts_and_dimensions(folders: dict[str, Path]) -> None:
     path = folders["qwen3-last-dense"]
     with LLM(model=str(path), device="cpu", max_model_len=64) as llm:

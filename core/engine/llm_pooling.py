@@ -77,7 +77,10 @@ class LLMPooling:
             raise ValueError(f"pooling_params.normalize: this engine's embeddings are {'' if pooler.normalize else 'not '}"
                              "normalised; set it with --pooler-config '{\"normalize\": ...}'")
         prefix = resolve_prompt(pooler, prompt_name=prompt_name)
-        items = [with_prompt(prefix, p) for p in as_prompt_list(prompts)]
+        items = as_prompt_list(prompts)
+        if prompt_name is not None and prefix and any(with_prompt(prefix, p) is p for p in items):
+            raise ValueError("prompt_name: applies to text prompts; these are token ids (put the prompt's tokens first)")
+        items = [with_prompt(prefix, p) for p in items]
         outs = self._pool(items, truncate_prompt_tokens, use_tqdm, lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(truncate_dimensions(list(o.pooled or []),
                                        params.dimensions, pooler.normalize)), o.prompt_token_ids, o.finished)

@@ -19,10 +19,12 @@ __all__ = ["make_tiny_classifier", "make_tiny_st_folder"]
 
 def make_tiny_st_folder(path: str | os.PathLike, base: str | os.PathLike | None = None, *, arch: str = "qwen3",
                         pooling_mode: str = "lasttoken", dense: tuple[int, ...] = (), dense_activation: str = "Tanh",
-                        normalize: bool = True, prompts: dict[str, str] | None = None, seed: int = 0) -> Path:
+                        normalize: bool = True, prompts: dict[str, str] | None = None,
+                        default_prompt_name: str | None = None, seed: int = 0) -> Path:
     """A sentence-transformers folder at `path`: the tiny model `base` (made from `arch` when
     None), its Pooling (`pooling_mode`: lasttoken, mean, cls, max), one Dense layer per size in
-    `dense` (random weights; activation a torch.nn class name), Normalize, and `prompts`."""
+    `dense` (random weights; activation a torch.nn class name), Normalize, and `prompts` (with
+    `default_prompt_name`)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
 
@@ -45,7 +47,8 @@ def make_tiny_st_folder(path: str | os.PathLike, base: str | os.PathLike | None 
         size = out
     if normalize:
         modules.append(Normalize())
-    SentenceTransformer(modules=modules, prompts=prompts or {}, device="cpu").save(str(path))
+    SentenceTransformer(modules=modules, prompts=prompts or {}, default_prompt_name=default_prompt_name,
+                        device="cpu").save(str(path))
     return path
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from portside.pooling.inputs import resolve_prompt
 from portside.pooling.outputs import check_dimensions, truncate_dimensions
 from portside.server.context import Route, ServingContext, parse_body
 from portside.server.errors import bad_request
@@ -34,7 +35,11 @@ async def create_embedding(ctx: ServingContext, request: Request) -> Response:
         raise bad_request(str(e), "dimensions") from None
     if req.input is not None:
         check_count(len(req.input), "input")
-    prompts = await ctx.offload.run(_tokenize, ctx, req, large=large or req.chat_template is not None)
+    try:
+        prefix = resolve_prompt(pooler)  # the folder's default_prompt_name's prompt, as sentence-transformers' encode
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    prompts = await ctx.offload.run(_tokenize, ctx, req, prefix, large=large or req.chat_template is not None)
     request_id = new_id("embd")
     finals = await pool(ctx, request, request_id, list(prompts), req.priority, "input", lora)
     data = []
@@ -48,8 +53,9 @@ async def create_embedding(ctx: ServingContext, request: Request) -> Response:
     })  # fmt: skip
 
 
-def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
-    """Each input's token ids, truncated to its last `truncate_prompt_tokens` (on an offload worker)."""
+def _tokenize(ctx: ServingContext, req: EmbeddingRequest, prefix: str = "") -> list[list[int]]:
+    """Each input's token ids (a text after `prefix`), truncated to its last `truncate_prompt_tokens`
+    (on an offload worker)."""
     keep = ctx.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
     if keep is not None and keep > ctx.max_model_len:
         raise bad_request(f"truncate_prompt_tokens: {keep} is more than max_model_len {ctx.max_model_len}", "truncate_prompt_tokens")
@@ -59,7 +65,7 @@ def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
     for i, item in enumerate(items):
         param = ("input" if len(items) == 1 else f"input[{i}]") if req.messages is None else "messages"
         if isinstance(item, str):
-            ids = tok(item, add_special_tokens=req.add_special_tokens is not False).input_ids
+            ids = tok(prefix + item if req.messages is None else item, add_special_tokens=req.add_special_tokens is not False).input_ids
         else:
             ids = list(item)
             bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
