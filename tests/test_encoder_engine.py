@@ -134,3 +134,13 @@ def test_cross_encoder_scores_match_transformers(tmp_path: Path, arch: str) -> N
         _assert_idle(llm)
     with pytest.raises(ValueError, match="pooling model"):
         LLM(model=str(path), device="cpu", task="generate")
+
+
+def test_devices_report_says_no_kv_cache(bert: Path) -> None:
+    """`portside devices --model` for an encoder: no KV line, no sequence count, no division by zero."""
+    from portside.engine.kv_report import cache_report
+
+    report = cache_report(bert, torch.float32)
+    assert report.bytes_per_token == 0 and report.sequences(2**30, 512) is None
+    text = report.format(2**30, 512)
+    assert text.startswith("BertModel: 2 layers") and "no KV cache" in text

@@ -46,9 +46,11 @@ class CacheReport:
         """Tokens whose K/V (or latent rows) fit in `budget` bytes (no recurrent state counted)."""
         return int(budget // self.bytes_per_token) if self.bytes_per_token else 0
 
-    def sequences(self, budget: float, num_tokens: int) -> int:
-        """Sequences of `num_tokens` tokens that fit in `budget` bytes at once."""
-        return int(budget // self.bytes_per_sequence(num_tokens))
+    def sequences(self, budget: float, num_tokens: int) -> int | None:
+        """Sequences of `num_tokens` tokens that fit in `budget` bytes at once (None: no limit, the
+        model keeps nothing per sequence: an encoder-only model)."""
+        per_sequence = self.bytes_per_sequence(num_tokens)
+        return int(budget // per_sequence) if per_sequence else None
 
     def format(self, budget: float, num_tokens: int) -> str:
         lines = [f"{self.architecture}: {self.num_layers} layers"]
@@ -64,6 +66,10 @@ class CacheReport:
                          f"{self.state_bytes_per_sequence / MiB:.2f} MiB per sequence")
         if self.kv.num_layers:
             lines.append(f"  {budget / MiB:.0f} MiB hold {self.tokens(budget)} tokens of K/V")
+        if self.sequences(budget, num_tokens) is None:
+            lines.append("  no KV cache: an encoder-only model attends over each whole prompt in one step and keeps "
+                         "nothing between steps")
+            return "\n".join(lines)
         lines.append(f"  {budget / MiB:.0f} MiB hold {self.sequences(budget, num_tokens)} sequences of {num_tokens} tokens "
                      f"({self.bytes_per_sequence(num_tokens) / MiB:.2f} MiB each)")
         return "\n".join(lines)

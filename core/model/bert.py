@@ -173,8 +173,8 @@ class BertModel(EncoderModel):
     ignored = ("cls.",)  # BertForPreTraining / MaskedLM heads
     _padding_idx = staticmethod(lambda hf: None)
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         body = BertBody(self.hf, dtype, pooler=True, padding_idx=self._padding_idx(self.hf))
         # transformers' BertModel names: embeddings., encoder.layer.N., pooler.
@@ -203,8 +203,8 @@ class XLMRobertaModel(BertModel):
 class BertForSequenceClassification(EncoderModel):
     """BERT cross-encoder: CLS state -> pooler (dense + tanh) -> classifier."""
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         self.num_labels = int(self.hf.num_labels)
         self.bert = BertBody(self.hf, dtype, pooler=True)
@@ -232,8 +232,8 @@ class _RobertaClassificationHead(nn.Module):
 class XLMRobertaForSequenceClassification(EncoderModel):
     """XLM-R / RoBERTa cross-encoder (bge-reranker): CLS state -> dense + tanh -> out_proj."""
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         self.num_labels = int(self.hf.num_labels)
         self.roberta = BertBody(self.hf, dtype, pooler=False, padding_idx=_padding_idx(self.hf))

@@ -58,8 +58,8 @@ class EncoderModel(nn.Module):
     # checkpoint tensors a pooling model does not use (masked-LM heads, position-id buffers)
     ignored: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__()
         if tp_size > 1:
             raise ValueError(f"{args.architecture} (an encoder-only model) runs at tensor_parallel_size 1; "

@@ -127,8 +127,8 @@ class ModernBertModel(EncoderModel):
     checkpoint_prefixes = ("model.",)
     ignored = ("head.", "decoder.")  # ModernBertForMaskedLM's head
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         body = ModernBertBody(self.hf, dtype, args.max_model_len or args.max_position_embeddings)
         self.embeddings, self.layers, self.final_norm, self.rotary = body.embeddings, body.layers, body.final_norm, body.rotary
@@ -151,8 +151,8 @@ class _Head(nn.Module):
 class ModernBertForSequenceClassification(EncoderModel):
     """ModernBERT cross-encoder / classifier: pooled state -> head -> classifier."""
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         pooling = getattr(self.hf, "classifier_pooling", "cls")
         if pooling not in ("cls", "mean"):

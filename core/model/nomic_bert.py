@@ -128,8 +128,8 @@ class NomicBertModel(EncoderModel):
     default_pooling_type = "mean"
     ignored = ("cls.", "lm_head.")
 
-    def __init__(self, args: ModelArgs, comm: Communicator, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
+    def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
         hf = self.hf
         _check(hf)
