@@ -199,3 +199,28 @@ def test_context_routes_an_unlisted_feature_to_the_reference() -> None:
                                _masked_softmax_attention(q, k, v, lengths, 0.5, 2), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ctx.encoder_attention(q, k, v, 0.5, sliding_window=None),
                                _masked_softmax_attention(q, k, v, lengths, 0.5, None), atol=1e-5, rtol=1e-5)
+
+
+def test_bert_checkpoint_as_pretraining_exports_name_it(folders, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """bert-base-uncased's layout: every tensor under "bert.", LayerNorm gamma / beta, the
+    pre-training heads ("cls.") beside them: loaded by name, the heads left out."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = folders[("bert", False)]
+    dst = tmp_path / "bert-pretraining"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {"bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in tensors.items()}
+    renamed["cls.predictions.bias"] = torch.zeros(8)
+    renamed["bert.embeddings.position_ids"] = torch.arange(128)[None]
+    save_file(renamed, str(dst / "model.safetensors"))
+    a, b = load_encoder(src), load_encoder(dst)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+    (dst / "model.safetensors").unlink()
+    save_file({**renamed, "bert.encoder.layer.9.output.dense.weight": torch.zeros(2)}, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'bert.encoder.layer.9.output.dense.weight' has no place in BertModel"):
+        load_encoder(dst)

@@ -80,6 +80,8 @@ class EncoderModel(nn.Module):
     # ---- loading ----------------------------------------------------------------------------
 
     def _target(self, name: str, params: dict[str, nn.Parameter]) -> str | None:
+        if name.endswith((".gamma", ".beta")) and "LayerNorm" in name:  # TensorFlow-era names (bert-base-uncased)
+            name = name.removesuffix(".gamma") + ".weight" if name.endswith(".gamma") else name.removesuffix(".beta") + ".bias"
         if name in params:
             return name
         for prefix in self.checkpoint_prefixes:
