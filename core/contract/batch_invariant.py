@@ -51,8 +51,12 @@ class BatchInvariantAttention(AttentionBackend):
     def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
         return self.inner.supports(head_size, dtype, block_size)
 
-    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen, scale):  # type: ignore[no-untyped-def]
-        return self.inner.encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale)
+    @property
+    def encoder_features(self) -> frozenset[str]:  # type: ignore[override]
+        return self.inner.encoder_features
+
+    def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen, scale, **features):  # type: ignore[no-untyped-def]
+        return self.inner.encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, **features)
 
     def forward(
         self,
