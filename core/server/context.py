@@ -83,15 +83,17 @@ class ServingContext:
         return tok.decode([token_id])
 
     def engine_task(self) -> str:
-        """What the engine runs: "generate", or "embed" (--task embed)."""
-        return str(getattr(self.engine.engine, "task", "generate"))
+        """What the engine runs: "generate", or a pooling model's task (embed, classify, reward)."""
+        config = getattr(self.engine.engine, "config", None)
+        pooling = getattr(getattr(config, "model", None), "pooling_task", None)
+        return str(pooling or getattr(self.engine.engine, "task", "generate"))
 
     def require_task(self, task: str, api: str) -> None:
         """400 when the engine runs another task than the endpoint (`api`, its name) needs."""
         running = self.engine_task()
         if running == task:
             return
-        how = "--task embed (or --runner pooling)" if task == "embed" else "--task generate (the default)"
+        how = "--runner pooling" if task == "embed" else "--task generate (the default for a generating model)"
         raise APIError(400, f"The model does not support the {api} API: this server runs task {running!r}; start it with {how}",
                        code="task_not_supported")
 

@@ -169,5 +169,7 @@ def test_bad_input_and_task_mismatch(ce_server: ServerProcess, embed_server: Ser
     assert_error(post(ce_server, "/v1/embeddings", {"input": "x"}), None, "runs a classify model")
     assert_error(post(embed_server, "/classify", {"input": "x"}), None, "runs an embed model")
     assert_error(post(embed_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}), None, "task 'embed'")
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert_error(post(ce_server, "/v1/chat/completions", chat), None, "runs task 'classify'; start it with --task generate")
     ce_server.wait_idle()
     embed_server.wait_idle()
