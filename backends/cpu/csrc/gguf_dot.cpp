@@ -34,8 +34,10 @@
 //     sum over the lane's 4 codes) preloaded into each int32 lane (`Ctx::lb`, once per call): every
 //     lane holds its 4 codes' true signed dot product, so converting the lanes to fp32 and scaling
 //     them loses nothing to cancellation (a bias left in the lanes would cost ~10x the rounding);
-//     Q4_K/Q5_K with maddubs then vpdpwssd by the sub-block scales; Q6_K and IQ4_XS run their
-//     AVX2 kernels on this path.
+//     Q4_K/Q5_K with maddubs then vpdpwssd by the sub-block scales; Q6_K the same with each int16
+//     pair's -32 offset added first (`Ctx::ps`); IQ4_XS with vpdpbusd on its values + 128 and the
+//     bias preloaded as Q8_0's.
+// Decode rows prefetch the weight rows they read next (`prefetch` in gguf_dot.h).
 // Rows: one token row (decode) streams the packed weight rows once, two side by side, output
 // rows split across threads (at::parallel_for); several token rows share each decoded weight
 // block, 4 at a time (a 5..8-row step reads each weight row once from memory, then from L1).
@@ -114,7 +116,7 @@ at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml
     std::vector<int8_t> xq(T * K);
     std::vector<float> xd(T * (K / block)), xdl;
     std::vector<int32_t> lb;
-    std::vector<int16_t> bs;
+    std::vector<int16_t> bs, ps;
     quantize_blocks(xf.data_ptr<float>(), T, K, block, xq.data(), xd.data());
     if (block == 256) {
       bs.resize(T * (K / 16));
@@ -123,17 +125,23 @@ at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml
         for (int j = 0; j < 16; ++j) s += xq[i * 16 + j];
         bs[i] = int16_t(s);
       }
-    } else {
-      const int64_t B = T * (K / 32);
-      const int32_t off = ggml_type == GGML_Q8_0 ? 128 : 8;
-      lb.resize(B * 8), xdl.resize(B * 8);
-      for (int64_t l = 0; l < B * 8; ++l) {
+    }
+    if (ggml_type == GGML_Q6_K) {
+      ps.resize(T * K / 2);
+      for (int64_t i = 0; i < T * K / 2; ++i) ps[i] = int16_t(-32 * (int32_t(xq[2 * i]) + xq[2 * i + 1]));
+    }
+    if (ggml_type == GGML_Q8_0 || ggml_type == GGML_Q4_0 || ggml_type == GGML_IQ4_XS) {
+      const int32_t off = ggml_type == GGML_Q4_0 ? 8 : 128;
+      lb.resize(T * K / 4);
+      for (int64_t l = 0; l < T * K / 4; ++l)
         lb[l] = -off * (int32_t(xq[4 * l]) + xq[4 * l + 1] + xq[4 * l + 2] + xq[4 * l + 3]);
-        xdl[l] = xd[l / 8];
-      }
+    }
+    if (block == 32) {
+      xdl.resize(T * K / 4);
+      for (int64_t l = 0; l < T * K / 4; ++l) xdl[l] = xd[l / 8];
     }
     const Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), K, N, T, xq.data(), xd.data(),
-                lb.data(), xdl.data(), bs.data(), out.data_ptr<float>()};
+                lb.data(), xdl.data(), bs.data(), ps.data(), out.data_ptr<float>()};
     if (block == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0);
     else dot_k(c, isa, ggml_type);
   }

@@ -96,8 +96,24 @@ struct Ctx {
   const int32_t* lb;  // Q8_0/Q4_0: per int32 lane (4 codes), -bias * their sum [T, K / 4]
   const float* xdl;  // Q8_0/Q4_0: the block's scale per int32 lane [T, K / 4]
   const int16_t* bs;  // 256-value formats: code sums per 16 [T, K / 16]
+  const int16_t* ps;  // Q6_K: -32 * the codes' pair sums [T, K / 2] (AVX-512 VNNI)
   float* y;  // [T, N]
 };
+
+// Decode (one token row): software prefetch of the bytes [off, off + len) of each of the NR rows
+// `PREFETCH_ROWS` calls ahead (the rows the thread reads next; a prefetch past the end is dropped).
+// The weight stream is the cost of a decode step; the hardware prefetcher alone leaves bandwidth
+// unused on the EPYC VMs measured (as quant_gemm.cpp's kernels found).
+constexpr int64_t PREFETCH_ROWS = 2;
+template <int NR, int R>
+inline void prefetch(const Ctx& c, int64_t n, int64_t off, int64_t len) {
+  if constexpr (R == 1) {
+    for (int i = 0; i < NR; ++i) {
+      const char* p = reinterpret_cast<const char*>(c.w) + (n + i + PREFETCH_ROWS * NR) * c.rb + off;
+      for (int64_t b = 0; b < len; b += 64) __builtin_prefetch(p + b, 0, 3);
+    }
+  }
+}
 
 // Runs Kern::rows<NR, R>(c, n, t) (NR weight rows from n, R token rows from t, writing y) over
 // the whole output, split across threads by weight rows.

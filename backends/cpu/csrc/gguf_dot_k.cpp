@@ -1,7 +1,6 @@
 // GGUF's 256-value formats (Q4_K, Q5_K, Q6_K, IQ4_XS) times activations quantized per 256
-// (Q8_K-style, with the codes' sums per 16): scalar and AVX2 kernels for each, AVX-512 VNNI ones
-// for Q4_K and Q5_K (Q6_K and IQ4_XS run their AVX2 kernels on that path). gguf_dot.cpp says how;
-// portside.quant.gguf_dot_ref is the arithmetic.
+// (Q8_K-style, with the codes' sums per 16): scalar, AVX2 and AVX-512 VNNI kernels for each.
+// gguf_dot.cpp says how; portside.quant.gguf_dot_ref is the arithmetic.
 //
 // Q4_K / Q5_K: unsigned 4/5-bit codes times x per sub-block of 32, by the sub-block's 6-bit
 // scale; the minimums come from x's per-16 sums. Q6_K: unsigned 6-bit codes (the -32 offset
@@ -128,6 +127,7 @@ struct Avx2Q45_K {
     for (int i = 0; i < NR; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = accm[i][r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
+      prefetch<NR, R>(c, n, s * BB, BB);
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = c.w + (n + i) * c.rb + s * BB;
         alignas(16) uint8_t sc[8], mn[8];
@@ -174,6 +174,7 @@ struct Avx2Q6_K {
     for (int i = 0; i < NR; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
+      prefetch<NR, R>(c, n, s * 210, 210);
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = c.w + (n + i) * c.rb + s * 210;
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
@@ -216,6 +217,7 @@ struct Avx2IQ4_XS {
     for (int i = 0; i < NR; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
+      prefetch<NR, R>(c, n, s * 136, 136);
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = c.w + (n + i) * c.rb + s * 136;
         int16_t ls[8];
@@ -263,6 +265,7 @@ struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vp
     for (int i = 0; i < NR; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps(), accm[i][r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
+      prefetch<NR, R>(c, n, s * BB, BB);
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = c.w + (n + i) * c.rb + s * BB;
         alignas(16) uint8_t sc[8], mn[8];
@@ -300,6 +303,98 @@ struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vp
   }
 };
 
+// 8 floats of a, then 8 of b (AVX-512F only).
+inline __m512 halves(float a, float b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+struct VnniQ6_K {  // two quarters (64 codes) per zmm: maddubs of the unsigned codes, each int16 pair's
+                   // -32 offset added (Ctx::ps: lanes then hold true signed dots), vpdpwssd by the scales
+  template <int NR, int R>
+  static void rows(const Ctx& c, int64_t n, int64_t t) {
+    const int64_t S = c.K / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    __m512i idx[4];  // int16 lane l of pair p (codes 64p .. 64p + 63) takes scale 4p + l / 8
+    for (int p = 0; p < 4; ++p) {
+      alignas(64) int16_t v[32];
+      for (int l = 0; l < 32; ++l) v[l] = int16_t(4 * p + l / 8);
+      idx[p] = _mm512_load_si512(v);
+    }
+    __m512 acc[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      prefetch<NR, R>(c, n, s * 210, 210);
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* blk = c.w + (n + i) * c.rb + s * 210;
+        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(blk + 192)));
+        __m512i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+          const __m512i hb = _mm512_broadcast_i64x4(load256(blk + 128 + 32 * h));
+          for (int half = 0; half < 2; ++half) {  // quarters 2 half (from l's first 32 bytes), 2 half + 1
+            const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(l, 4) : l, m4);
+            const __m512i hi = _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(hb, 4 * half), _mm512_srli_epi16(hb, 4 * half + 2));
+            const __m512i u = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(hi, m3), 4));
+            const int p = 2 * h + half;
+            const __m512i scv = _mm512_permutexvar_epi16(idx[p], sc16);
+            for (int r = 0; r < R; ++r) {
+              const int64_t e = (t + r) * c.K + s * 256 + 64 * p;
+              const __m512i pr = _mm512_add_epi16(_mm512_maddubs_epi16(u, _mm512_loadu_si512(c.xq + e)),
+                                                  _mm512_loadu_si512(c.ps + e / 2));
+              isum[r] = _mm512_dpwssd_epi32(isum[r], pr, scv);
+            }
+          }
+        }
+        const float d = h2f(blk + 208);
+        for (int r = 0; r < R; ++r)
+          acc[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(c.xd[(t + r) * S + s] * d), _mm512_cvtepi32_ps(isum[r]), acc[i][r]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) c.y[(t + r) * c.N + n + i] = _mm512_reduce_add_ps(acc[i][r]);
+  }
+};
+
+struct VnniIQ4_XS {  // two sub-blocks (64 codes) per zmm: the looked-up values + 128 (unsigned) by x
+                     // with vpdpbusd, x's bias (-128 x the lane's 4 codes) preloaded (Ctx::lb)
+  template <int NR, int R>
+  static void rows(const Ctx& c, int64_t n, int64_t t) {
+    const int64_t S = c.K / 256, K4 = c.K / 4;
+    const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(load128(IQ4_VALUES), _mm_set1_epi8(char(0x80))));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      prefetch<NR, R>(c, n, s * 136, 136);
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* blk = c.w + (n + i) * c.rb + s * 136;
+        int16_t ls[8];
+        iq4_scales(blk, ls);
+        const float d = h2f(blk);
+        float dx[R];
+        for (int r = 0; r < R; ++r) dx[r] = c.xd[(t + r) * S + s] * d;
+        for (int p = 0; p < 4; ++p) {  // sub-blocks 2p, 2p + 1: [low, high nibbles of 2p | of 2p + 1]
+          const __m256i q = load256(blk + 8 + 32 * p);
+          __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+          a = _mm512_shuffle_i32x4(a, a, _MM_SHUFFLE(1, 1, 0, 0));
+          const __m512i v = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, a, _mm512_srli_epi16(a, 4)), m4));
+          const __m512 sc = halves(float(ls[2 * p]), float(ls[2 * p + 1]));
+          for (int r = 0; r < R; ++r) {
+            const int64_t e = (t + r) * c.K + s * 256 + 64 * p;
+            const __m512i lane = _mm512_dpbusd_epi32(_mm512_loadu_si512(c.lb + e / 4), v, _mm512_loadu_si512(c.xq + e));
+            acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(dx[r])), _mm512_cvtepi32_ps(lane), acc[i][r]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) c.y[(t + r) * c.N + n + i] = _mm512_reduce_add_ps(acc[i][r]);
+  }
+};
+
 #endif  // PORTSIDE_GD_VNNI
 
 template <template <bool> class K45, class K6, class KIQ4>
@@ -316,9 +411,7 @@ void run(const Ctx& c, int64_t ggml_type) {
 
 void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type) {
 #ifdef PORTSIDE_GD_VNNI
-  if (isa == ISA_VNNI && (ggml_type == GGML_Q4_K || ggml_type == GGML_Q5_K))
-    return ggml_type == GGML_Q4_K ? drive<VnniQ45_K<false>>(c) : drive<VnniQ45_K<true>>(c);
-  if (isa == ISA_VNNI) isa = ISA_AVX2;  // Q6_K, IQ4_XS: their AVX2 kernels
+  if (isa == ISA_VNNI) return run<VnniQ45_K, VnniQ6_K, VnniIQ4_XS>(c, ggml_type);
 #endif
 #ifdef PORTSIDE_GD_AVX2
   if (isa == ISA_AVX2) return run<Avx2Q45_K, Avx2Q6_K, Avx2IQ4_XS>(c, ggml_type);

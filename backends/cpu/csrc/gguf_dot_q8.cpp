@@ -66,6 +66,7 @@ struct Avx2Q8Q4 {  // Q4 false: Q8_0 (34-byte blocks), true: Q4_0 (18-byte block
     for (int i = 0; i < NR; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; ++b) {
+      prefetch<NR, R>(c, n, b * BB, BB);
       __m256i wu[NR], ws[NR];
       float dw[NR];
       for (int i = 0; i < NR; ++i) {
@@ -126,6 +127,7 @@ struct VnniQ8Q4 {
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps(), tail[i][r] = 0.f;
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
+      prefetch<NR, R>(c, n, b * BB, 2 * BB);
       __m512i wv[NR];
       __m512 dw[NR];
       for (int i = 0; i < NR; ++i) {
