@@ -2,6 +2,7 @@
 
 from portside.lora.request import LoRARequest
 from portside.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from portside.pooling.params import PoolingParams
 from portside.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "LoRARequest",
+    "PoolingParams",
     "__version__",
 ]
 

@@ -181,3 +181,33 @@ def test_runner_and_task_resolution(tmp_path: Path, folders: dict[str, Path]) ->
         assert llm.engine.config.model.pooler is None
         with pytest.raises(ValueError, match="needs a pooling model"):
             llm.score("a", "b")
+
+
+def test_cli_flags(tmp_path: Path, folders: dict[str, Path]) -> None:
+    """vLLM's flags resolve to the PoolerConfig the engine runs (no engine started)."""
+    import argparse
+
+    from portside.engine.args import EngineArgs
+    from portside.engine.args_cli import add_engine_args, engine_kwargs
+    from portside.platform import resolve_platform
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+
+    def pooler(model: Path, *flags: str):  # type: ignore[no-untyped-def]
+        args = EngineArgs(model=str(model), **engine_kwargs(parser.parse_args(list(flags))))
+        return args.create_engine_config(resolve_platform("cpu")).model.pooler
+
+    causal = make_tiny_model(tmp_path / "lm", "qwen3")
+    assert pooler(causal) is None  # --runner auto: a causal LM generates
+    p = pooler(causal, "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "MEAN", "normalize": false}')
+    assert (p.task, p.pooling_type, p.normalize) == ("embed", "mean", False)
+    p = pooler(causal, "--runner", "pooling", "--hf-overrides", '{"classifier_from_token": ["<|im_start|>", "<|im_end|>"]}')
+    assert (p.task, p.num_labels, p.activation, p.from_token_ids) == ("classify", 1, "sigmoid", (1, 2))
+    p = pooler(folders["qwen2-max-2dense"])  # the folder's own pooling, its two Dense layers
+    assert (p.pooling_type, len(p.dense), p.output_size) == ("max", 2, 24)
+    assert pooler(folders["qwen2-max-2dense"], "--pooling-type", "cls").pooling_type == "cls"  # the flag wins
+    with pytest.raises(ValueError, match="hf_overrides: unknown key"):
+        pooler(causal, "--hf-overrides", '{"rope_theta": 1}')
+    with pytest.raises(ValueError, match="disagree"):
+        pooler(causal, "--runner", "embed", "--convert", "classify")
