@@ -54,14 +54,14 @@ def _weights(ggml_type: int, n: int, k: int, copies: int) -> list[torch.Tensor]:
 
 def _time(fns: dict[str, Callable[[torch.Tensor], object]], ws: list[torch.Tensor], reps: int) -> dict[str, float]:
     """Median seconds per call of each of `fns`, called in turn (so a busy machine slows them alike),
-    each call on the next weight copy (streamed from memory, not cache)."""
+    each call on the next weight copy (streamed from memory, not from the last-level cache)."""
     for fn in fns.values():
         for w in ws:
             fn(w)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for i in range(reps):
-        w = ws[i % len(ws)]
-        for k, fn in fns.items():
+        for j, (k, fn) in enumerate(fns.items()):
+            w = ws[(i * len(fns) + j) % len(ws)]  # a copy no call touched lately
             t0 = time.perf_counter()
             fn(w)
             times[k].append(time.perf_counter() - t0)
