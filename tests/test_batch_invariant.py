@@ -93,18 +93,24 @@ def test_paged_attention_matches_the_reference(features):
         start += m
 
 
-def test_paged_attention_is_chunk_and_batch_invariant():
-    """A 30-token sequence's queries in one call, in chunks of 7 beside other requests, or one by
-    one: the same bits."""
-    keys, values, req, pos = _paged_inputs([30, 23], [30, 23])
-    q = torch.randn(53, 4, 16, generator=torch.Generator().manual_seed(3))
-    whole = bi.paged_attention(q[:30], keys[:1], values[:1], req[:30], pos[:30], 8, 0.25)
-    mixed = bi.paged_attention(q, keys, values, req, pos, 8, 0.25)
+@pytest.mark.parametrize("d,block", [(16, 8), (64, 4), (64, 16)])
+def test_paged_attention_is_chunk_and_batch_invariant(d, block):
+    """A 30-token sequence's queries in one call, in chunks of 7 beside other requests, or each
+    alone with only the keys up to it (a lone query over one block: the products' operands are
+    views there, copies in a batch): the same bits. head_dim 64 takes MKL's batched GEMM, 16
+    torch's own small-matrix loop."""
+    keys, values, req, pos = _paged_inputs([30, 23], [30, 23], d=d)
+    q = torch.randn(53, 4, d, generator=torch.Generator().manual_seed(3))
+    whole = bi.paged_attention(q[:30], keys[:1], values[:1], req[:30], pos[:30], block, 0.25)
+    mixed = bi.paged_attention(q, keys, values, req, pos, block, 0.25)
     assert torch.equal(mixed[:30], whole)
     for a in range(0, 30, 7):
         idx = torch.cat([torch.arange(a, min(a + 7, 30)), torch.arange(30, 40)])
-        part = bi.paged_attention(q[idx], keys, values, req[idx], pos[idx], 8, 0.25)
+        part = bi.paged_attention(q[idx], keys, values, req[idx], pos[idx], block, 0.25)
         assert torch.equal(part[: min(7, 30 - a)], whole[a : a + 7])
+    for p in range(30):
+        lone = bi.paged_attention(q[p : p + 1], keys[:1, : p + 1], values[:1, : p + 1], req[:1], pos[p : p + 1], block, 0.25)
+        assert torch.equal(lone[0], whole[p]), p
 
 
 # ---- end to end ----------------------------------------------------------------------------------
@@ -117,19 +123,20 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory) -> Path:
     """Shapes that are neither powers of two nor multiples of a vector: hidden 96, MLP 200,
-    6 query heads over 2 KV heads (GQA 3), head_dim 16, 3 layers."""
+    6 query heads over 2 KV heads (GQA 3), head_dim 48 (attention's products then take MKL's
+    batched GEMM, as real models' do), 3 layers."""
     return make_tiny_model(tmp_path_factory.mktemp("bi_llama"), "llama", hidden_size=96, intermediate_size=200,
-                           num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3)
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=48, num_hidden_layers=3)
 
 
 def _prompts_and_params(tokenizer):
-    """64 prompts of 3..60 tokens (some sharing a 12-token prefix); the 16 targets (every 4th)
+    """64 prompts of 3..60 tokens (some sharing a prefix); the 16 targets (every 4th)
     sample with a seed and ask for logprobs; the rest mix greedy, seeded and unseeded sampling."""
     rnd = random.Random(0)
     base = tokenizer.encode(" ".join(WORDS * 6))
     prompts, params = [], []
     for i in range(64):
-        n = rnd.randint(3, 60)
+        n = 3 if i == 0 else rnd.randint(3, 60)  # (prompt 0: its first decode attends over one whole block)
         start = 0 if i % 3 == 0 else rnd.randint(1, 40)
         prompts.append(base[start : start + n])
         if i % 4 == 0:

@@ -169,10 +169,13 @@ def paged_attention(
             j1 = min(last + 1, j0 + group)
             n = j1 - j0
             kpos = torch.arange(j0 * B, j1 * B, device=query.device).view(n, B)  # [n, B]
-            rows = C * n * KVH  # one small product per (query, block, KV head): shapes fixed by the model
-            kb = kf[:, j0:j1].index_select(0, req).permute(0, 1, 3, 4, 2).reshape(rows, D, B)
+            # one small product per (query, block, KV head), shapes fixed by the model; every operand
+            # made contiguous: MKL picks its kernel (and so its sum order) by the strides too, and a
+            # reshape of a lone query or block is a strided view where a batch's is a copy
+            rows = C * n * KVH
+            kb = kf[:, j0:j1].index_select(0, req).permute(0, 1, 3, 4, 2).reshape(rows, D, B).contiguous()
             vb = vf[:, j0:j1].index_select(0, req).permute(0, 1, 3, 2, 4)  # [C, n, KVH, B, D]
-            qb = q[:, None].expand(C, n, KVH, G, D).reshape(rows, G, D)
+            qb = q[:, None].expand(C, n, KVH, G, D).reshape(rows, G, D).contiguous()
             s = torch.bmm(qb, kb).view(C, n, KVH, G, B) * scale
             if logit_softcap is not None:
                 s = logit_softcap * torch.tanh(s / logit_softcap)
@@ -185,8 +188,8 @@ def paged_attention(
             bshift = bm.masked_fill(bm == float("-inf"), 0.0)
             p = torch.exp(s - bshift[..., None])  # [C, n, KVH, G, B]; 0 where hidden
             bden = fixed_sum(p)  # [C, n, KVH, G]
-            vb = vb.masked_fill(hidden.transpose(-1, -2), 0.0).reshape(rows, B, D)
-            bacc = torch.bmm(p.reshape(rows, G, B), vb).view(C, n, KVH, G, D)
+            vb = vb.masked_fill(hidden.transpose(-1, -2), 0.0).reshape(rows, B, D).contiguous()
+            bacc = torch.bmm(p.reshape(rows, G, B).contiguous(), vb).view(C, n, KVH, G, D)
             for j in range(n):  # merge in block order
                 m_new = torch.maximum(m, bm[:, j])
                 shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
