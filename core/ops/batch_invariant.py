@@ -75,8 +75,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     padded = -(-rows // ROW_TILE) * ROW_TILE
     buf = x.new_zeros(padded, k)
     buf[:rows] = x.reshape(rows, k)
-    out = torch.cat([F.linear(buf[i : i + ROW_TILE], weight, bias) for i in range(0, padded, ROW_TILE)]) \
-        if padded else x.new_zeros(0, weight.shape[0])
+    # a tile at the same 64-byte alignment as a fresh buffer (GEMM kernels may branch on it); only
+    # a tile of an odd number of bf16/fp16 values per row is not, and is copied
+    aligned = (ROW_TILE * k * buf.element_size()) % 64 == 0
+    tiles = [buf[i : i + ROW_TILE] if aligned else buf[i : i + ROW_TILE].clone() for i in range(0, padded, ROW_TILE)]
+    out = torch.cat([F.linear(t, weight, bias) for t in tiles]) if padded else x.new_zeros(0, weight.shape[0])
     return out[:rows].reshape(*lead, weight.shape[0])
 
 
