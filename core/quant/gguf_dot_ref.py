@@ -115,7 +115,7 @@ def block_terms(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> tuple
     dx = xd.reshape(t, 1, nb)
     terms = (dx * d.reshape(1, n, nb)) * isum.float()
     mags = (dx * d.reshape(1, n, nb)).abs() * iabs.float()
-    if mn is not None:
+    if mn is not None and dmin is not None:
         xsum = xs.double().reshape(t, nb, s, g // 16, 16).sum(-1)  # [T, B, S, g / 16]: the per-16 sums
         mins = mn.reshape(1, n, nb, s).double()
         msum = (xsum.sum(-1).unsqueeze(1) * mins).sum(-1)
