@@ -173,3 +173,12 @@ def test_stacked_gguf_experts_take_the_int8_kernel_per_expert():
     x = _x(5, 256, torch.float32, seed=3)
     for e in range(3):
         assert torch.equal(ops._expert_linear(x, w, e), gguf_dot.linear(x, qweight[e], 12))
+
+
+def test_a_bad_cpu_gguf_act_is_refused_naming_the_choices(tmp_path):
+    from portside import LLM
+    from portside.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "llama")
+    with pytest.raises(ValueError, match=r"cpu_gguf_act='int4': use one of \['int8', 'fp32'\]"):
+        LLM(model=str(path), device="cpu", platform_options={"cpu_gguf_act": "int4"})
