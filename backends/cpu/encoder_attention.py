@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from portside.backends.cpu.host import cpu_flags, has_native_bf16
-from portside.ops.attention import encoder_attention as reference_encoder_attention
+from portside.contract import reference_encoder_attention
 
 __all__ = ["band_mask", "encoder_attention", "length_groups", "compute_dtype"]
 

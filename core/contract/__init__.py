@@ -58,6 +58,7 @@ from portside.contract.attention import (
     ForwardContext,
     GraphCaptureSupport,
     KVCacheSpec,
+    reference_encoder_attention,
 )
 from portside.contract.batch_invariant import BatchInvariantAttention
 from portside.contract.collectives import Communicator, SingleRankCommunicator, TorchDistributedCommunicator

@@ -24,6 +24,7 @@ from portside.ops.attention import encoder_attention as reference_encoder_attent
 
 __all__ = [
     "ATTENTION_FEATURES",
+    "reference_encoder_attention",
     "ENCODER_ATTENTION_FEATURES",
     "AttentionBackend",
     "AttentionMetadata",
