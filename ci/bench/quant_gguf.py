@@ -2,7 +2,7 @@
 
 Per format (Q8_0, Q4_0, Q4_K_M) one GGUF file, read by every peer: portside (``gguf-<fmt>``, the
 cpu backend's GGUF kernels as chosen for this CPU, fp32 activations: ``cpu_gguf_act=fp32`` set
-where that option exists, as its default is int8), portside with int8 activations
+where that option exists, whatever its default), portside with int8 activations
 (``gguf-<fmt>-a8``, platform option ``cpu_gguf_act=int8``; skipped with a note where this build
 has no such option) and llama.cpp (``llama.cpp-<fmt>``: ``llama-cpp-python`` compiled for this
 machine, ``GGML_NATIVE=ON``, in the peer venv `cpu_peers.run_llama_cpp` uses, built on first use).
@@ -42,7 +42,7 @@ PEERS = ("portside", "a8", "llama.cpp")
 # what make_tiny_gguf writes for a format where llama.cpp's quantizer is not at hand
 FALLBACK = {"Q8_0": ("Q8_0", None), "Q4_0": ("Q4_0", None), "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"})}
 A8_OPTION = ("cpu_gguf_act", "int8")
-FP32_ACT = {"cpu_gguf_act": "fp32"}  # the gguf-<fmt> rows, where the option exists (its default may be int8)
+FP32_ACT = {"cpu_gguf_act": "fp32"}  # the gguf-<fmt> rows, where the option exists (set, whatever its default)
 LLAMA_CPP_VERSION = "0.3.36"
 # issue 48's targets: decode llama.cpp ms / portside ms, prefill portside tok/s / llama.cpp's, ms / bound
 TARGETS = {"decode": 1.2, "prefill": 1.0, "bound": 1.3}
