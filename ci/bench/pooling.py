@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -84,6 +85,7 @@ def main() -> None:
 
     from portside import LLM
 
+    load_before = os.getloadavg()[0]  # a shared machine: other work slows both engines (their runs alternate)
     with tempfile.TemporaryDirectory(prefix="pooling-bench-") as tmp:
         path = build_folder(Path(tmp), args.arch)
         texts, mean_len = make_texts(path, args.inputs, args.tokens)
@@ -107,13 +109,15 @@ def main() -> None:
         "portside_inputs_per_s": round(ps_rate, 1), "sentence_transformers_inputs_per_s": round(st_rate, 1),
         "st_batch_size": args.st_batch_size, "max_num_batched_tokens": args.max_num_batched_tokens,
         "ratio": round(ps_rate / st_rate, 2), "min_cosine": cos,
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(
         f"# Embedding throughput ({args.arch}, {args.dtype}, {args.inputs} inputs of ~{mean_len:.0f} tokens)\n\n"
-        f"CPU: {result['cpu']}; torch threads {result['torch_threads']}\n\n"
+        f"CPU: {result['cpu']}; torch threads {result['torch_threads']}; 1-min load average "
+        f"{result['load_average_1min'][0]} before, {result['load_average_1min'][1]} after\n\n"
         "| engine | inputs/s |\n|---|---|\n"
         f"| portside (LLM.embed, max_num_batched_tokens {args.max_num_batched_tokens}) | {ps_rate:.1f} |\n"
         f"| sentence-transformers (encode, batch {args.st_batch_size}) | {st_rate:.1f} |\n\n"

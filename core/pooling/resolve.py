@@ -61,8 +61,9 @@ def resolve_pooler(path: str, hf: dict[str, Any], *, task: str, convert: str | N
         getattr(cls, "default_pooling_type", None) is not None and not hasattr(cls, "compute_logits"))
     wanted = convert if convert not in ("auto", "none") else None
     if task == "generate":
-        if wanted or pooling_type is not None or opts:
-            raise ValueError("convert, pooling_type and pooler_config apply to pooling models; pass --runner pooling")
+        if wanted or pooling_type is not None or opts or from_tokens:
+            raise ValueError("convert, pooling_type, pooler_config and classifier_from_token apply to pooling models; "
+                             "pass --runner pooling")
         if pooling_only:
             raise ValueError(f"{arch} is a pooling model (it has no LM head to generate with); serve it with "
                              "--runner pooling")
