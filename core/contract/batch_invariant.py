@@ -53,6 +53,7 @@ class BatchInvariantAttention(AttentionBackend):
 
     @property
     def encoder_features(self) -> frozenset[str]:  # type: ignore[override]
+        """`inner`'s: encoder (bidirectional) attention runs there unchanged."""
         return self.inner.encoder_features
 
     def encoder_attention(self, query, key, value, cu_seqlens, max_seqlen, scale, **features):  # type: ignore[no-untyped-def]
