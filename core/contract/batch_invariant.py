@@ -89,7 +89,8 @@ class BatchInvariantAttention(AttentionBackend):
         mask = inside.to(k.device)[:, :, None, None]
         k = k.float().reshape(shape).masked_fill(~mask, 0.0)
         v = v.float().reshape(shape).masked_fill(~mask, 0.0)
-        q_req, q_pos = [], []
+        q_req: list[int] = []
+        q_pos: list[int] = []
         for r, i in enumerate(reqs):
             n = qsl[i + 1] - qsl[i]
             q_req += [r] * n

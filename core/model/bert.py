@@ -13,6 +13,7 @@ names, so checkpoint tensors load by name (`EncoderModel.load_weights`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -171,7 +172,7 @@ class BertModel(EncoderModel):
 
     checkpoint_prefixes = ("bert.",)
     ignored = ("cls.",)  # BertForPreTraining / MaskedLM heads
-    _padding_idx = staticmethod(lambda hf: None)
+    _padding_idx: Callable[[Any], int | None] = staticmethod(lambda hf: None)
 
     def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:

@@ -157,7 +157,8 @@ class ModernBertForSequenceClassification(EncoderModel):
         pooling = getattr(self.hf, "classifier_pooling", "cls")
         if pooling not in ("cls", "mean"):
             raise ValueError(f"ModernBERT classifier_pooling {pooling!r}: expected cls or mean")
-        self.default_pooling_type = pooling  # type: ignore[misc]  (per checkpoint, not per class)
+        # per checkpoint, not per class
+        self.default_pooling_type = pooling  # type: ignore[misc]
         self.num_labels = int(self.hf.num_labels)
         self.model = ModernBertBody(self.hf, dtype, args.max_model_len or args.max_position_embeddings)
         self.head = _Head(self.hf, dtype)

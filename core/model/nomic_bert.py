@@ -18,6 +18,7 @@ by the mean (`default_pooling_type`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ __all__ = ["NomicBertModel", "read_nomic_config"]
 
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "intermediate_size": "n_inner", "max_position_embeddings": "n_positions"}
-_ACTIVATIONS = {"swiglu": F.silu, "geglu": F.gelu}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"swiglu": F.silu, "geglu": F.gelu}
 
 
 def read_nomic_config(folder: str | Path) -> Any | None:
