@@ -36,6 +36,8 @@ waits. It holds:
   (int8/int4/fp8 codes, GGUF blocks; int8 x int8) (`csrc/quant_gemm.cpp`, `quant.CpuQuantOps`);
 - `portside_cpu_native::gguf_dot`: GGUF blocks times activations quantized to int8 per block, as
   llama.cpp's vec_dot (`csrc/gguf_dot*.cpp`, `gguf_dot`, `quant.CpuQuantOps` with ``cpu_gguf_act=int8``);
+- `portside_cpu_native::int4_dot`: GPTQ/AWQ int4 times activations quantized to int8 per group
+  (`csrc/int4_dot.cpp`, `int4_dot`, `quant.CpuQuantOps` with ``cpu_int4_act=int8``);
 - `portside_cpu_native::block_quant_linear`: linears over block-wise fp8 and mxfp4 weights,
   decoded 32 columns at a time (`csrc/block_quant.cpp`, `block_quant`);
 - `portside_cpu_native::causal_conv1d` / `ssd_scan` / `selective_scan` / `gated_delta_rule`: the
@@ -86,6 +88,7 @@ SOURCES = (
     CSRC / "gguf_dot.cpp",
     CSRC / "gguf_dot_q8.cpp",
     CSRC / "gguf_dot_k.cpp",
+    CSRC / "int4_dot.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "amx_tiles.h",
             CSRC / "recurrent.h", CSRC / "gguf_dot.h")
@@ -329,6 +332,7 @@ def load() -> Path:
             torch.library.register_fake("portside_cpu_native::mla_decode", _mla_decode_fake),
             torch.library.register_fake("portside_cpu_native::block_quant_linear", _block_quant_linear_fake),
             torch.library.register_fake("portside_cpu_native::gguf_dot", _gguf_dot_fake),
+            torch.library.register_fake("portside_cpu_native::int4_dot", _int4_dot_fake),
         )
     return target
 
@@ -371,6 +375,11 @@ def _block_quant_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: tor
 
 def _gguf_dot_fake(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
                    isa: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _int4_dot_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   group_size: int, bias: torch.Tensor | None, isa: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 

@@ -24,6 +24,7 @@ import torch
 from portside.backends.cpu import kernels, native_ops
 from portside.backends.cpu.gguf_dot import DEFAULT_GGUF_ACT, GGUF_ACTS
 from portside.backends.cpu.host import has_amx_bf16, has_native_bf16
+from portside.backends.cpu.int4_dot import DEFAULT_INT4_ACT, INT4_ACTS
 from portside.backends.cpu.ipex_attention import ipex_unavailable_reason
 from portside.backends.cpu.openvino_runner import openvino_available
 from portside.contract import BackendOption
@@ -56,6 +57,8 @@ BACKEND_OPTIONS = (
                   ON_OFF, "on"),
     BackendOption("cpu_gguf_act", "GGUF weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS) times activations quantized "
                   "to int8 per block as llama.cpp does, or times fp32 activations", GGUF_ACTS, DEFAULT_GGUF_ACT),
+    BackendOption("cpu_int4_act", "weight-only int4 (GPTQ, AWQ, compressed-tensors) times activations quantized "
+                  "to int8 per group as the kernel goes, or times fp32 activations", INT4_ACTS, DEFAULT_INT4_ACT),
 )
 _DEFAULTS = {o.name: o.default for o in BACKEND_OPTIONS}
 

@@ -217,6 +217,7 @@ class CpuPlatform(Platform):
         ops = CpuModelOps(wait=getattr(getattr(config, "model", None), "quantization", None) is not None)
         if hasattr(config, "option"):  # GGUF weights' activations: option cpu_gguf_act
             ops.gguf_act = config.option("cpu_gguf_act", ops.gguf_act)
+            ops.int4_act = config.option("cpu_int4_act", ops.int4_act)  # int4 weights' activations
         return ops
 
     @classmethod

@@ -9,6 +9,9 @@ inherits, over the native operators of `csrc/quant_gemm.cpp`:
   blocks times activations quantized to int8 per block as the kernel goes, as llama.cpp does
   (``gguf_act == "int8"``: backend option ``cpu_gguf_act``; its default ``fp32``: the weight-only
   kernel above, IQ4_XS the reference);
+- ``portside_cpu_native::int4_dot`` (`int4_dot`): weight-only int4 (GPTQ/AWQ) times activations
+  quantized to int8 per block as the kernel goes (layout ``w4a8``: backend option
+  ``cpu_int4_act=int8``; its default ``fp32``: the weight-only kernel above);
 - ``portside_cpu_native::quant_linear_w8a8``: int8 weights x int8 activations (``act ==
   "int8"``, ``--quantized-activations int8``): the activations rounded per token as
   `portside.quant.weight.quantize_activation` does, exact integer dot products (AVX2
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portside.backends.cpu import block_quant, gguf_dot, native_ops
+from portside.backends.cpu import block_quant, gguf_dot, int4_dot, native_ops
 from portside.contract import QuantWeight, pack_int4, quantize_activation, unpack_int4
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,7 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 class CpuQuantLayout:
     """What `CpuQuantOps.prepare_quantized` chose for one weight (``weight.layout``)."""
 
-    kernel: str  # "int8", "int4", "fp8", "w8a8", "gguf-<type>" or "gguf-<type>-int8" (`gguf_dot`)
+    kernel: str  # "int8", "int4", "fp8", "w8a8", "w4a8" (`int4_dot`), "gguf-<type>" or "gguf-<type>-int8" (`gguf_dot`)
     fmt: int  # csrc/quant_gemm.cpp's format code (unused for "w8a8")
     group_size: int  # columns per scale group (0: the whole row)
     permuted: bool  # act order: codes in ``packed_qweight``, x gathered by ``packed_perm``
@@ -64,9 +67,10 @@ def isa() -> str:
     return str(torch.ops.portside_cpu_native.quant_isa())
 
 
-def plan(w: QuantWeight, gguf_act: str = "fp32") -> tuple[CpuQuantLayout | None, str]:
+def plan(w: QuantWeight, gguf_act: str = "fp32", int4_act: str = "fp32") -> tuple[CpuQuantLayout | None, str]:
     """The native layout for `w` (a linear's 2-D weight or stacked experts' 3-D one), or None and
-    why the reference stays; `gguf_act` "int8": GGUF types with an int8-activation kernel take it."""
+    why the reference stays; `gguf_act` "int8": GGUF types with an int8-activation kernel take it;
+    `int4_act` "int8": weight-only int4 takes `int4_dot` ("w4a8")."""
     n, k = w.shape
     if w.qweight.dim() not in (2, 3) or w.qweight.device.type != "cpu":
         return None, f"qweight of shape {tuple(w.qweight.shape)} on {w.qweight.device}"
@@ -106,6 +110,8 @@ def plan(w: QuantWeight, gguf_act: str = "fp32") -> tuple[CpuQuantLayout | None,
             permuted = True
     if w.act == "int8" and w.bits == 8:
         return CpuQuantLayout("w8a8", FMT_INT8, gs, permuted), ""
+    if int4_act == "int8" and w.bits == 4 and w.act is None:
+        return CpuQuantLayout("w4a8", FMT_INT4, gs, permuted), ""
     return CpuQuantLayout(f"int{w.bits}", FMT_INT8 if w.bits == 8 else FMT_INT4, gs, permuted), ""
 
 
@@ -123,6 +129,7 @@ class CpuQuantOps:
 
     native: bool = False
     gguf_act: str = gguf_dot.DEFAULT_GGUF_ACT  # backend option cpu_gguf_act (the platform sets it)
+    int4_act: str = int4_dot.DEFAULT_INT4_ACT  # backend option cpu_int4_act (the platform sets it)
 
     def prepare_quantized(self, weight: QuantWeight) -> QuantWeight:
         weight = super().prepare_quantized(weight)  # type: ignore[misc]
@@ -130,7 +137,7 @@ class CpuQuantOps:
             return block_quant.prepare(weight, self.native)
         if not self.native or not isa():
             return weight
-        layout, why = plan(weight, self.gguf_act)
+        layout, why = plan(weight, self.gguf_act, self.int4_act)
         if layout is None:
             logger.info("cpu: %s stays on the reference quantized linear: %s", weight.extra_repr(), why)
             return weight
@@ -187,6 +194,9 @@ def _linear(x: torch.Tensor, w: QuantWeight, layout: CpuQuantLayout, codes: torc
         codes = w.packed_qweight
     if layout.kernel.endswith("-int8"):  # GGUF x int8 activations
         return gguf_dot.linear(x, codes, w.ggml_type, bias)
+    if layout.kernel == "w4a8":  # int4 x int8 activations
+        assert scales is not None
+        return int4_dot.linear(x, codes, scales, zeros, layout.group_size, bias)
     if layout.kernel == "w8a8":
         return ops.quant_linear_w8a8(x, codes, scales, zeros, w.input_scale, bias, layout.group_size)
     if w.act is not None:  # rounded as the reference rounds them, then the weight-only kernel

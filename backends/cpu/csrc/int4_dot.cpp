@@ -1,0 +1,351 @@
+// 4-bit integer weights (GPTQ, AWQ, compressed-tensors int4 in portside's canonical layout) times
+// activations quantized to int8 on the fly, as a torch operator (quant.py's ``cpu_int4_act=int8``):
+//
+//   portside_cpu_native::int4_dot(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size,
+//                                 Tensor? bias, int isa) -> Tensor
+//     y [T, N] = x [T, K] . W^T (+ bias) in x's dtype (fp32 or bf16); qweight uint8 [N, K / 2] (column
+//     2j in the low nibble of byte j), scales fp32 [N, G], zeros fp32 [N, G] whole numbers or None
+//     (8), G = K / group_size groups of consecutive columns (act order: the caller sorts the
+//     columns by group first, as quant.py does): W[n, k] = (q[n, k] - z[n, g]) * s[n, g].
+//
+// The arithmetic is portside.quant.int4_dot_ref's (read it first): x is quantized per activation
+// block of ab = gcd(group_size, 128) columns (scale = amax / 127, codes = round-half-even(x /
+// scale) in [-127, 127], gguf_dot's rounding); each block's sum_k (q - z) * x_code is an exact
+// integer, scaled once in fp32 by s * d_x; a row is the fp32 sum of its blocks' terms.
+//
+// Paths (`isa` as gguf_dot's: 0 the best here, 1 scalar, 2 AVX2, 3 AVX-512 VNNI; checked against
+// the CPU's flags at run time):
+//   - scalar: portable C++ (not auto-vectorized: gguf_dot.h's PORTSIDE_GD_SCALAR);
+//   - AVX2 / AVX-512 VNNI: 64 columns per step from 32 packed bytes, the low nibbles (the even
+//     columns) and the high ones (the odd columns) as unsigned bytes against the activation codes
+//     laid out per 64 columns as [even 32 | odd 32] (once per call), maddubs + madd (AVX2) or one
+//     vpdpbusd (VNNI) into int32 lanes; per activation block each lane then takes off z times its
+//     own codes' sum (precomputed per call), so every lane holds its codes' true signed dot product
+//     before it is converted to fp32 and scaled (no large unsigned bias left to cancel in fp32).
+//     A row whose K is an odd number of 32s reads its last 16 bytes alone (the codes padded with
+//     zeros). Group size 32: a 64-column step spans two groups; the lanes carry each one's scale.
+// Decode (one token row) streams two weight rows side by side and prefetches the rows it reads next;
+// several token rows share each loaded weight step, 4 at a time; output rows split across threads.
+
+#include "gguf_dot.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <numeric>
+#include <vector>
+
+namespace portside_int4 {
+namespace {
+
+using portside_gguf::ISA_AVX2;
+using portside_gguf::ISA_BEST;
+using portside_gguf::ISA_SCALAR;
+using portside_gguf::ISA_VNNI;
+using portside_gguf::isa_runs;
+
+struct Ctx {
+  const uint8_t* w;  // codes [N, rb = K / 2]
+  int64_t rb, K, N, T, gs, ab, G;
+  const float* s;  // [N, G]
+  const float* z;  // [N, G] or null (8)
+  const int8_t* xq;  // activation codes [T, K] (scalar) or [T, K64] laid out per 64 as [even | odd] (SIMD)
+  int64_t K64, U, nU;  // SIMD: padded K, columns per unit (max(ab, 64)), units per row
+  const float* xd;  // activation scales [T, K / ab]
+  const int32_t* ls;  // SIMD: per unit and int32 lane, the sum of that lane's codes [T, nU, L]
+  float* y;  // [T, N]
+};
+
+inline int32_t zero_at(const Ctx& c, int64_t n, int64_t g) { return c.z ? int32_t(c.z[n * c.G + g]) : 8; }
+
+constexpr int64_t PREFETCH_ROWS = 2;
+
+template <class Kern>
+void drive(const Ctx& c) {
+  if (c.T == 1) {
+    at::parallel_for(0, c.N, 16, [&](int64_t n0, int64_t n1) {
+      int64_t n = n0;
+      for (; n + 2 <= n1; n += 2) Kern::template rows<2, 1>(c, n, 0);
+      if (n < n1) Kern::template rows<1, 1>(c, n, 0);
+    });
+    return;
+  }
+  at::parallel_for(0, c.N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t = 0; t < c.T; t += 4) {
+        switch (std::min<int64_t>(4, c.T - t)) {
+          case 4: Kern::template rows<1, 4>(c, n, t); break;
+          case 3: Kern::template rows<1, 3>(c, n, t); break;
+          case 2: Kern::template rows<1, 2>(c, n, t); break;
+          default: Kern::template rows<1, 1>(c, n, t); break;
+        }
+      }
+  });
+}
+
+// ---- scalar ---------------------------------------------------------------------------------------
+
+struct Scalar {
+  template <int NR, int R>
+  PORTSIDE_GD_SCALAR static void rows(const Ctx& c, int64_t n, int64_t t) {
+    const int64_t nb = c.K / c.ab;
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* row = c.w + (n + i) * c.rb;
+        const int8_t* x = c.xq + (t + r) * c.K;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t g = b * c.ab / c.gs;
+          const int32_t z = zero_at(c, n + i, g);
+          int32_t s = 0;
+          for (int64_t k = b * c.ab; k < (b + 1) * c.ab; ++k)
+            s += (int32_t((row[k >> 1] >> (4 * (k & 1))) & 0x0F) - z) * x[k];
+          acc += (c.s[(n + i) * c.G + g] * c.xd[(t + r) * nb + b]) * float(s);
+        }
+        c.y[(t + r) * c.N + n + i] = acc;
+      }
+  }
+};
+
+// The scales and zero points of unit u's two halves (ab 32: blocks 2u, 2u + 1; else one block u).
+struct UnitScales {
+  int32_t z0, z1;
+  float s0, s1;  // weight scales
+  int64_t b0, b1;  // activation blocks (b1 == nb: the padding of a row of an odd number of 32s)
+};
+
+inline UnitScales unit_scales(const Ctx& c, int64_t n, int64_t u) {
+  const int64_t nb = c.K / c.ab;
+  if (c.ab >= 64) {
+    const int64_t g = u * c.ab / c.gs;
+    const int32_t z = zero_at(c, n, g);
+    const float s = c.s[n * c.G + g];
+    return {z, z, s, s, u, u};
+  }
+  const int64_t b0 = 2 * u, b1 = 2 * u + 1, g0 = b0 * 32 / c.gs;
+  if (b1 >= nb) return {zero_at(c, n, g0), 0, c.s[n * c.G + g0], 0.f, b0, nb};
+  const int64_t g1 = b1 * 32 / c.gs;
+  return {zero_at(c, n, g0), zero_at(c, n, g1), c.s[n * c.G + g0], c.s[n * c.G + g1], b0, b1};
+}
+
+inline float xscale(const Ctx& c, int64_t t, int64_t b) {
+  const int64_t nb = c.K / c.ab;
+  return b < nb ? c.xd[t * nb + b] : 0.f;
+}
+
+template <int NR, int R>
+inline void prefetch(const Ctx& c, int64_t n, int64_t u) {
+  if constexpr (R == 1) {
+    const int64_t off = u * c.U / 2;
+    if ((off & 63) == 0 || c.U >= 128)
+      for (int i = 0; i < NR; ++i)
+        __builtin_prefetch(reinterpret_cast<const char*>(c.w) + (n + i + PREFETCH_ROWS * NR) * c.rb + off, 0, 3);
+  }
+}
+
+#ifdef PORTSIDE_GD_AVX2
+
+// 64 columns' codes from 32 bytes (16 at a row's odd last 32 columns): even columns' nibbles, odd ones'.
+inline void nibbles64(const uint8_t* p, bool half, __m256i& lo, __m256i& hi) {
+  const __m256i b = half ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(b, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+
+struct Avx2 {
+  template <int NR, int R>
+  static void rows(const Ctx& c, int64_t n, int64_t t) {
+    __m256 f[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) f[i][r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t u = 0; u < c.nU; ++u) {
+      prefetch<NR, R>(c, n, u);
+      __m256i acc[NR][R];  // int16 pairs: at most 4 maddubs sums of 2 x 15 x 127 (U <= 128)
+      for (int i = 0; i < NR; ++i)
+        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_si256();
+      for (int64_t col = u * c.U; col < (u + 1) * c.U; col += 64) {
+        const bool half = col + 64 > c.K;
+        for (int i = 0; i < NR; ++i) {
+          __m256i lo, hi;
+          nibbles64(c.w + (n + i) * c.rb + col / 2, half, lo, hi);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xp = c.xq + (t + r) * c.K64 + col;
+            acc[i][r] = _mm256_add_epi16(acc[i][r], _mm256_maddubs_epi16(lo, portside_gguf::load256(xp)));
+            acc[i][r] = _mm256_add_epi16(acc[i][r], _mm256_maddubs_epi16(hi, portside_gguf::load256(xp + 32)));
+          }
+        }
+      }
+      for (int i = 0; i < NR; ++i) {
+        const UnitScales us = unit_scales(c, n + i, u);
+        const __m256i zv = _mm256_blend_epi32(_mm256_set1_epi32(us.z0), _mm256_set1_epi32(us.z1), 0xF0);
+        for (int r = 0; r < R; ++r) {
+          const __m256i lsv = portside_gguf::load256(c.ls + ((t + r) * c.nU + u) * 8);
+          const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(acc[i][r], ones), _mm256_mullo_epi32(zv, lsv));
+          const __m256 sv = _mm256_blend_ps(_mm256_set1_ps(us.s0 * xscale(c, t + r, us.b0)),
+                                            _mm256_set1_ps(us.s1 * xscale(c, t + r, us.b1)), 0xF0);
+          f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, f[i][r]);
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) c.y[(t + r) * c.N + n + i] = portside_gguf::hsum256(f[i][r]);
+  }
+};
+
+#endif  // PORTSIDE_GD_AVX2
+
+#ifdef PORTSIDE_GD_VNNI
+
+// As Avx2, with vpdpbusd on 256-bit vectors (AVX-512 VL): one instruction per 32 codes in place of
+// maddubs + add, and the int32 lanes accumulate the whole unit (Zen 4 runs 512-bit operations as
+// two 256-bit halves: 64 codes per zmm measured no faster than 2 x 32).
+struct Vnni {
+  template <int NR, int R>
+  static void rows(const Ctx& c, int64_t n, int64_t t) {
+    __m256 f[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) f[i][r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < c.nU; ++u) {
+      prefetch<NR, R>(c, n, u);
+      __m256i acc[NR][R];
+      for (int i = 0; i < NR; ++i)
+        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_si256();
+      for (int64_t col = u * c.U; col < (u + 1) * c.U; col += 64) {
+        const bool half = col + 64 > c.K;
+        for (int i = 0; i < NR; ++i) {
+          __m256i lo, hi;
+          nibbles64(c.w + (n + i) * c.rb + col / 2, half, lo, hi);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xp = c.xq + (t + r) * c.K64 + col;
+            acc[i][r] = _mm256_dpbusd_epi32(acc[i][r], lo, portside_gguf::load256(xp));
+            acc[i][r] = _mm256_dpbusd_epi32(acc[i][r], hi, portside_gguf::load256(xp + 32));
+          }
+        }
+      }
+      for (int i = 0; i < NR; ++i) {
+        const UnitScales us = unit_scales(c, n + i, u);
+        const __m256i zv = _mm256_blend_epi32(_mm256_set1_epi32(us.z0), _mm256_set1_epi32(us.z1), 0xF0);
+        for (int r = 0; r < R; ++r) {
+          const __m256i lsv = portside_gguf::load256(c.ls + ((t + r) * c.nU + u) * 8);
+          const __m256i d = _mm256_sub_epi32(acc[i][r], _mm256_mullo_epi32(zv, lsv));
+          const __m256 sv = _mm256_blend_ps(_mm256_set1_ps(us.s0 * xscale(c, t + r, us.b0)),
+                                            _mm256_set1_ps(us.s1 * xscale(c, t + r, us.b1)), 0xF0);
+          f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, f[i][r]);
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) c.y[(t + r) * c.N + n + i] = portside_gguf::hsum256(f[i][r]);
+  }
+};
+
+#endif  // PORTSIDE_GD_VNNI
+
+// x [T, K] fp32 -> codes [T, K] and scales [T, K / block]: gguf_dot's rounding (IEEE division, round
+// half to even, no fast-math), so int4_dot_ref.quantize_activations (gguf_dot_ref's) gives the same.
+void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t* q, float* d) {
+  at::parallel_for(0, T * (K / block), 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * block;
+      int8_t* qb = q + b * block;
+      float amax = 0.f;
+      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float scale = amax / 127.f;
+      d[b] = scale;
+      if (amax == 0.f) {
+        std::memset(qb, 0, block);
+        continue;
+      }
+      for (int64_t j = 0; j < block; ++j) qb[j] = int8_t(std::nearbyint(std::min(std::max(xb[j] / scale, -127.f), 127.f)));
+    }
+  });
+}
+
+int64_t best_isa() {
+  for (int64_t isa : {ISA_VNNI, ISA_AVX2})
+    if (isa_runs(isa)) return isa;
+  return ISA_SCALAR;
+}
+
+at::Tensor int4_dot(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                    int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_dot: x must be a 2-D fp32 or bf16 cpu tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte && qweight.device().is_cpu(),
+              "int4_dot: qweight must be contiguous 2-D uint8 on the cpu");
+  if (isa == ISA_BEST) isa = best_isa();
+  TORCH_CHECK(isa_runs(isa), "int4_dot: instruction-set path ", isa, " is not built in or not on this CPU");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t T = xf.size(0), K = xf.size(1), N = qweight.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0 && qweight.size(1) * 2 == K,
+              "int4_dot: ", K, " input features, rows of ", qweight.size(1), " bytes and groups of ", group_size,
+              " do not fit (K = 2 x row bytes, a whole number of groups, groups a multiple of 32)");
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
+                  scales.size(1) == G,
+              "int4_dot: scales must be contiguous fp32 [", N, ", ", G, "]");
+  TORCH_CHECK(!zeros.has_value() || (zeros->scalar_type() == at::kFloat && zeros->is_contiguous() &&
+                                     zeros->sizes() == scales.sizes()),
+              "int4_dot: zeros must be contiguous fp32 [", N, ", ", G, "]");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "int4_dot: bias must have ", N, " values");
+  at::Tensor out = at::empty({T, N}, xf.options());
+  if (T > 0 && N > 0 && K > 0) {
+    const int64_t ab = std::gcd(group_size, int64_t(128)), nb = K / ab;
+    std::vector<int8_t> xq(T * K);
+    std::vector<float> xd(T * nb);
+    quantize_blocks(xf.data_ptr<float>(), T, K, ab, xq.data(), xd.data());
+    Ctx c{qweight.data_ptr<uint8_t>(), K / 2, K, N, T, group_size, ab, G, scales.data_ptr<float>(),
+          zeros.has_value() ? zeros->data_ptr<float>() : nullptr, xq.data(), 0, 0, 0, xd.data(), nullptr,
+          out.data_ptr<float>()};
+    if (isa == ISA_SCALAR) {
+      drive<Scalar>(c);
+    } else {
+      // [even | odd] per 64 columns (zeros past K), and each unit's per-lane code sums
+      const int64_t K64 = (K + 63) / 64 * 64, U = std::max<int64_t>(ab, 64), nU = K64 / U, L = 8;
+      std::vector<int8_t> xp(T * K64, 0);
+      std::vector<int32_t> ls(T * nU * L, 0);
+      for (int64_t t = 0; t < T; ++t) {
+        const int8_t* q = xq.data() + t * K;
+        int8_t* p = xp.data() + t * K64;
+        for (int64_t col = 0; col < K64; col += 64)
+          for (int64_t j = 0; j < 32; ++j) {
+            if (col + 2 * j < K) p[col + j] = q[col + 2 * j];
+            if (col + 2 * j + 1 < K) p[col + 32 + j] = q[col + 2 * j + 1];
+          }
+        for (int64_t u = 0; u < nU; ++u)
+          for (int64_t col = u * U; col < (u + 1) * U; col += 64)
+            for (int64_t lane = 0; lane < 16; ++lane) {
+              int32_t s = 0;
+              for (int64_t j = 0; j < 4; ++j) s += p[col + 4 * lane + j];
+              ls[(t * nU + u) * L + lane % L] += s;
+            }
+      }
+      c.xq = xp.data();
+      c.K64 = K64;
+      c.U = U;
+      c.nU = nU;
+      c.ls = ls.data();
+#ifdef PORTSIDE_GD_VNNI
+      if (isa == ISA_VNNI) drive<Vnni>(c);
+#endif
+#ifdef PORTSIDE_GD_AVX2
+      if (isa == ISA_AVX2) drive<Avx2>(c);
+#endif
+    }
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat).reshape({1, N}));
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+}  // namespace portside_int4
+
+TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
+  m.def("int4_dot(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, Tensor? bias, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(portside_cpu_native, CPU, m) { m.impl("int4_dot", &portside_int4::int4_dot); }

@@ -1,0 +1,174 @@
+"""int4 (GPTQ/AWQ) weights times 8-bit activations (`backends/cpu/int4_dot.py`, `csrc/int4_dot.cpp`):
+every instruction-set path this CPU runs, against
+
+(a) `portside.quant.int4_dot_ref`, the same arithmetic in pure torch: the integer block dots are
+    exact on both sides, so they differ only in the order of the fp32 sums (and in converting an
+    integer sum lane by lane): a few ulps of the row's sum of |lane terms|;
+(b) dequantize-then-matmul (`dequantize` of the canonical weight): the kernel rounds x per block to
+    int8, at most half a step (scale / 2) per value, so |y - x W^T| <= sum_k |W[n, k]| step(t, k) / 2
+    (plus the fp32 sums above).
+
+Shapes: N odd (the decode kernel's leftover row), odd group counts, K an odd number of 32s (the
+SIMD kernels' half step), group sizes 32, 64, 128, 256 and one per row; zero points or none
+(symmetric); act order (a random g_idx, through `CpuQuantOps`, which sorts the columns); T = 1
+(decode), 2, 3, 5..9 (token rows 4 at a time and a remainder) and 17; fp32 and bf16, with a bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portside.backends.cpu import native_ops
+from portside.quant import int4_dot_ref
+from portside.quant.gguf_dot_ref import quantize_activations
+from portside.quant.weight import QuantWeight, dequantize, pack_int4
+
+if native_ops.unavailable_reason() is not None:
+    pytest.skip(f"the native operators do not build here: {native_ops.unavailable_reason()}", allow_module_level=True)
+
+from portside.backends.cpu import gguf_dot, int4_dot  # noqa: E402
+
+ISAS = gguf_dot.isas()
+# (N, K, group size): odd group counts; K = 352 and 96 are odd numbers of 32s
+SHAPES = ((33, 96, 32), (7, 352, 32), (9, 192, 64), (5, 384, 128), (3, 640, 128), (5, 768, 256), (3, 320, 320))
+ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 17)
+EPS = torch.finfo(torch.float32).eps
+
+
+def _weight(n: int, k: int, gs: int, zeros: bool, seed: int, act_order: bool = False) -> QuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :gs] = torch.tensor([0, 15] * (gs // 2), dtype=torch.uint8)  # the extreme codes
+    groups = k // gs
+    scales = (torch.rand(n, groups, generator=g) + 0.5) / (4 * k**0.5)
+    zero = torch.randint(0, 16, (n, groups), generator=g).float() if zeros else None
+    g_idx = torch.randperm(k, generator=g).remainder(groups).int() if act_order else None
+    return QuantWeight("int", (n, k), pack_int4(codes).contiguous(), bits=4, scales=scales, zeros=zero, group_size=gs,
+                       g_idx=g_idx, method="gptq")
+
+
+def _x(t: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0  # an all-zero activation block: scale 0
+    if t > 2:
+        x[2] *= 1000  # rows of very different sizes (per-block scales)
+    return x.to(dtype)
+
+
+def _check(out: torch.Tensor, w: QuantWeight, x: torch.Tensor, bias: torch.Tensor, what: str) -> None:
+    t, k = x.shape
+    assert out.shape == (t, w.out_features) and out.dtype == x.dtype, what
+    # (a) the same arithmetic: a few ulps of sum |lane term| per row (and bf16's rounding of y)
+    ref, mag = int4_dot_ref.int4_dot(x, w.qweight, w.scales, w.zeros, w.group_size, w.g_idx, bias.to(x.dtype))
+    tol = (k // 32 + 16) * 2 * EPS * (mag + bias.abs())
+    if x.dtype == torch.bfloat16:
+        tol = tol + ref.float().abs() * 2**-8
+    err = (out.float() - ref.float()).abs()
+    assert (err <= tol).all(), f"{what}: vs the same arithmetic, max err/tol {(err / tol).max():.2f}"
+    # (b) dequantize-then-matmul: bounded by the activations' rounding (steps in the sorted column order)
+    dense = dequantize(w, torch.float32).double()
+    perm = int4_dot_ref.sorted_columns(w.g_idx, k, w.group_size)
+    xs, ds = (x, dense) if perm is None else (x.index_select(1, perm), dense.index_select(1, perm))
+    ab = int4_dot_ref.act_block(w.group_size)
+    _, d = quantize_activations(xs, ab)
+    step = d.double().repeat_interleave(ab, dim=1)  # [T, K]
+    bound = (ds.abs() @ step.T).T / 2 + tol
+    exact = x.double() @ dense.T + bias.to(x.dtype).double()
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"{what}: vs dequantize-then-matmul, max err/bound {(err / bound).max():.2f}"
+    assert err.mean() < bound.mean() / 4, what  # the rounding is not all there is
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
+def test_kernel_against_references(isa: str, zeros: bool):
+    for i, (n, k, gs) in enumerate(SHAPES):
+        w = _weight(n, k, gs, zeros, seed=i)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
+        for t in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = _x(t, k, dtype, seed=t)
+                out = int4_dot.linear(x, w.qweight, w.scales, w.zeros, gs, bias.to(dtype), isa=isa)
+                _check(out, w, x, bias, f"{isa} N={n} K={k} group={gs} zeros={zeros} T={t} {dtype}")
+
+
+def test_paths_agree_closely():
+    """Every path against the scalar one, on a decode-sized row (2048 = 16 groups of 128)."""
+    w = _weight(37, 2048, 128, True, seed=7)
+    x = _x(1, 2048, torch.float32, seed=1)
+    scalar = int4_dot.linear(x, w.qweight, w.scales, w.zeros, 128, isa="scalar")
+    _, mag = int4_dot_ref.int4_dot(x, w.qweight, w.scales, w.zeros, 128)
+    for isa in ISAS:
+        out = int4_dot.linear(x, w.qweight, w.scales, w.zeros, 128, isa=isa)
+        assert ((out - scalar).abs() <= 80 * 2 * EPS * mag).all(), isa
+
+
+def test_decode_size_rows_and_threads():
+    """A decode-sized matrix over several threads: the same as one thread."""
+    w = _weight(301, 2048, 64, True, seed=9)
+    x = _x(1, 2048, torch.float32, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int4_dot.linear(x, w.qweight, w.scales, w.zeros, 64)
+        torch.set_num_threads(max(2, threads))
+        many = int4_dot.linear(x, w.qweight, w.scales, w.zeros, 64)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each output is one thread's sum, in the same order
+    _check(one, w, x, torch.zeros(301), "decode")
+
+
+def test_bad_arguments_are_refused():
+    w = _weight(4, 128, 32, True, seed=0)
+    x = torch.randn(2, 128)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        int4_dot.linear(torch.randn(2, 96), w.qweight, w.scales, w.zeros, 32)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        int4_dot.linear(x, w.qweight, w.scales, w.zeros, 48)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        int4_dot.linear(x, w.qweight, w.scales[:, :2].contiguous(), None, 32)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        int4_dot.linear(x.half(), w.qweight, w.scales, w.zeros, 32)
+
+
+# ---- through CpuQuantOps (backend option cpu_int4_act) ---------------------------------------------
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
+def test_quant_ops_take_the_kernel_by_option(act_order: bool):
+    from portside.backends.cpu.moe import CpuModelOps
+
+    assert CpuModelOps().int4_act == "fp32"  # cpu_int4_act's default
+    for i, (n, k, gs) in enumerate(SHAPES):
+        ops = CpuModelOps()
+        ops.int4_act = "int8"
+        w = ops.prepare_quantized(_weight(n, k, gs, True, seed=10 + i, act_order=act_order))
+        assert w.layout.kernel == "w4a8" and w.layout.permuted == (act_order and k > gs)  # one group: in order
+        bias = torch.randn(n)
+        for t in (1, 5):
+            x = _x(t, k, torch.float32, seed=t)
+            _check(ops.quantized_linear(x, w, bias), w, x, bias, f"CpuQuantOps N={n} K={k} group={gs} T={t}")
+        ops.int4_act = "fp32"  # the weight-only kernel
+        w = ops.prepare_quantized(_weight(n, k, gs, True, seed=10 + i, act_order=act_order))
+        assert w.layout.kernel == "int4"
+
+
+def test_int8_activation_checkpoints_and_int8_weights_keep_their_kernels():
+    from portside.backends.cpu.moe import CpuModelOps
+
+    ops = CpuModelOps()
+    ops.int4_act = "int8"
+    w = _weight(8, 128, 32, False, seed=1)
+    w.act = "int8"  # the checkpoint rounds activations per token: the reference's rounding, not ours
+    assert ops.prepare_quantized(w).layout.kernel == "int4"
+
+
+def test_a_bad_cpu_int4_act_is_refused_naming_the_choices(tmp_path):
+    from portside import LLM
+    from portside.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "llama")
+    with pytest.raises(ValueError, match=r"cpu_int4_act='int4': use one of \['int8', 'fp32'\]"):
+        LLM(model=str(path), device="cpu", platform_options={"cpu_int4_act": "int4"})
