@@ -90,6 +90,22 @@ def write_files(hf_dir: Path, work: Path, formats: list[str], python: Path | Non
     return files
 
 
+def native_library() -> str:
+    """Build (once per source hash, minutes) and load the cpu backend's native library before any
+    timing: an engine started while it builds in the background times the torch paths."""
+    from portside.backends.cpu import native_ops
+
+    t = time.perf_counter()
+    try:
+        path = native_ops.load()
+    except Exception as e:  # no compiler, a failed build: the bench still runs (the kernels column says which)
+        why = f"unavailable: {type(e).__name__}: {e}"
+    else:
+        why = f"loaded {path.parent.name[:12]} ({time.perf_counter() - t:.0f} s)"
+    print("native cpu library:", why, flush=True)
+    return why
+
+
 def gguf_act_option() -> Any:
     """The cpu platform option ``cpu_gguf_act`` (a `BackendOption`), None in a build without it."""
     from portside.backends.cpu.options import BACKEND_OPTIONS
@@ -208,6 +224,7 @@ def run(hf_dir: Path, work: Path, prompts: list[list[int]], *, formats: list[str
                                "prompt_len": len(prompts[0]), "batch": batch, "repeats": repeats,
                                "llama_cpp": None if python is None else {"python": str(python), "version": LLAMA_CPP_VERSION},
                                "files": write_files(hf_dir, work, formats, python, max(thread_counts)), "runs": {}}
+    section["native"] = native_library()
     a8_skip, act = a8_unavailable(), gguf_act_option()
     fp32_act = FP32_ACT if act is not None and "fp32" in (act.choices or ()) else None
     section["gguf_act_default"] = None if act is None else act.default
@@ -301,6 +318,8 @@ def markdown(section: dict[str, Any]) -> list[str]:
              "dequantized to fp32 (the oracle) / llama.cpp's (random weights give near-tied logits: 8-bit "
              "activations and llama.cpp's f16 KV cache can flip one, and the rest follow). Load: the 1-minute "
              "load average before / after the peer.", ""]
+    if "native" in s:
+        lines.append(f"- native cpu library: {s['native']}")
     for fmt, f in s["files"].items():
         lines.append(f"- {fmt}: {f['bytes_per_token'] / 1e6:.1f} MB/token, written by {f['writer']}; tensors "
                      + ", ".join(f"{k} x{v}" for k, v in sorted(f["types"].items()))
