@@ -18,12 +18,13 @@
 //   - scalar: portable C++ (not auto-vectorized: gguf_dot.h's PORTSIDE_GD_SCALAR);
 //   - AVX2 / AVX-512 VNNI: 64 columns per step from 32 packed bytes, the low nibbles (the even
 //     columns) and the high ones (the odd columns) as unsigned bytes against the activation codes
-//     laid out per 64 columns as [even 32 | odd 32] (once per call), maddubs + madd (AVX2) or one
-//     vpdpbusd (VNNI) into int32 lanes; per activation block each lane then takes off z times its
-//     own codes' sum (precomputed per call), so every lane holds its codes' true signed dot product
-//     before it is converted to fp32 and scaled (no large unsigned bias left to cancel in fp32).
-//     A row whose K is an odd number of 32s reads its last 16 bytes alone (the codes padded with
-//     zeros). Group size 32: a 64-column step spans two groups; the lanes carry each one's scale.
+//     laid out per 64 columns as [even 32 | odd 32] (once per call), maddubs + madd (AVX2) or
+//     vpdpbusd on 256-bit vectors (AVX-512 VL VNNI) into 8 int32 lanes; per activation block each
+//     lane then takes off z times its own codes' sum (precomputed per call), so every lane holds
+//     its codes' true signed dot product before it is converted to fp32 and scaled (no large
+//     unsigned bias left to cancel in fp32). A row whose K is an odd number of 32s reads its last
+//     16 bytes alone (the codes padded with zeros). Activation blocks of 32 (group size 32): a
+//     64-column step spans two blocks; its lanes 0-3 and 4-7 carry each one's scale and zero point.
 // Decode (one token row) streams two weight rows side by side and prefetches the rows it reads next;
 // several token rows share each loaded weight step, 4 at a time; output rows split across threads.
 
@@ -52,7 +53,9 @@ struct Ctx {
   const int8_t* xq;  // activation codes [T, K] (scalar) or [T, K64] laid out per 64 as [even | odd] (SIMD)
   int64_t K64, U, nU;  // SIMD: padded K, columns per unit (max(ab, 64)), units per row
   const float* xd;  // activation scales [T, K / ab]
-  const int32_t* ls;  // SIMD: per unit and int32 lane, the sum of that lane's codes [T, nU, L]
+  const int32_t* ls;  // SIMD: per unit and int32 lane, the sum of that lane's codes [T, nU, 8]
+  const float* dl;  // SIMD: per unit and int32 lane, its activation block's scale [T, nU, 8] (0: padding)
+  const int32_t* ug;  // SIMD: per unit, the weight groups of its two halves [nU, 2]
   float* y;  // [T, N]
 };
 
@@ -107,37 +110,11 @@ struct Scalar {
   }
 };
 
-// The scales and zero points of unit u's two halves (ab 32: blocks 2u, 2u + 1; else one block u).
-struct UnitScales {
-  int32_t z0, z1;
-  float s0, s1;  // weight scales
-  int64_t b0, b1;  // activation blocks (b1 == nb: the padding of a row of an odd number of 32s)
-};
-
-inline UnitScales unit_scales(const Ctx& c, int64_t n, int64_t u) {
-  const int64_t nb = c.K / c.ab;
-  if (c.ab >= 64) {
-    const int64_t g = u * c.ab / c.gs;
-    const int32_t z = zero_at(c, n, g);
-    const float s = c.s[n * c.G + g];
-    return {z, z, s, s, u, u};
-  }
-  const int64_t b0 = 2 * u, b1 = 2 * u + 1, g0 = b0 * 32 / c.gs;
-  if (b1 >= nb) return {zero_at(c, n, g0), 0, c.s[n * c.G + g0], 0.f, b0, nb};
-  const int64_t g1 = b1 * 32 / c.gs;
-  return {zero_at(c, n, g0), zero_at(c, n, g1), c.s[n * c.G + g0], c.s[n * c.G + g1], b0, b1};
-}
-
-inline float xscale(const Ctx& c, int64_t t, int64_t b) {
-  const int64_t nb = c.K / c.ab;
-  return b < nb ? c.xd[t * nb + b] : 0.f;
-}
-
 template <int NR, int R>
 inline void prefetch(const Ctx& c, int64_t n, int64_t u) {
   if constexpr (R == 1) {
     const int64_t off = u * c.U / 2;
-    if ((off & 63) == 0 || c.U >= 128)
+    if ((off & 63) == 0)
       for (int i = 0; i < NR; ++i)
         __builtin_prefetch(reinterpret_cast<const char*>(c.w) + (n + i + PREFETCH_ROWS * NR) * c.rb + off, 0, 3);
   }
@@ -154,7 +131,14 @@ inline void nibbles64(const uint8_t* p, bool half, __m256i& lo, __m256i& hi) {
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
 }
 
-struct Avx2 {
+// The SIMD kernels: 8 int32 lanes per (weight row, token row), lane m holding the codes of slots
+// 4m..4m+3 and 32+4m..32+4m+3 of each 64-column step. VNNI (AVX-512 VL): vpdpbusd on 256-bit
+// vectors, one instruction per 32 codes (Zen 4 runs 512-bit operations as two 256-bit halves:
+// 64 codes per zmm measured no faster); AVX2: maddubs, the int16 pairs summed over the unit (at
+// most 4 x 2 x 15 x 127), then madd. PAIR (activation blocks of 32): lanes 0-3 hold the step's
+// first 32 columns, 4-7 its last 32 (their own scale and zero point); else the unit is one block.
+template <bool VNNI, bool PAIR>
+struct Simd {
   template <int NR, int R>
   static void rows(const Ctx& c, int64_t n, int64_t t) {
     __m256 f[NR][R];
@@ -163,30 +147,45 @@ struct Avx2 {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t u = 0; u < c.nU; ++u) {
       prefetch<NR, R>(c, n, u);
-      __m256i acc[NR][R];  // int16 pairs: at most 4 maddubs sums of 2 x 15 x 127 (U <= 128)
+      __m256i acc[NR][R];
       for (int i = 0; i < NR; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_si256();
       for (int64_t col = u * c.U; col < (u + 1) * c.U; col += 64) {
-        const bool half = col + 64 > c.K;
+        const bool half = PAIR && col + 64 > c.K;
         for (int i = 0; i < NR; ++i) {
           __m256i lo, hi;
           nibbles64(c.w + (n + i) * c.rb + col / 2, half, lo, hi);
           for (int r = 0; r < R; ++r) {
             const int8_t* xp = c.xq + (t + r) * c.K64 + col;
-            acc[i][r] = _mm256_add_epi16(acc[i][r], _mm256_maddubs_epi16(lo, portside_gguf::load256(xp)));
-            acc[i][r] = _mm256_add_epi16(acc[i][r], _mm256_maddubs_epi16(hi, portside_gguf::load256(xp + 32)));
+            if constexpr (VNNI) {
+              acc[i][r] = _mm256_dpbusd_epi32(acc[i][r], lo, portside_gguf::load256(xp));
+              acc[i][r] = _mm256_dpbusd_epi32(acc[i][r], hi, portside_gguf::load256(xp + 32));
+            } else {
+              acc[i][r] = _mm256_add_epi16(acc[i][r], _mm256_maddubs_epi16(lo, portside_gguf::load256(xp)));
+              acc[i][r] = _mm256_add_epi16(acc[i][r], _mm256_maddubs_epi16(hi, portside_gguf::load256(xp + 32)));
+            }
           }
         }
       }
+      // each lane less z times its codes' sum: the lane's true signed dot product, then scaled
+      const int32_t g0 = c.ug[2 * u], g1 = c.ug[2 * u + 1];
       for (int i = 0; i < NR; ++i) {
-        const UnitScales us = unit_scales(c, n + i, u);
-        const __m256i zv = _mm256_blend_epi32(_mm256_set1_epi32(us.z0), _mm256_set1_epi32(us.z1), 0xF0);
+        const float* s = c.s + (n + i) * c.G;
+        __m256i zv;
+        __m256 sv;
+        if constexpr (PAIR) {
+          zv = _mm256_blend_epi32(_mm256_set1_epi32(zero_at(c, n + i, g0)), _mm256_set1_epi32(zero_at(c, n + i, g1)), 0xF0);
+          sv = _mm256_blend_ps(_mm256_set1_ps(s[g0]), _mm256_set1_ps(s[g1]), 0xF0);
+        } else {
+          zv = _mm256_set1_epi32(zero_at(c, n + i, g0));
+          sv = _mm256_set1_ps(s[g0]);
+        }
         for (int r = 0; r < R; ++r) {
-          const __m256i lsv = portside_gguf::load256(c.ls + ((t + r) * c.nU + u) * 8);
-          const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(acc[i][r], ones), _mm256_mullo_epi32(zv, lsv));
-          const __m256 sv = _mm256_blend_ps(_mm256_set1_ps(us.s0 * xscale(c, t + r, us.b0)),
-                                            _mm256_set1_ps(us.s1 * xscale(c, t + r, us.b1)), 0xF0);
-          f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, f[i][r]);
+          const int64_t at = ((t + r) * c.nU + u) * 8;
+          const __m256i dot = VNNI ? acc[i][r] : _mm256_madd_epi16(acc[i][r], ones);
+          const __m256i d = _mm256_sub_epi32(dot, _mm256_mullo_epi32(zv, portside_gguf::load256(c.ls + at)));
+          const __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(c.dl + at));
+          f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, f[i][r]);
         }
       }
     }
@@ -196,53 +195,6 @@ struct Avx2 {
 };
 
 #endif  // PORTSIDE_GD_AVX2
-
-#ifdef PORTSIDE_GD_VNNI
-
-// As Avx2, with vpdpbusd on 256-bit vectors (AVX-512 VL): one instruction per 32 codes in place of
-// maddubs + add, and the int32 lanes accumulate the whole unit (Zen 4 runs 512-bit operations as
-// two 256-bit halves: 64 codes per zmm measured no faster than 2 x 32).
-struct Vnni {
-  template <int NR, int R>
-  static void rows(const Ctx& c, int64_t n, int64_t t) {
-    __m256 f[NR][R];
-    for (int i = 0; i < NR; ++i)
-      for (int r = 0; r < R; ++r) f[i][r] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < c.nU; ++u) {
-      prefetch<NR, R>(c, n, u);
-      __m256i acc[NR][R];
-      for (int i = 0; i < NR; ++i)
-        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_si256();
-      for (int64_t col = u * c.U; col < (u + 1) * c.U; col += 64) {
-        const bool half = col + 64 > c.K;
-        for (int i = 0; i < NR; ++i) {
-          __m256i lo, hi;
-          nibbles64(c.w + (n + i) * c.rb + col / 2, half, lo, hi);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xp = c.xq + (t + r) * c.K64 + col;
-            acc[i][r] = _mm256_dpbusd_epi32(acc[i][r], lo, portside_gguf::load256(xp));
-            acc[i][r] = _mm256_dpbusd_epi32(acc[i][r], hi, portside_gguf::load256(xp + 32));
-          }
-        }
-      }
-      for (int i = 0; i < NR; ++i) {
-        const UnitScales us = unit_scales(c, n + i, u);
-        const __m256i zv = _mm256_blend_epi32(_mm256_set1_epi32(us.z0), _mm256_set1_epi32(us.z1), 0xF0);
-        for (int r = 0; r < R; ++r) {
-          const __m256i lsv = portside_gguf::load256(c.ls + ((t + r) * c.nU + u) * 8);
-          const __m256i d = _mm256_sub_epi32(acc[i][r], _mm256_mullo_epi32(zv, lsv));
-          const __m256 sv = _mm256_blend_ps(_mm256_set1_ps(us.s0 * xscale(c, t + r, us.b0)),
-                                            _mm256_set1_ps(us.s1 * xscale(c, t + r, us.b1)), 0xF0);
-          f[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, f[i][r]);
-        }
-      }
-    }
-    for (int i = 0; i < NR; ++i)
-      for (int r = 0; r < R; ++r) c.y[(t + r) * c.N + n + i] = portside_gguf::hsum256(f[i][r]);
-  }
-};
-
-#endif  // PORTSIDE_GD_VNNI
 
 // x [T, K] fp32 -> codes [T, K] and scales [T, K / block]: gguf_dot's rounding (IEEE division, round
 // half to even, no fast-math), so int4_dot_ref.quantize_activations (gguf_dot_ref's) gives the same.
@@ -300,14 +252,24 @@ at::Tensor int4_dot(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     quantize_blocks(xf.data_ptr<float>(), T, K, ab, xq.data(), xd.data());
     Ctx c{qweight.data_ptr<uint8_t>(), K / 2, K, N, T, group_size, ab, G, scales.data_ptr<float>(),
           zeros.has_value() ? zeros->data_ptr<float>() : nullptr, xq.data(), 0, 0, 0, xd.data(), nullptr,
-          out.data_ptr<float>()};
+          nullptr, nullptr, out.data_ptr<float>()};
     if (isa == ISA_SCALAR) {
       drive<Scalar>(c);
     } else {
-      // [even | odd] per 64 columns (zeros past K), and each unit's per-lane code sums
-      const int64_t K64 = (K + 63) / 64 * 64, U = std::max<int64_t>(ab, 64), nU = K64 / U, L = 8;
+      // [even | odd] per 64 columns (zeros past K); per unit and lane the codes' sums and the
+      // activation scale; per unit the groups of its halves
+      const int64_t K64 = (K + 63) / 64 * 64, U = std::max<int64_t>(ab, 64), nU = K64 / U;
       std::vector<int8_t> xp(T * K64, 0);
-      std::vector<int32_t> ls(T * nU * L, 0);
+      std::vector<int32_t> ls(T * nU * 8, 0), ug(2 * nU);
+      std::vector<float> dl(T * nU * 8);
+      for (int64_t u = 0; u < nU; ++u) {
+        const int64_t b0 = u * U / ab, b1 = ab == 32 ? std::min(b0 + 1, nb - 1) : b0;
+        ug[2 * u] = int32_t(b0 * ab / group_size);
+        ug[2 * u + 1] = int32_t(b1 * ab / group_size);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t m = 0; m < 8; ++m)
+            dl[(t * nU + u) * 8 + m] = ab == 32 && m >= 4 ? (b0 + 1 < nb ? xd[t * nb + b0 + 1] : 0.f) : xd[t * nb + b0];
+      }
       for (int64_t t = 0; t < T; ++t) {
         const int8_t* q = xq.data() + t * K;
         int8_t* p = xp.data() + t * K64;
@@ -321,7 +283,7 @@ at::Tensor int4_dot(const at::Tensor& x, const at::Tensor& qweight, const at::Te
             for (int64_t lane = 0; lane < 16; ++lane) {
               int32_t s = 0;
               for (int64_t j = 0; j < 4; ++j) s += p[col + 4 * lane + j];
-              ls[(t * nU + u) * L + lane % L] += s;
+              ls[(t * nU + u) * 8 + lane % 8] += s;
             }
       }
       c.xq = xp.data();
@@ -329,11 +291,14 @@ at::Tensor int4_dot(const at::Tensor& x, const at::Tensor& qweight, const at::Te
       c.U = U;
       c.nU = nU;
       c.ls = ls.data();
-#ifdef PORTSIDE_GD_VNNI
-      if (isa == ISA_VNNI) drive<Vnni>(c);
-#endif
+      c.dl = dl.data();
+      c.ug = ug.data();
 #ifdef PORTSIDE_GD_AVX2
-      if (isa == ISA_AVX2) drive<Avx2>(c);
+      const bool pair = ab == 32;
+#ifdef PORTSIDE_GD_VNNI
+      if (isa == ISA_VNNI) pair ? drive<Simd<true, true>>(c) : drive<Simd<true, false>>(c);
+#endif
+      if (isa == ISA_AVX2) pair ? drive<Simd<false, true>>(c) : drive<Simd<false, false>>(c);
 #endif
     }
   }
