@@ -172,3 +172,46 @@ def test_a_bad_cpu_int4_act_is_refused_naming_the_choices(tmp_path):
     path = make_tiny_model(tmp_path / "m", "llama")
     with pytest.raises(ValueError, match=r"cpu_int4_act='int4': use one of \['int8', 'fp32'\]"):
         LLM(model=str(path), device="cpu", platform_options={"cpu_int4_act": "int4"})
+
+
+# ---- end to end: a GPTQ (act order) and an AWQ checkpoint with cpu_int4_act=int8 ---------------------
+
+PROMPT = [12, 250, 31, 99, 8, 120, 64, 300, 45, 77, 390, 6, 7]
+N_FORCED = 16
+CLEAR_MARGIN = 1.0  # logits: well above what rounding the activations to 8 bits moves them by here
+
+
+@pytest.mark.parametrize("fmt,kw", [("gptq", {"desc_act": True}), ("awq", {})], ids=["gptq-act-order", "awq"])
+def test_int8_activations_agree_with_transformers_where_the_margin_is_clear(fmt: str, kw: dict, tmp_path):
+    """Teacher-forced on transformers' greedy tokens (on the dequantized weights), the engine with
+    cpu_int4_act=int8 picks transformers' next token wherever its top-2 margin is clear; its
+    logprobs differ from fp32 activations' (the kernel ran), whose tokens equal transformers' at
+    every step."""
+    from transformers import AutoModelForCausalLM
+
+    from portside import LLM, SamplingParams
+    from portside.testing.quant_checkpoints import write_quantized
+    from portside.testing.tiny import hf_greedy, make_tiny_model
+
+    src = make_tiny_model(tmp_path / "m", "llama")
+    path, oracle = write_quantized(src, tmp_path / fmt, fmt, bits=4, group_size=32, **kw)
+    theirs = hf_greedy(oracle, PROMPT, N_FORCED)
+    model = AutoModelForCausalLM.from_pretrained(str(oracle), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + theirs])).logits[0, len(PROMPT) - 1 : len(PROMPT) - 1 + N_FORCED]
+    top2 = logits.topk(2).values
+    clear = ((top2[:, 0] - top2[:, 1]) > CLEAR_MARGIN).tolist()
+    assert sum(clear) >= N_FORCED // 6
+    prompts = [{"prompt_token_ids": PROMPT + theirs[:i]} for i in range(N_FORCED)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
+    runs = {}
+    for act in ("int8", "fp32"):
+        llm = LLM(model=str(path), device="cpu", max_model_len=128,
+                  platform_options={"cpu_fused_decode": "off", "cpu_int4_act": act})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[act] = ([o.outputs[0].token_ids[0] for o in outs], [o.outputs[0].cumulative_logprob for o in outs])
+        llm.engine.shutdown()
+    forced, logprobs = runs["int8"]
+    assert [a for a, c in zip(forced, clear) if c] == [b for b, c in zip(theirs, clear) if c]
+    assert runs["fp32"][0] == theirs
+    assert max(abs(a - b) for a, b in zip(logprobs, runs["fp32"][1])) > 1e-4
