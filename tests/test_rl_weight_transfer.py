@@ -62,10 +62,11 @@ def run(ckpts, **parallel) -> None:
                 llm.receive_weights()
             assert tokens(llm) == before  # refused: unchanged
             assert llm.receive_weights() == len(load_file(str(b / "model.safetensors")))
+            llm.close_weight_transfer()  # with the trainer's close
             out, _ = trainer.communicate(timeout=120)
         finally:
             trainer.kill()
-        assert trainer.returncode == 0, out
+        assert trainer.returncode == 0, repr(out)
         assert "refused: the engine refused the weight update: rank 1: checkpoint tensor 'model.norm.weight'" in out, out
         assert "sent" in out, out
         assert tokens(llm) == hf_greedy(b, PROMPT, 8)

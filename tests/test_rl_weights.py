@@ -88,12 +88,20 @@ def test_prefix_cache_is_not_reused_after_an_update(ckpts):
 
 
 def test_collective_rpc(ckpts):
-    a, _ = ckpts
+    a, b = ckpts
     with LLM(str(a), **ENGINE) as llm:
         [n] = llm.collective_rpc(lambda runner, k: runner.vocab_size + k, args=(1,))
         assert n == llm.engine.vocab_size + 1
         with pytest.raises(ValueError, match="no public method 'nope'"):
             llm.collective_rpc("nope")
+        with pytest.raises(ValueError, match="call LLM.sleep"):  # the engine tracks sleeping itself
+            llm.collective_rpc("sleep", args=(1,))
+        prompt = list(range(100, 124))
+        greedy(llm, [prompt])
+        llm.collective_rpc("update_weights_from_path", args=(str(b),))  # an update by name resets the prefix cache
+        after = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        assert after.num_cached_tokens == 0
+        assert list(after.outputs[0].token_ids) == oracle(b, [prompt])[0]
 
 
 def test_quantized_model_refused(ckpts, tmp_path):

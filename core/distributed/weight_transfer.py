@@ -79,8 +79,17 @@ class WeightTransferGroup:
         return out
 
     def close(self) -> None:
-        """Leave the group (its connections and threads end); call before the process exits."""
+        """Leave the group, together: every member calls it (the trainer `close`, the engine
+        `LLM.close_weight_transfer`), which waits for all of them, then ends the connections and
+        threads. A member that exits while others still hold the group can abort on the way out
+        (gloo's threads, the trainer's store): so the trainer, which hosts the store, returns only
+        once every engine rank has shut its side down."""
+        self.group.allreduce([torch.zeros(1, dtype=torch.int64)]).wait()
         self.group.shutdown()
+        if self.rank == 0:
+            self.store.wait([f"closed/{r}" for r in range(1, self.world_size)])
+        else:
+            self.store.set(f"closed/{self.rank}", "1")
 
     # ---- plumbing -----------------------------------------------------------------------------
 

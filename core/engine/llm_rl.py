@@ -39,6 +39,11 @@ class LLMWeights:
         or nothing (a refusal raises ValueError here and in the trainer); returns the tensors."""
         return self.engine.receive_weights()
 
+    def close_weight_transfer(self) -> None:
+        """Leave the weight-update group; the trainer calls `WeightTransferGroup.close` at the same
+        time (each waits for the other)."""
+        self.engine.close_weight_transfer()
+
     def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call `method` on the model runner of every rank: the name of a `ModelRunner` method, or
         a picklable function called as ``method(runner, *args, **kwargs)``; every rank's result,

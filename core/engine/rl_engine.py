@@ -19,6 +19,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
+# runner methods whose state the engine keeps: called through the engine's own methods only
+_ENGINE_OWNED = {"sleep": "sleep", "wake_up": "wake_up", "execute_model": None, "initialize_kv_cache": None}
+_UPDATES = ("update_weights", "update_weights_from_path", "receive_weights")  # a prefix-cache reset follows
 
 
 class EngineAsleepError(RuntimeError):
@@ -35,8 +38,17 @@ class EngineRL:
     sleep_level = 0
 
     def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """`method` on every rank's model runner (`Executor.collective_rpc`); results by rank."""
-        return self.executor.collective_rpc(method, tuple(args), kwargs)
+        """`method` on every rank's model runner (`Executor.collective_rpc`); results by rank.
+        The methods whose state the engine tracks (sleep, wake_up, steps) are refused here (use
+        the engine's own); a weight update by name is followed by a prefix-cache reset."""
+        if isinstance(method, str) and method in _ENGINE_OWNED:
+            own = _ENGINE_OWNED[method]
+            raise ValueError(f"collective_rpc: {method!r} changes state the engine keeps; "
+                             + (f"call LLM.{own} (POST /{own})" if own else "the engine calls it itself"))
+        results = self.executor.collective_rpc(method, tuple(args), kwargs)
+        if method in _UPDATES:
+            self._updated()
+        return results
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy (Hugging Face name, tensor) pairs into the model on every rank (each takes its
@@ -44,7 +56,7 @@ class EngineRL:
         shape or dtype, or a quantized layer raises ValueError with the model unchanged. The
         prefix cache is reset. Returns the number of tensors."""
         self._check_weights_awake()
-        n = self.collective_rpc("update_weights", (list(weights),))[0]
+        n = self.executor.collective_rpc("update_weights", (list(weights),))[0]
         self._updated()
         return n
 
@@ -52,7 +64,7 @@ class EngineRL:
         """`update_weights` with every tensor of the safetensors checkpoint in folder `path`
         (dtypes converted as loading does); returns the number of tensors."""
         self._check_weights_awake()
-        n = self.collective_rpc("update_weights_from_path", (str(path),))[0]
+        n = self.executor.collective_rpc("update_weights_from_path", (str(path),))[0]
         self._updated()
         return n
 
@@ -65,9 +77,13 @@ class EngineRL:
         """Apply the trainer's next broadcast on every rank (blocks until it comes); all or
         nothing, as `update_weights`. The prefix cache is reset."""
         self._check_weights_awake()
-        n = self.collective_rpc("receive_weights")[0]
+        n = self.executor.collective_rpc("receive_weights")[0]
         self._updated()
         return n
+
+    def close_weight_transfer(self) -> None:
+        """Leave the weight-update group, with the trainer (which calls its `close`)."""
+        self.executor.collective_rpc("close_weight_transfer")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (requests running keep theirs, uncached); returns how many."""
@@ -82,7 +98,7 @@ class EngineRL:
         if self.has_unfinished_requests():  # type: ignore[attr-defined]
             raise ValueError("requests are still running: let them finish or abort them (POST /pause?mode=abort) "
                              "before sleeping")
-        self.collective_rpc("sleep", (level,))
+        self.executor.collective_rpc("sleep", (level,))
         self.reset_prefix_cache()
         self._asleep, self.sleep_level = frozenset(WAKE_TAGS), level
         if level == 2:
@@ -94,7 +110,7 @@ class EngineRL:
         if tags is not None and (not isinstance(tags, (list, tuple)) or not set(tags) <= set(WAKE_TAGS) or not tags):
             raise ValueError(f"wake_up tags must be a non-empty list of {list(WAKE_TAGS)}, got {tags!r}")
         tags = list(tags or WAKE_TAGS)
-        self.collective_rpc("wake_up", (tags,))
+        self.executor.collective_rpc("wake_up", (tags,))
         self._asleep = self._asleep - set(tags)
         if not self._asleep:
             self.sleep_level = 0

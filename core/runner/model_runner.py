@@ -298,11 +298,11 @@ class ModelRunner(RunnerWeights):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
-        if self._graphs_stale:  # the weights changed (an update, a wake-up): `RunnerWeights`
-            self._rebuild_graphs()
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        if self._graphs_stale:  # the weights changed (an update, a wake-up): `RunnerWeights`
+            self._rebuild_graphs()
         batch = prepare_inputs(self.requests, so, self.block_size, self.device, self._mrope_model)
         if self.lora is not None:
             counts = so.num_scheduled_tokens

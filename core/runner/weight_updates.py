@@ -164,6 +164,13 @@ class RunnerWeights:
 
         self._transfer = WeightTransferGroup(host, port, rank_offset + self.rank, world_size)  # type: ignore[attr-defined]
 
+    def close_weight_transfer(self) -> None:
+        """Leave the weight-update group (with every other member: `WeightTransferGroup.close`)."""
+        group = getattr(self, "_transfer", None)
+        if group is not None:
+            self._transfer = None
+            group.close()
+
     def receive_weights(self) -> int:
         """The trainer's next broadcast into this rank's shard (checked before any tensor moves)."""
         group = getattr(self, "_transfer", None)
