@@ -59,6 +59,8 @@ BACKEND_OPTIONS = (
                   "to int8 per block as llama.cpp does, or times fp32 activations", GGUF_ACTS, DEFAULT_GGUF_ACT),
     BackendOption("cpu_int4_act", "weight-only int4 (GPTQ, AWQ, compressed-tensors) times activations quantized "
                   "to int8 per group as the kernel goes, or times fp32 activations", INT4_ACTS, DEFAULT_INT4_ACT),
+    BackendOption("cpu_int8_act", "weight-only int8 times activations quantized to int8 per token as the kernel goes "
+                  "(the W8A8 kernel), or times fp32 activations", INT4_ACTS, DEFAULT_INT4_ACT),
 )
 _DEFAULTS = {o.name: o.default for o in BACKEND_OPTIONS}
 

@@ -218,6 +218,7 @@ class CpuPlatform(Platform):
         if hasattr(config, "option"):  # GGUF weights' activations: option cpu_gguf_act
             ops.gguf_act = config.option("cpu_gguf_act", ops.gguf_act)
             ops.int4_act = config.option("cpu_int4_act", ops.int4_act)  # int4 weights' activations
+            ops.int8_act = config.option("cpu_int8_act", ops.int8_act)  # weight-only int8's
         return ops
 
     @classmethod

@@ -13,7 +13,8 @@ inherits, over the native operators of `csrc/quant_gemm.cpp`:
   quantized to int8 per block as the kernel goes (layout ``w4a8``: backend option
   ``cpu_int4_act=int8``; its default ``fp32``: the weight-only kernel above);
 - ``portside_cpu_native::quant_linear_w8a8``: int8 weights x int8 activations (``act ==
-  "int8"``, ``--quantized-activations int8``): the activations rounded per token as
+  "int8"``, ``--quantized-activations int8``; weight-only int8 with backend option
+  ``cpu_int8_act=int8``): the activations rounded per token as
   `portside.quant.weight.quantize_activation` does, exact integer dot products (AVX2
   maddubs, AVX512-VNNI dpbusd, AMX-INT8 tiles where the build has them and the kernel grants
   the tile state), scaled in fp32.
@@ -67,10 +68,11 @@ def isa() -> str:
     return str(torch.ops.portside_cpu_native.quant_isa())
 
 
-def plan(w: QuantWeight, gguf_act: str = "fp32", int4_act: str = "fp32") -> tuple[CpuQuantLayout | None, str]:
+def plan(w: QuantWeight, gguf_act: str = "fp32", int4_act: str = "fp32", int8_act: str = "fp32") -> tuple[CpuQuantLayout | None, str]:
     """The native layout for `w` (a linear's 2-D weight or stacked experts' 3-D one), or None and
     why the reference stays; `gguf_act` "int8": GGUF types with an int8-activation kernel take it;
-    `int4_act` "int8": weight-only int4 takes `int4_dot` ("w4a8")."""
+    `int4_act` "int8": weight-only int4 takes `int4_dot` ("w4a8"); `int8_act` "int8": weight-only
+    int8 takes the W8A8 kernel (activations rounded per token as the kernel goes)."""
     n, k = w.shape
     if w.qweight.dim() not in (2, 3) or w.qweight.device.type != "cpu":
         return None, f"qweight of shape {tuple(w.qweight.shape)} on {w.qweight.device}"
@@ -108,7 +110,7 @@ def plan(w: QuantWeight, gguf_act: str = "fp32", int4_act: str = "fp32") -> tupl
             if not torch.equal(torch.sort(w.g_idx.long()).values, natural):
                 return None, "act-order groups of unequal sizes"
             permuted = True
-    if w.act == "int8" and w.bits == 8:
+    if w.bits == 8 and (w.act == "int8" or (int8_act == "int8" and w.act is None)):
         return CpuQuantLayout("w8a8", FMT_INT8, gs, permuted), ""
     if int4_act == "int8" and w.bits == 4 and w.act is None:
         return CpuQuantLayout("w4a8", FMT_INT4, gs, permuted), ""
@@ -130,6 +132,7 @@ class CpuQuantOps:
     native: bool = False
     gguf_act: str = gguf_dot.DEFAULT_GGUF_ACT  # backend option cpu_gguf_act (the platform sets it)
     int4_act: str = int4_dot.DEFAULT_INT4_ACT  # backend option cpu_int4_act (the platform sets it)
+    int8_act: str = int4_dot.DEFAULT_INT4_ACT  # backend option cpu_int8_act (the platform sets it)
 
     def prepare_quantized(self, weight: QuantWeight) -> QuantWeight:
         weight = super().prepare_quantized(weight)  # type: ignore[misc]
@@ -137,7 +140,7 @@ class CpuQuantOps:
             return block_quant.prepare(weight, self.native)
         if not self.native or not isa():
             return weight
-        layout, why = plan(weight, self.gguf_act, self.int4_act)
+        layout, why = plan(weight, self.gguf_act, self.int4_act, self.int8_act)
         if layout is None:
             logger.info("cpu: %s stays on the reference quantized linear: %s", weight.extra_repr(), why)
             return weight

@@ -8,6 +8,9 @@ bandwidth of a sum over 256 MiB, measured before and after, the faster taken). T
 of many calls made in turn (a busy machine slows them alike), each on a weight copy no call read
 lately (the copies together larger than the last-level cache).
 
+Then the same for int8 weight-only per channel: the fp32-activation kernel against the W8A8 one
+(``quant_linear_w8a8``, activations rounded per token: what ``cpu_int8_act=int8`` runs).
+
     python ci/bench/int4_act_kernels.py [--n 5632] [--k 2048] [--groups 128,32] [--rows 1] [--threads 1]
 """
 
@@ -82,6 +85,17 @@ def main() -> None:
         print(f"{group:5d} {nbytes / 1e6:6.2f} {bound * 1e6:9.0f} {per['fp32'] * 1e6:12.0f} "
               + " ".join(f"{per[p] * 1e6:16.0f}" for p in paths)
               + f" {per['fp32'] / best:16.2f} {best / bound:11.2f} {per['fp32'] / bound:11.2f}")
+    # int8 weight-only, per channel: fp32 activations vs the W8A8 kernel (per-token int8 activations)
+    g = torch.Generator().manual_seed(1)
+    w8 = [(torch.randint(0, 256, (args.n, args.k), generator=g, dtype=torch.uint8), torch.rand(args.n, 1, generator=g) * 1e-2,
+           torch.full((args.n, 1), 128.0)) for _ in range(max(2, (256 << 20) // (args.n * args.k)))]
+    nbytes = sum(t.numel() * t.element_size() for t in w8[0])
+    per = _time({"fp32": lambda w: torch.ops.portside_cpu_native.quant_linear(x, w[0], w[1], w[2], None, quant.FMT_INT8, args.k),
+                 "w8a8": lambda w: torch.ops.portside_cpu_native.quant_linear_w8a8(x, w[0], w[1], w[2], None, None, args.k)},
+                w8, args.reps)  # type: ignore[arg-type]
+    bound = nbytes / bw / 1e9
+    print(f"int8 per channel: {nbytes / 1e6:.2f} MB, bound {bound * 1e6:.0f} us, fp32-act {per['fp32'] * 1e6:.0f} us, "
+          f"w8a8 {per['w8a8'] * 1e6:.0f} us: fp32/w8a8 {per['fp32'] / per['w8a8']:.2f}, w8a8/bound {per['w8a8'] / bound:.2f}")
 
 
 if __name__ == "__main__":

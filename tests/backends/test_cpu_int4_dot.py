@@ -215,3 +215,22 @@ def test_int8_activations_agree_with_transformers_where_the_margin_is_clear(fmt:
     assert [a for a, c in zip(forced, clear) if c] == [b for b, c in zip(theirs, clear) if c]
     assert runs["fp32"][0] == theirs
     assert max(abs(a - b) for a, b in zip(logprobs, runs["fp32"][1])) > 1e-4
+
+
+def test_weight_only_int8_takes_the_w8a8_kernel_by_option():
+    """cpu_int8_act=int8: a weight-only int8 layer runs the W8A8 kernel (activations rounded per
+    token), exactly as the same weight declared with int8 activations does."""
+    from portside.backends.cpu.moe import CpuModelOps
+    from portside.quant.weight import quantize_per_channel
+
+    dense = torch.randn(37, 256, generator=torch.Generator().manual_seed(3))
+    ops = CpuModelOps()
+    assert ops.int8_act == "fp32" and ops.prepare_quantized(quantize_per_channel(dense, "int8")).layout.kernel == "int8"
+    ops.int8_act = "int8"
+    w = ops.prepare_quantized(quantize_per_channel(dense, "int8"))
+    assert w.layout.kernel == "w8a8" and w.act is None
+    declared = CpuModelOps().prepare_quantized(quantize_per_channel(dense, "int8", act="int8"))
+    assert declared.layout.kernel == "w8a8"
+    for t in (1, 7):
+        x = _x(t, 256, torch.float32, seed=t)
+        assert torch.equal(ops.quantized_linear(x, w), CpuModelOps().quantized_linear(x, declared))
