@@ -137,6 +137,13 @@ def test_pause_keep_and_abort(dev_server):
             r = await held
             assert r.status_code != 200 or r.json()["usage"]["completion_tokens"] < 100, r.text
             assert (await c.get("/is_paused")).json() == {"is_paused": True}
+            # wait: the request in flight finishes whole, then the server pauses
+            await c.post("/resume")
+            running = asyncio.create_task(c.post("/v1/completions", json=dict(body, max_tokens=40)))
+            await asyncio.sleep(0.1)
+            r = await c.post("/pause", params={"wait_for_inflight_requests": "true"})
+            assert r.json() == {"is_paused": True}
+            assert (await running).json()["usage"]["completion_tokens"] == 40
             await c.post("/resume")
             r = await c.post("/v1/completions", json=body)
             assert r.json()["choices"][0]["text"].rstrip("\ufffd") == want
