@@ -30,8 +30,12 @@ oneDNN builds a primitive (JIT kernels) for every input row count it sees and ke
 1024-entry caches (its primitive cache and ideep's), about 0.6 MiB per (rows, weight shape): fed
 the raw row counts of a server's steps (every prefill and decode batch size), resident memory
 grew by megabytes a round for hours. So rows are padded to a bucket (`padded_rows`: at most 24
-sizes, at most 25% padding) and inputs over `CHUNK_ROWS` rows run in chunks of that many;
-the caches then stop growing once the buckets a workload uses have been seen.
+sizes up to `CHUNK_ROWS`, at most 25% padding; past it, the next multiple of `CHUNK_ROWS`, so at
+most ceil(max_num_batched_tokens / CHUNK_ROWS) more sizes, built on first use); the caches then
+stop growing once the buckets a workload uses have been seen. Inputs over `CHUNK_ROWS` rows used
+to run in calls of that many rows concatenated: on the shared 2-core Zen 4 VM that was 5-10x
+slower than one call (8192 x 384 -> 384, fp32, 2 threads: 16 calls + cat 256 ms, one call 25 ms;
+torch's F.linear 39 ms), the cat's and every call's fresh outputs page-faulting there.
 
 Both are hooks of one `TorchFunctionMode`, entered only around the steps that can use them: a
 mode's Python hook on every torch call costs a few percent of a step.
@@ -56,17 +60,21 @@ logger = logging.getLogger(__name__)
 AMX_MAX_ROWS = 128  # the most rows `linear_amx` runs (oneDNN is faster past ~200)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what linear_row streams
-CHUNK_ROWS = 512  # longer inputs run through oneDNN in chunks of this many rows
+CHUNK_ROWS = 512  # longer inputs are padded to a multiple of this many rows (`padded_rows`) rows
 
 
 def row_buckets(max_rows: int) -> list[int]:
-    """Every row count `padded_rows` gives for 2..max_rows rows (at most `CHUNK_ROWS`)."""
+    """Every row count `padded_rows` gives for 2..max_rows rows up to `CHUNK_ROWS` (what `warm`
+    builds at start-up; the multiples of `CHUNK_ROWS` past it are built on first use)."""
     return sorted({padded_rows(r) for r in range(2, min(max_rows, CHUNK_ROWS) + 1)})
 
 
 def padded_rows(rows: int) -> int:
-    """The row count oneDNN runs `rows` (1..CHUNK_ROWS) rows as: the next power of two from 2
-    to 16, then the next of 4 steps per octave (20, 24, 28, 32, 40, .., 448, 512)."""
+    """The row count oneDNN runs `rows` rows as: the next power of two from 2 to 16, then the
+    next of 4 steps per octave (20, 24, 28, 32, 40, .., 448, 512), past `CHUNK_ROWS` the next
+    multiple of it."""
+    if rows > CHUNK_ROWS:
+        return -(-rows // CHUNK_ROWS) * CHUNK_ROWS
     if rows <= 16:
         return max(2, 1 << (rows - 1).bit_length())
     step = 1 << ((rows - 1).bit_length() - 3)
@@ -74,12 +82,10 @@ def padded_rows(rows: int) -> int:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a 2-D `x` through oneDNN's prepacked linear, with the
-    rows padded to `padded_rows` (and chunked past `CHUNK_ROWS`) so that oneDNN only ever sees
-    a bounded set of shapes."""
+    """`F.linear(x, weight, bias)` for a 2-D `x` through oneDNN's prepacked linear, in one
+    call with the rows padded to `padded_rows` so that oneDNN only ever sees a bounded set of
+    shapes."""
     rows = x.shape[0]
-    if rows > CHUNK_ROWS:
-        return torch.cat([packed_linear(x[i : i + CHUNK_ROWS], packed, bias) for i in range(0, rows, CHUNK_ROWS)])
     pad = padded_rows(rows) - rows
     if pad:
         x = F.pad(x, (0, 0, 0, pad))

@@ -37,13 +37,14 @@ def test_packed_linear_matches_f_linear_and_sends_only_bucket_shapes_to_onednn()
 
     w, b = torch.randn(48, 64), torch.randn(48)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-    buckets = {padded_rows(r) for r in range(2, CHUNK_ROWS + 1)}
-    for rows in (2, 3, 17, 100, 511, 512, 513, 1100):
+    # up to CHUNK_ROWS the buckets, past it the next multiple of CHUNK_ROWS, in one call
+    buckets = {padded_rows(r) for r in range(2, CHUNK_ROWS + 1)} | {2 * CHUNK_ROWS, 3 * CHUNK_ROWS}
+    for rows in (2, 3, 17, 100, 511, 512, 513, 1100, 1536):
         x = torch.randn(rows, 64)
         for bias in (b, None):
             with Shapes() as seen:
                 out = packed_linear(x, packed, bias)
-            assert seen.rows <= buckets, (rows, seen.rows)
+            assert len(seen.rows) == 1 and seen.rows <= buckets, (rows, seen.rows)
             assert out.shape == (rows, 48)
             torch.testing.assert_close(out, F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
 
