@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ class WeightTransferGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         self.store = dist.PrefixStore(_PREFIX, store)
-        self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self.group: Any = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
         self.rank, self.world_size = rank, world_size
         self._round = 0
 
@@ -98,7 +99,7 @@ class WeightTransferGroup:
         opts.rootRank = 0
         self.group.broadcast([t], opts).wait()
 
-    def _object(self, obj: object) -> object:
+    def _object(self, obj: object) -> Any:
         """Rank 0's `obj` on every member."""
         size = torch.zeros(1, dtype=torch.int64)
         data = b""

@@ -475,7 +475,8 @@ class AsyncLLMEngine(AsyncEngineControl):
             elif kind == "call":  # `AsyncEngineControl.call`, after the aborts queued before it
                 aborted |= self._abort(aborts)
                 aborts = []
-                self._run_call(*payload, loop)
+                fn, fut = payload
+                self._run_call(fn, fut, loop)
             else:
                 aborts.append(payload)
         return self._abort(aborts) or aborted

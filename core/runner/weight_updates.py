@@ -133,6 +133,9 @@ class RunnerWeights:
     _kv_asleep = False
     _graphs_stale = False  # rebuild the graph runners before the next step
     _num_blocks = 0
+    _transfer: Any = None  # the weight-update group this rank joined (`init_weight_transfer`)
+    graph_runner: Any
+    eager_runner: Any
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], cast: bool = False) -> int:
         """Copy Hugging Face-named tensors into this rank's shard (`update_model_weights`)."""
