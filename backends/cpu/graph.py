@@ -330,7 +330,8 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         self.packed_weights.recording = True  # the kinds of linear calls the model makes
         hidden = self(*_step_inputs(2, ctx.metadata.slot_mapping.device), ctx)
         stage = getattr(self.model_fn, "stage", None)
-        if stage is None or stage.is_last:  # an earlier pipeline stage has no LM head
+        # an earlier pipeline stage has no LM head, nor has an encoder-only model (it pools)
+        if (stage is None or stage.is_last) and not getattr(self.model_fn, "is_encoder_only", False):
             self.compute_logits(hidden)
         self.packed_weights.recording = False
         sched = self.config.scheduler

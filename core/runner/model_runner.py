@@ -172,7 +172,9 @@ class ModelRunner(RunnerWeights):
         if getattr(self.model, "is_encoder_only", False):  # `portside.model.bert_base`: whole prompts, no cache
             logger.info("%s: an encoder-only model (bidirectional attention); it runs eagerly",
                         self.model.config.architecture)
-            self.graph_runner = EagerGraphRunner(self.model, config)
+            # a platform runner that runs op by op (the cpu backend's eager one, its linears in oneDNN) keeps it
+            if self.lora is not None or not self.graph_runner.supports_recurrent_state:
+                self.graph_runner = EagerGraphRunner(self.model, config)
         elif self.lora is not None:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
