@@ -81,3 +81,10 @@ def test_int8_activation_peer_runs_only_where_the_option_exists(qg, monkeypatch)
     monkeypatch.setattr(options, "BACKEND_OPTIONS", options.BACKEND_OPTIONS[:-1] + (
         BackendOption("cpu_gguf_act", "GGUF kernels' activations", ("fp32", "bf16"), "fp32"),))
     assert "not int8" in qg.a8_unavailable()
+
+
+def test_a_negative_decode_time_is_no_figure(qg):
+    section = _section()
+    section["runs"]["Q4_0"]["1"]["gguf-q4_0"]["decode_ms_per_token"] = -8.1  # best of 1 token > best of 1 + D
+    rows = {r["peer"]: r for r in qg.summarize(section)}
+    assert "no valid decode time" in rows["gguf-q4_0"]["note"] and "targets_met" not in rows["gguf-q4_0"]

@@ -269,11 +269,13 @@ def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
     for fmt, by_threads in section["runs"].items():
         nbytes = section["files"][fmt]["bytes_per_token"]
         for threads, peers in by_threads.items():
-            ref = next((v for k, v in peers.items() if k.startswith("llama.cpp") and "decode_ms_per_token" in v), None)
+            ref = next((v for k, v in peers.items() if k.startswith("llama.cpp") and v.get("decode_ms_per_token", 0) > 0), None)
             for name, r in peers.items():
                 row: dict[str, Any] = {"format": fmt, "threads": int(threads), "peer": name}
-                if "decode_ms_per_token" not in r:
-                    row["note"] = r.get("skipped") or r.get("error") or "not measured"
+                if "decode_ms_per_token" not in r or r["decode_ms_per_token"] <= 0:
+                    row["note"] = r.get("skipped") or r.get("error") or (
+                        f"no valid decode time ({r['decode_ms_per_token']:.1f} ms: the 1-token run was slower than the "
+                        "1 + D one, the machine was busy); rerun" if "decode_ms_per_token" in r else "not measured")
                     rows.append(row)
                     continue
                 bound = 1000 * nbytes / (r["decode_read_bandwidth_gbs"] * 1e9)
