@@ -22,6 +22,7 @@ from portside.contract.kv_quant import kv_cache_dtype_name
 from portside.contract.model_ops import ModelOps
 from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.sampling import Sampler
+from portside.contract.weight_offload import offload_to_host, restore_from_host
 
 if TYPE_CHECKING:  # config imports nothing from the contract; this only names the type
     from portside.config import EngineConfig
@@ -248,8 +249,6 @@ class Platform(ABC):
         undefined values, for a weight update to fill. Returns what `restore_weights` takes.
         Default: the data of every parameter and buffer moves to host memory
         (`weight_offload.offload_to_host`), then `empty_cache`."""
-        from portside.contract.weight_offload import offload_to_host
-
         handle = offload_to_host(model, keep)
         cls.empty_cache()
         return handle
@@ -257,8 +256,6 @@ class Platform(ABC):
     @classmethod
     def restore_weights(cls, model: torch.nn.Module, handle: Any) -> None:
         """Wake: put back what `offload_weights` returned `handle` for, at the same shapes and dtypes."""
-        from portside.contract.weight_offload import restore_from_host
-
         restore_from_host(handle)
 
     @classmethod
