@@ -52,10 +52,7 @@
 #include <vector>
 
 namespace portside_gguf {
-namespace {
 
-// x [T, K] fp32 -> codes [T, K] and scales [T, K / block]: the reference's rounding exactly
-// (IEEE division, round half to even under the default rounding mode, no fast-math).
 void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t* q, float* d) {
   at::parallel_for(0, T * (K / block), 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -77,6 +74,8 @@ void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t
   });
 }
 
+namespace {
+
 // (values per block, bytes per block) of a type with a kernel; (0, 0) for any other.
 std::pair<int64_t, int64_t> block_shape(int64_t ggml_type) {
   switch (ggml_type) {
@@ -88,12 +87,6 @@ std::pair<int64_t, int64_t> block_shape(int64_t ggml_type) {
     case GGML_IQ4_XS: return {256, 136};
   }
   return {0, 0};
-}
-
-int64_t best_isa() {
-  for (int64_t isa : {ISA_VNNI, ISA_AVX2})
-    if (isa_runs(isa)) return isa;
-  return ISA_SCALAR;
 }
 
 at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, const std::optional<at::Tensor>& bias,

@@ -117,8 +117,8 @@ inline void prefetch(const Ctx& c, int64_t n, int64_t off, int64_t len) {
 
 // Runs Kern::rows<NR, R>(c, n, t) (NR weight rows from n, R token rows from t, writing y) over
 // the whole output, split across threads by weight rows.
-template <class Kern>
-void drive(const Ctx& c) {
+template <class Kern, class C>  // C: gguf_dot's Ctx, or int4_dot's
+void drive(const C& c) {
   if (c.T == 1) {  // decode: two weight rows side by side per thread (two streams in flight)
     at::parallel_for(0, c.N, 16, [&](int64_t n0, int64_t n1) {
       int64_t n = n0;
@@ -172,6 +172,17 @@ inline __m256i pairs16(const uint8_t* mn) {
 #endif  // PORTSIDE_GD_AVX2
 
 // The kernels, per file: Q8_0 (q4 false) and Q4_0 (q4 true); the 256-value formats.
+// x [T, K] fp32 -> codes [T, K] and scales [T, K / block]: the reference's rounding exactly (IEEE
+// division, round half to even under the default rounding mode, no fast-math); gguf_dot.cpp.
+void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t* q, float* d);
+
+// The fastest path compiled in and runnable here: VNNI, else AVX2, else scalar.
+inline int64_t best_isa() {
+  for (int64_t isa : {ISA_VNNI, ISA_AVX2})
+    if (isa_runs(isa)) return isa;
+  return ISA_SCALAR;
+}
+
 void dot_q8_q4(const Ctx& c, int64_t isa, bool q4);
 void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type);
 

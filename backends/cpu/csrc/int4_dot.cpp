@@ -43,7 +43,10 @@ using portside_gguf::ISA_AVX2;
 using portside_gguf::ISA_BEST;
 using portside_gguf::ISA_SCALAR;
 using portside_gguf::ISA_VNNI;
+using portside_gguf::best_isa;
+using portside_gguf::drive;
 using portside_gguf::isa_runs;
+using portside_gguf::quantize_blocks;
 
 struct Ctx {
   const uint8_t* w;  // codes [N, rb = K / 2]
@@ -63,28 +66,6 @@ inline int32_t zero_at(const Ctx& c, int64_t n, int64_t g) { return c.z ? int32_
 
 constexpr int64_t PREFETCH_ROWS = 2;
 
-template <class Kern>
-void drive(const Ctx& c) {
-  if (c.T == 1) {
-    at::parallel_for(0, c.N, 16, [&](int64_t n0, int64_t n1) {
-      int64_t n = n0;
-      for (; n + 2 <= n1; n += 2) Kern::template rows<2, 1>(c, n, 0);
-      if (n < n1) Kern::template rows<1, 1>(c, n, 0);
-    });
-    return;
-  }
-  at::parallel_for(0, c.N, 8, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t t = 0; t < c.T; t += 4) {
-        switch (std::min<int64_t>(4, c.T - t)) {
-          case 4: Kern::template rows<1, 4>(c, n, t); break;
-          case 3: Kern::template rows<1, 3>(c, n, t); break;
-          case 2: Kern::template rows<1, 2>(c, n, t); break;
-          default: Kern::template rows<1, 1>(c, n, t); break;
-        }
-      }
-  });
-}
 
 // ---- scalar ---------------------------------------------------------------------------------------
 
@@ -196,31 +177,6 @@ struct Simd {
 
 #endif  // PORTSIDE_GD_AVX2
 
-// x [T, K] fp32 -> codes [T, K] and scales [T, K / block]: gguf_dot's rounding (IEEE division, round
-// half to even, no fast-math), so int4_dot_ref.quantize_activations (gguf_dot_ref's) gives the same.
-void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t* q, float* d) {
-  at::parallel_for(0, T * (K / block), 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* xb = x + b * block;
-      int8_t* qb = q + b * block;
-      float amax = 0.f;
-      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float scale = amax / 127.f;
-      d[b] = scale;
-      if (amax == 0.f) {
-        std::memset(qb, 0, block);
-        continue;
-      }
-      for (int64_t j = 0; j < block; ++j) qb[j] = int8_t(std::nearbyint(std::min(std::max(xb[j] / scale, -127.f), 127.f)));
-    }
-  });
-}
-
-int64_t best_isa() {
-  for (int64_t isa : {ISA_VNNI, ISA_AVX2})
-    if (isa_runs(isa)) return isa;
-  return ISA_SCALAR;
-}
 
 at::Tensor int4_dot(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
