@@ -4,6 +4,7 @@ the first stage of every request: the body read and validated, the served task a
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -127,3 +128,14 @@ async def parse_body(ctx: ServingContext, request: Request, model: type[M]) -> t
         return model.model_validate_json(raw or b""), False
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def json_object(request: Request, not_object_code: str = "invalid_json") -> dict[str, Any]:
+    """A small admin body (LoRA admin, dev endpoints) read as a JSON object, {} when empty; 400 otherwise."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code=not_object_code)
+    return body

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from portside.server.context import Route, ServingContext
+from portside.server.context import Route, ServingContext, json_object
 from portside.server.errors import APIError
 
 
@@ -52,16 +52,6 @@ def _query_bool(request: Request, name: str, default: bool) -> bool:
     if value.lower() in ("false", "0", "no"):
         return False
     raise APIError(400, f"{name} must be true or false, got {value!r}", param=name, code="invalid_value")
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_value")
-    return body
 
 
 async def sleep(ctx: ServingContext, request: Request) -> Response:
@@ -116,7 +106,7 @@ async def reset_prefix_cache(ctx: ServingContext, request: Request) -> Response:
 
 async def collective_rpc(ctx: ServingContext, request: Request) -> Response:
     engine = _engine(ctx, request)
-    body = await _json(request)
+    body = await json_object(request, "invalid_value")
     method, args, kwargs = body.get("method"), body.get("args", []), body.get("kwargs", {})
     if not isinstance(method, str) or not method:
         raise APIError(400, "method must be the name of a model runner method", param="method", code="invalid_value")
@@ -130,7 +120,7 @@ async def collective_rpc(ctx: ServingContext, request: Request) -> Response:
 
 async def update_weights_from_path(ctx: ServingContext, request: Request) -> Response:
     engine = _engine(ctx, request)
-    path = (await _json(request)).get("path")
+    path = (await json_object(request, "invalid_value")).get("path")
     if not isinstance(path, str) or not path:
         raise APIError(400, "path must be the folder of a safetensors checkpoint", param="path", code="invalid_value")
     n = await _run(engine, lambda e: e.update_weights_from_path(path))

@@ -3,26 +3,23 @@ server started with --enable-lora and --allow-runtime-lora-updating."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 
-from portside.server.context import Route, ServingContext
+from portside.server.context import Route, ServingContext, json_object
 from portside.server.errors import APIError
 from portside.server.lora import load_adapter, unload_adapter
 
 
 async def load(ctx: ServingContext, request: Request) -> Response:
     _check_updates(ctx)
-    return PlainTextResponse(await load_adapter(ctx.adapters, ctx.engine, ctx.offload, await _json(request),
+    return PlainTextResponse(await load_adapter(ctx.adapters, ctx.engine, ctx.offload, await json_object(request),
                                                 ctx.served_model_names))
 
 
 async def unload(ctx: ServingContext, request: Request) -> Response:
     _check_updates(ctx)
-    return PlainTextResponse(await unload_adapter(ctx.adapters, ctx.engine, await _json(request)))
+    return PlainTextResponse(await unload_adapter(ctx.adapters, ctx.engine, await json_object(request)))
 
 
 def _check_updates(ctx: ServingContext) -> None:
@@ -31,16 +28,6 @@ def _check_updates(ctx: ServingContext) -> None:
     if not ctx.allow_runtime_lora_updating:
         raise APIError(400, "loading and unloading adapters while serving is off; start the server with "
                        "--allow-runtime-lora-updating", code="runtime_lora_updating_disabled")
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
 
 
 ROUTES = (
