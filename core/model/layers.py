@@ -340,10 +340,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharing the embedding's vocabulary split; logits are gathered so that
     every rank returns the full vocabulary."""
 
+    batch_invariant = False  # set by batch-invariant mode (`portside.model.batch_invariant`)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         if self.quant is not None:
             logits = self.ops.quantized_linear(hidden, self.quant)  # type: ignore[attr-defined]
-        elif getattr(self, "batch_invariant", False):  # set by batch-invariant mode
+        elif self.batch_invariant:
             logits = batch_invariant.linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)  # [N, rows]
