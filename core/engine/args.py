@@ -102,6 +102,12 @@ class EngineArgs:
     # options only the chosen platform understands (`Platform.backend_options`; --backend-option KEY=VALUE)
     platform_options: dict[str, str] = field(default_factory=dict)
     batch_invariant: bool = False  # a request's tokens and logprobs do not depend on its batch (--batch-invariant)
+    # KV-cache events for routers, as vLLM's --kv-events-config (a dict or its JSON text; portside.engine.kv_events),
+    # and its shorthands --kv-events-publisher / --kv-events-endpoint
+    kv_events_config: dict[str, Any] | str | None = None
+    kv_events_publisher: str | None = None
+    kv_events_endpoint: str | None = None
+    data_parallel_rank: int = 0  # this replica's index among data_parallel_size (offsets the KV events endpoints)
 
     def resolve_model_path(self) -> str:
         from portside.default_model import DEFAULT_MODEL_NAME, default_model_path, is_default_model_name

@@ -63,6 +63,15 @@ def _add_kv_cache_args(g: argparse._ArgumentGroup) -> None:
                    help="hybrid models (Mamba-2, Gated DeltaNet layers): the recurrent state's dtype; auto: the "
                         "checkpoint config's mamba_ssm_cache_dtype, else the model's dtype; float32 is more accurate "
                         "and holds fewer sequences")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV-cache events (blocks stored, removed, cleared) for prefix-aware routers, as vLLM\'s: '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (also buffer_steps, hwm, '
+                        'max_queue_size; "encoding": "array" for routers older than vLLM\'s map encoding); docs/kv_events.md')
+    g.add_argument("--kv-events-publisher", choices=["zmq", "null"], default=None,
+                   help="shorthand for --kv-events-config's publisher (zmq turns events on)")
+    g.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="shorthand for --kv-events-config's endpoint (turns events on), e.g. tcp://*:5557")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto", help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer k/v scales from the checkpoint, else 1), or int8 (cpu; a scale per token and KV head); 8-bit caches hold about 2x (bf16) / 4x (fp32) the tokens and are not bit-exact")
 
 

@@ -63,8 +63,8 @@ def start_replicas(num_replicas: int, **engine_kwargs: Any) -> list[Any]:
     from transformers import AutoTokenizer  # noqa: F401  (transformers' lazy imports are not thread-safe: first here)
 
     with ThreadPoolExecutor(num_replicas, thread_name_prefix="portside-dp-start") as pool:
-        futures = [pool.submit(LLMEngine.from_args, data_parallel_size=num_replicas, **engine_kwargs)
-                   for _ in range(num_replicas)]
+        futures = [pool.submit(LLMEngine.from_args, data_parallel_size=num_replicas, data_parallel_rank=i, **engine_kwargs)
+                   for i in range(num_replicas)]
         done = [(f.result() if f.exception() is None else None, f.exception()) for f in futures]
     errors = [e for _, e in done if e is not None]
     if errors:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from portside.engine.args import EngineArgs
+from portside.engine.kv_events import KVEventStream, resolve_kv_events_config
 from portside.engine.output_processor import OutputProcessor
 from portside.engine.processor import EosIds, InputProcessor, Prompt
 from portside.engine.rl_engine import EngineRL
@@ -58,6 +59,7 @@ class LLMEngine(EngineRL):
     def __init__(self, args: EngineArgs) -> None:
         self.platform = resolve_platform(args.device)
         self.config = config = args.create_engine_config(self.platform)
+        self.kv_events = self._open_kv_events(args)  # sockets bound before the model loads (fail fast)
         self._load_tokenizer(args)  # with the generation defaults and reasoning parser: before the model loads (fail fast)
         self.max_model_len = config.model.max_model_len
         self.task = config.model.task  # "generate" or "embed"
@@ -68,11 +70,15 @@ class LLMEngine(EngineRL):
             mm_processor = self._allocate_kv_cache()
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
             raise
         # pipeline parallelism: scheduled steps kept in flight (oldest first), as many as the executor takes
         self.max_in_flight = self.executor.max_concurrent_batches
         self._batches: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = deque()
         self.scheduler = self._make_scheduler()
+        if self.kv_events is not None:
+            self.scheduler.kv.pool.events = self.kv_events.recorder
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
         self.processor = InputProcessor(
@@ -100,6 +106,16 @@ class LLMEngine(EngineRL):
         self.eos_token_id = self.eos.primary
         self.eos_token_ids = self.eos.all  # every id that ends a sequence (the tokenizer's and generation_config.json's)
         self.reasoning_parser = None if args.reasoning_parser is None else get_reasoning_parser(args.reasoning_parser)(self.tokenizer)
+
+    def _open_kv_events(self, args: EngineArgs) -> KVEventStream | None:
+        """The KV-events publisher of --kv-events-config (None: events off)."""
+        config = resolve_kv_events_config(args.kv_events_config, args.kv_events_publisher, args.kv_events_endpoint)
+        if config is None:
+            return None
+        if not self.config.cache.enable_prefix_caching:
+            logger.warning("KV events report the prefix cache's blocks; with prefix caching off none are stored")
+        assert self.config.cache.block_size is not None
+        return KVEventStream(config, self.config.cache.block_size, args.data_parallel_rank)
 
     def _allocate_kv_cache(self) -> MultiModalProcessor | None:
         """Read the model's shape, size the KV cache to what the executor's ranks hold (refused when
@@ -222,7 +238,15 @@ class LLMEngine(EngineRL):
         """Schedule and submit a step, then finish the oldest step in flight and return its
         outputs. With pipeline parallelism up to `max_in_flight` steps are in flight: a step is
         submitted while there is room and something can be scheduled (requests in flight cannot),
-        and a call that only submitted returns no outputs."""
+        and a call that only submitted returns no outputs. The step's KV events (blocks stored
+        and evicted) are then published."""
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.flush()
+
+    def _step(self) -> list[RequestOutput]:
         if len(self._batches) < self.max_in_flight:
             so = self.scheduler.schedule()
             if not so.is_empty or so.finished_req_ids:
@@ -306,6 +330,8 @@ class LLMEngine(EngineRL):
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
 
 def _blocks_per_request(block_size: int, max_model_len: int, max_batched: int, window: int | None) -> int:

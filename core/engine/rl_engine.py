@@ -33,6 +33,7 @@ class EngineRL:
 
     executor: Any
     scheduler: Any
+    kv_events: Any = None  # the KV-events publisher (portside.engine.kv_events), if on
     _asleep: frozenset[str] = frozenset()  # the WAKE_TAGS still asleep
     _weights_undefined = False  # discarded by a level-2 sleep, woken, not yet updated
     sleep_level = 0
@@ -86,8 +87,12 @@ class EngineRL:
         self.executor.collective_rpc("close_weight_transfer")
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached KV block (requests running keep theirs, uncached); returns how many."""
-        return self.scheduler.kv.reset_prefix_cache()
+        """Forget every cached KV block (requests running keep theirs, uncached); returns how many.
+        Routers hear of it at once (`AllBlocksCleared`), even with no step to follow."""
+        n = self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return n
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: weights offloaded to host memory, KV cache dropped; level 2: both dropped (the

@@ -15,12 +15,18 @@ blocks (in reverse order, so a sequence's tail blocks come first):
 - an uncached block goes to the head: it holds nothing reusable, so it is handed out before any
   cached block is evicted.
 A prefix hit on a free cached block unlinks it from the middle of the list in O(1).
+
+Events: with a `KVEventRecorder` in `events` (KV events for routers, `kv_events`), every block
+entering the prefix cache is reported stored, every cached block evicted removed, and a reset
+clears them all (one `AllBlocksCleared`, no removals).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from portside.kv_cache.kv_events import KVEventRecorder
 
 
 @dataclass(eq=False, slots=True)
@@ -115,6 +121,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> the full block holding it
+        self.events: KVEventRecorder | None = None  # KV events for routers (None: not recorded)
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,14 +155,18 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_block(
-        self, block: KVCacheBlock, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+        self, block: KVCacheBlock, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...],
+        lora_id: int | None = None,
     ) -> bool:
-        """Enter a full, computed block in the prefix cache. False if the hash is taken."""
+        """Enter a full, computed block in the prefix cache. False if the hash is taken.
+        `lora_id`: the adapter its KV was computed with (reported in events only)."""
         assert block.ref_cnt > 0 and block.block_hash is None, block
         if block_hash in self.cached:
             return False  # same content cached elsewhere, or a hash collision: keep the first
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids, lora_id)
         return True
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -176,13 +187,19 @@ class BlockPool:
         weight update their KV is stale. Held blocks stay with their requests, uncached. Returns
         how many blocks were forgotten."""
         blocks = list(self.cached.values())
+        events, self.events = self.events, None  # one AllBlocksCleared, not a removal per block
         for block in blocks:
             self._evict(block)
+        self.events = events
+        if events is not None:
+            events.cleared()
         return len(blocks)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = block.parent_hash = block.token_ids = None
 
     def check_integrity(self) -> None:

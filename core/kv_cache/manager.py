@@ -222,7 +222,8 @@ class KVCacheManager:
         for i in range(start, num_full):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             if blocks[i].block_hash is None and blocks[i] is not self.null_block:
-                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, block_tokens)
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, block_tokens,
+                                      request.lora_id)
             if self.state is not None:
                 self.state.cache(req_id, i, hashes[i], hashes[i - 1] if i else None, block_tokens)
         self._num_cached_blocks[req_id] = num_full
