@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from portside.kv_transfer.config import KVTransferConfig
 from portside.quant.config import QuantConfig
 from portside.spec_decode.config import SpeculativeConfig
 
@@ -181,6 +182,8 @@ class EngineConfig:
     platform_options: tuple[tuple[str, str], ...] = ()
     # --batch-invariant: a request's tokens and logprobs do not depend on its batch (portside.ops.batch_invariant)
     batch_invariant: bool = False
+    # a KV connector (host and disk tiers behind the device cache, swap preemption; `portside.kv_transfer`); None: none
+    kv_transfer: KVTransferConfig | None = None
 
     def option(self, key: str, default: str | None = None) -> str | None:
         return dict(self.platform_options).get(key, default)

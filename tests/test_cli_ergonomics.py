@@ -145,7 +145,6 @@ def test_models_table_fits_80_columns(capsys: pytest.CaptureFixture[str], monkey
     (("--rope-theta", "1000000"), "--rope-theta"),
     (("--disable-sliding-window",), "--disable-sliding-window"),
     (("--enable-expert-parallel",), "--enable-expert-parallel"),
-    (("--preemption-mode", "swap"), "--preemption-mode swap"),
     (("--num-gpu-blocks-override", "100"), "--num-gpu-blocks-override"),
     (("--kv-cache-memory-bytes", "4800M"), "--kv-cache-memory-bytes"),
     (("--logits-processors", "mod:Cls"), "--logits-processors"),
@@ -167,7 +166,6 @@ def test_unsupported_vllm_flags_accept_their_harmless_values() -> None:
 
 
 @pytest.mark.parametrize(("argv", "why"), [
-    (("--swap-space", "4"), "preempted requests are recomputed"),  # vLLM's default --swap-space 4
     (("--download-dir", "/models"), "portside downloads no checkpoints"),
     (("--hf-token",), "never contacts the Hugging Face Hub"),  # vLLM's `--hf-token` alone: use the stored token
     (("--hf-token", "hf_xxx"), "never contacts the Hugging Face Hub"),

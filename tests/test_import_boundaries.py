@@ -114,7 +114,7 @@ def test_the_device_check_finder(code: str, found: bool) -> None:
     assert bool(device_type_checks(code)) is found
 
 
-@pytest.mark.parametrize("package", ["kv_cache", "sched"])
+@pytest.mark.parametrize("package", ["kv_cache", "sched", "kv_transfer"])
 def test_scheduler_and_kv_cache_are_pure_python(package):
     bad = [
         f"{p.relative_to(ROOT)}:{line} imports {mod}"

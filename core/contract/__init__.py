@@ -22,6 +22,7 @@ One module per part (each name is also importable from here):
 - `batch_invariant`: `BatchInvariantAttention` (any backend's cache, core's batch-invariant attention);
 - `latent`: `LatentKVCacheSpec`, `LatentAttention` (multi-head latent attention, mixed into
   `AttentionBackend`);
+- `kv_transfer`: `KVBlockLayout`, `KVBlockIO` (KV blocks in a layout-neutral form, for tiers and connectors);
 - `kv_quant`: 8-bit KV caches, `KV_CACHE_DTYPES` and the reference formats (`quantize_kv`, ...);
 - `graph`: `GraphRunner`, `EagerGraphRunner`, `ModelFn`, `PiecewiseModel`;
 - `collectives`: `Communicator`, `SingleRankCommunicator`, `TorchDistributedCommunicator`;
@@ -41,6 +42,7 @@ from portside.contract import (
     collectives,
     graph,
     kv_quant,
+    kv_transfer,
     latent,
     memory,
     model_ops,
@@ -74,6 +76,7 @@ from portside.contract.kv_quant import (
     kv_row_bytes,
     quantize_kv,
 )
+from portside.contract.kv_transfer import NEUTRAL_ELEMENT_ORDER, KVBlockIO, KVBlockLayout
 from portside.contract.latent import LatentAttention, LatentKVCacheSpec
 from portside.contract.memory import HUGE_PAGE, host_memory, host_zeros, release_free_memory
 from portside.contract.model_ops import (
@@ -91,5 +94,5 @@ from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, Sta
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
 # every part's public names, in the order of the module map above
-__all__ = [name for part in (platform, options, attention, batch_invariant, latent, kv_quant, graph, collectives, model_ops, recurrent, sampling, memory)
+__all__ = [name for part in (platform, options, attention, batch_invariant, latent, kv_quant, kv_transfer, graph, collectives, model_ops, recurrent, sampling, memory)
            for name in part.__all__]

@@ -19,6 +19,8 @@ from portside.contract.attention import AttentionBackend
 from portside.contract.collectives import Communicator, SingleRankCommunicator, TorchDistributedCommunicator
 from portside.contract.graph import EagerGraphRunner, GraphRunner, ModelFn
 from portside.contract.kv_quant import kv_cache_dtype_name
+from portside.contract.kv_spec import KVCacheSpec
+from portside.contract.kv_transfer import KVBlockIO, KVBlockLayout
 from portside.contract.model_ops import ModelOps
 from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.sampling import Sampler
@@ -297,6 +299,18 @@ class Platform(ABC):
         if not dist.is_available() or not dist.is_initialized():
             return SingleRankCommunicator()
         return TorchDistributedCommunicator(group)
+
+    @classmethod
+    def kv_block_layout(cls, spec: KVCacheSpec, block_size: int) -> KVBlockLayout:
+        """How a KV block leaving the device is laid out (`portside.contract.kv_transfer`): the
+        neutral form, built from the spec. A platform overrides it only to refuse a spec."""
+        return KVBlockLayout.from_spec(spec, block_size)
+
+    @classmethod
+    def kv_block_io(cls, backend: AttentionBackend, layout: KVBlockLayout) -> KVBlockIO:
+        """What copies whole blocks between `backend`'s caches and the neutral form. Default:
+        through the backend's `read_kv` / `write_kv`; a faster one must produce the same bytes."""
+        return KVBlockIO(backend, layout)
 
     # ---- description ---------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from portside.config import (
 from portside.contract import Platform, check_backend_options
 from portside.engine.batch_invariant import check_batch_invariant
 from portside.engine.encoder_only import encoder_only_config
+from portside.kv_transfer.config import resolve_kv_transfer_config
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
 from portside.spec_decode.config import SpeculativeConfig
@@ -102,6 +103,12 @@ class EngineArgs:
     # options only the chosen platform understands (`Platform.backend_options`; --backend-option KEY=VALUE)
     platform_options: dict[str, str] = field(default_factory=dict)
     batch_invariant: bool = False  # a request's tokens and logprobs do not depend on its batch (--batch-invariant)
+    # KV tiers behind the device cache and swap preemption (`portside.kv_transfer.config.resolve_kv_transfer_config`)
+    kv_offload_cpu_bytes: float = 0
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_bytes: float = 0
+    preemption_mode: str | None = None  # recompute (default) or swap
+    swap_space: float | None = None  # GiB of host tier for swap when kv_offload_cpu_bytes is 0 (vLLM's; default 4)
     # KV-cache events for routers, as vLLM's --kv-events-config (a dict or its JSON text; portside.engine.kv_events),
     # and its shorthands --kv-events-publisher / --kv-events-endpoint
     kv_events_config: dict[str, Any] | str | None = None
@@ -164,6 +171,8 @@ class EngineArgs:
             device=platform.name,
             platform_options=tuple(sorted(self._platform_options(platform).items())),
             batch_invariant=self.batch_invariant,
+            kv_transfer=resolve_kv_transfer_config(self.kv_offload_cpu_bytes, self.kv_offload_disk_path,
+                                                   self.kv_offload_disk_bytes, self.preemption_mode, self.swap_space),
         )
         check_batch_invariant(config, platform)
         config = encoder_only_config(config, hf, self.max_model_len, self.max_num_batched_tokens)  # whole prompts

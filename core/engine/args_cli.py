@@ -10,6 +10,7 @@ from typing import Any
 from portside.engine.args import EngineArgs, parse_limit_mm_per_prompt
 from portside.engine.backend_options import add_backend_option_args, backend_options_from_args
 from portside.engine.unsupported_args import add_unsupported_args
+from portside.kv_transfer.cli import add_kv_offload_args
 
 
 def _limit_mm_arg(text: str) -> dict[str, int]:
@@ -23,6 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags shared by `portside generate` and `portside serve`, one argument group each."""
     _add_model_args(parser.add_argument_group("model and device"))
     _add_kv_cache_args(parser.add_argument_group("KV cache"))
+    add_kv_offload_args(parser.add_argument_group("KV offloading (host and disk tiers, swap preemption)"))
     _add_scheduler_args(parser.add_argument_group("scheduling"))
     _add_parallel_args(parser.add_argument_group("parallelism"))
     _add_quantization_args(parser.add_argument_group("quantization"))

@@ -22,6 +22,7 @@ from portside.engine.stats import EngineStats
 from portside.executor import Executor, make_executor
 from portside.generation_config import generation_defaults
 from portside.kv_cache.state import num_state_slots
+from portside.kv_transfer.factory import make_scheduler_connector
 from portside.lora.registry import LoRARegistry
 from portside.model.args import MULTIMODAL_ARCHS
 from portside.model.registry import architecture_needs, read_model_args
@@ -163,6 +164,8 @@ class LLMEngine(EngineRL):
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
             max_encoder_tokens=config.multimodal.max_encoder_tokens_per_step,
             num_state_slots=self.num_state_slots,
+            kv_connector=make_scheduler_connector(config, self.block_size, lambda: self.executor.collective_rpc(
+                "kv_transfer_info")[0], self.sliding_window, self.num_state_slots),
         )
 
     def _log_ready(self) -> None:
@@ -249,7 +252,7 @@ class LLMEngine(EngineRL):
     def _step(self) -> list[RequestOutput]:
         if len(self._batches) < self.max_in_flight:
             so = self.scheduler.schedule()
-            if not so.is_empty or so.finished_req_ids:
+            if not so.is_empty or so.finished_req_ids or so.kv_connector_metadata is not None:
                 so.grammar = self._grammar_bitmask(so)
                 with self._failing_steps():
                     self._batches.append((so, self.executor.submit(so)))

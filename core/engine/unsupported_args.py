@@ -3,8 +3,8 @@
 Each is accepted where its value asks for nothing portside lacks (`--load-format safetensors`,
 `--cpu-offload-gb 0`); any other value exits 2 with "portside does not support ...",
 naming what to do instead, rather than argparse's generic "unrecognized arguments". Tuning flags
-whose subject does not exist here, and whose results are the same either way (`--swap-space`,
-`--num-scheduler-steps`, `--compilation-config`, `--download-dir`), are accepted with a warning
+whose subject does not exist here, and whose results are the same either way
+(`--num-scheduler-steps`, `--compilation-config`, `--download-dir`), are accepted with a warning
 saying why they have no effect, so vLLM command lines keep working.
 """
 
@@ -40,7 +40,6 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
     ("--disable-sliding-window",): ((), "sliding-window layers always attend over their window, as the model was trained"),
     ("--enable-expert-parallel",): ((), "expert parallelism is not implemented; mixture-of-experts layers are sharded "
                                         "with --tensor-parallel-size"),
-    ("--preemption-mode",): (("recompute",), "preempted requests are recomputed; swapping to host memory is not implemented"),
     ("--num-gpu-blocks-override",): ((), "size the KV cache with --num-kv-blocks N (portside's name for it)"),
     ("--kv-cache-memory-bytes",): ((), "size the KV cache with --kv-cache-memory BYTES (portside's name for it)"),
     ("--logits-processors", "--logits-processor-pattern"): ((), "custom logits processors are not supported"),
@@ -55,7 +54,6 @@ NARGS: dict[str, int | str] = {
 }  # fmt: skip
 # flags accepted with any value and a warning: what they tune does not exist here, and results are the same
 NO_EFFECT: dict[tuple[str, ...], str] = {
-    ("--swap-space",): "preempted requests are recomputed, never swapped to host memory",
     ("--download-dir",): "portside downloads no checkpoints (models are local folders or .gguf files; the default model is "
                          "cached under ~/.cache/portside or $PORTSIDE_CACHE)",
     ("--hf-token",): "portside never contacts the Hugging Face Hub",

@@ -23,7 +23,7 @@ clears them all (one `AllBlocksCleared`, no removals).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from portside.kv_cache.kv_events import KVEventRecorder
@@ -121,6 +121,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> the full block holding it
+        # called with a cached block just before it is evicted for reuse (not on a reset); KV tiers
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
         self.events: KVEventRecorder | None = None  # KV events for routers (None: not recorded)
 
     @property
@@ -135,6 +137,8 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block)  # a KV connector may save it (its KV is intact until the next forward)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)

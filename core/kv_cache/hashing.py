@@ -3,7 +3,11 @@
 A full block's hash covers its tokens and, through its parent's hash, every token before it, so
 equal hashes mean equal prefixes unless the hash collides. Collisions are harmless: a hit is
 confirmed against the stored tokens (see `BlockPool.lookup`). Python's `hash` of an int tuple is
-deterministic, and only the scheduler's process ever compares these hashes.
+deterministic across processes, and a first block chains on -1 (a value `hash` never returns)
+rather than on None (whose hash is its address before Python 3.12), so a text-only chain hashes
+the same in every process: a restarted server finds its disk-tier blocks (`portside.kv_transfer`).
+A chain with a LoRA root or image identifiers includes `str` hashes, which differ between
+processes unless PYTHONHASHSEED is fixed: such blocks are only found again in the same process.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from collections.abc import Callable, Sequence
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple[str, ...] = ()) -> int:
     """Hash of one full block, chained on the previous block's hash (None for the first);
     `extra`: what its KV depends on beside the tokens (the images whose placeholders it holds)."""
-    return hash((parent_hash, token_ids, extra)) if extra else hash((parent_hash, token_ids))
+    parent = -1 if parent_hash is None else parent_hash
+    return hash((parent, token_ids, extra)) if extra else hash((parent, token_ids))
 
 
 def hash_full_blocks(

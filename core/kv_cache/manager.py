@@ -27,6 +27,7 @@ and `align_chunk` ends prompt chunks on block boundaries so their states can be 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from portside.kv_cache import hashing
@@ -76,6 +77,9 @@ class KVCacheManager:
         self._stale: set[str] = set()  # requests holding blocks at a prefix-cache reset: never cached again
         self._pending_lookups: dict[str, tuple[int, int]] = {}  # req_id -> (queries, hits)
         self.prefix_cache_stats = PrefixCacheStats()
+        # blocks held for a request by someone else than its table (a KV connector's loads, `portside.sched.kv_loads`)
+        self.external_holds: dict[str, list[KVCacheBlock]] = {}
+        self.on_reset: Callable[[], None] | None = None  # called after `reset_prefix_cache` (a KV connector forgets too)
         self.state = StateSlots(num_state_slots, block_size, enable_prefix_caching) if num_state_slots else None
 
     # ---- queries -------------------------------------------------------------------------
@@ -277,6 +281,8 @@ class KVCacheManager:
         if self.state is not None:
             self.state.pool.reset_prefix_cache()
         self._stale.update(self.req_to_blocks)
+        if self.on_reset is not None:
+            self.on_reset()
         return n
 
     def align_chunk(self, request: Request, start: int, num_new: int) -> int:
@@ -297,6 +303,10 @@ class KVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The state-slot copies the runner makes before and after the next step."""
         return ([], []) if self.state is None else self.state.take_copies()
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The chain hashes of the request's first `num_blocks` full blocks (fewer if it has fewer)."""
+        return self._hashes(request, num_blocks)[:num_blocks]
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._req_to_hashes.setdefault(request.request_id, [])
@@ -326,6 +336,9 @@ class KVCacheManager:
             assert len(ids) == len(set(ids)), f"{req_id} holds a block twice: {ids}"
             for block in blocks[num_null:]:
                 assert self.pool.blocks[block.block_id] is block
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for held in self.external_holds.values():
+            for block in held:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (

@@ -46,6 +46,7 @@ from portside.runner.kv_cache import (
     check_latent_kv_cache_dtype,
     dummy_decode_context,
 )
+from portside.runner.kv_transfer import RunnerKVTransfer
 from portside.runner.pooler import PoolChunk, Pooler
 from portside.runner.recurrent import RecurrentStates, state_spec_of
 from portside.runner.sampling import SamplingHandoff
@@ -110,6 +111,7 @@ class ModelRunner(RunnerWeights):
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.scratch_block = -1  # a block never handed out, for padded graph entries
+        self.kv_transfer = RunnerKVTransfer()  # the KV connector's worker half (tiers, disaggregation), if any
         self.sampling = SamplingHandoff(self.sampler, comm, eos_token_id, self.vocab_size, self.device)
         self._setup_spec_decode()
 
@@ -283,6 +285,8 @@ class ModelRunner(RunnerWeights):
         """The KV caches (and recurrent state slots) of `num_blocks` blocks, plus the scratch block."""
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
         self.scratch_block = num_blocks
+        self.kv_transfer.setup(self.config, self.platform, self.attn_backend, self.kv_cache_spec(), self.kv_caches,
+                               self.block_size, self.rank)
         if self.state_spec is not None:
             self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device)
 
@@ -301,8 +305,10 @@ class ModelRunner(RunnerWeights):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
         self._update_states(so)
+        self.kv_transfer.start_step(so.kv_connector_metadata)
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={},
+                                     kv_connector_output=self.kv_transfer.finish_step(so.kv_connector_metadata))
         if self._graphs_stale:  # the weights changed (an update, a wake-up): `RunnerWeights`
             self._rebuild_graphs()
         batch = prepare_inputs(self.requests, so, self.block_size, self.device, self._mrope_model)
@@ -318,7 +324,12 @@ class ModelRunner(RunnerWeights):
                 self.states.copy(so.state_copies_after)
         self._advance(so, out.sampled_token_ids)
         out.spec_token_ids = self._propose(out.sampled_token_ids)
+        out.kv_connector_output = self.kv_transfer.finish_step(so.kv_connector_metadata)
         return out
+
+    def kv_transfer_info(self) -> Any:
+        """The KV connector's `KVTransferInfo` (None without one), for the scheduler's half."""
+        return self.kv_transfer.info
 
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.finished_req_ids or so.scheduled_new_reqs:

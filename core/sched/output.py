@@ -59,6 +59,8 @@ class SchedulerOutput:
     # into the request's slot) and after it (a slot's state saved at a block boundary)
     state_copies_before: list[tuple[int, int]] = field(default_factory=list)
     state_copies_after: list[tuple[int, int]] = field(default_factory=list)
+    # the KV connector's instructions for this step (`portside.kv_transfer.base`); None: none
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -88,3 +90,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
     # speculative decoding: req_id -> proposed tokens to verify after the ones sampled this step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # the KV connector's report (a `portside.kv_transfer.base.KVConnectorOutput`): loads finished or failed
+    kv_connector_output: Any = None

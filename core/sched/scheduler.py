@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from portside.kv_cache.manager import KVCacheManager, cdiv
 from portside.outputs import SpecDecodeStats
 from portside.request import Request, RequestStatus
+from portside.sched.kv_loads import KVConnectorScheduler, KVLoads
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 from portside.sched.policy import make_policy
 from portside.sched.request_queue import WaitingQueue
@@ -86,6 +87,7 @@ class Scheduler:
         send_token_ids: bool = False,
         max_encoder_tokens: int | None = None,
         num_state_slots: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = scheduler_config
         # image embedding rows encoded per step (None: the token budget); see _fit_encoder_budget
@@ -108,6 +110,7 @@ class Scheduler:
         self.num_micro_batches = num_micro_batches  # scheduled steps the engine keeps in flight
         self.micro_batch_tokens = micro_batch_tokens  # cap on a micro-batch's tokens (see schedule)
         self.spec_stats = SpecDecodeStats()  # every request's proposals and acceptances since start
+        self.kv_loads = KVLoads(kv_connector, self.kv)  # a KV connector's loads (tiers, disaggregation); no-ops without one
 
     # ---- intake ------------------------------------------------------------------------------
 
@@ -170,6 +173,7 @@ class Scheduler:
             else:
                 output.scheduled_cached_reqs.append(self.runner_view.cached_request(request))
         self._in_flight.update(scheduled)
+        output.kv_connector_metadata = self.kv_loads.build_meta(output)
         return output
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request], budget: int,
@@ -238,6 +242,8 @@ class Scheduler:
                 computed_blocks, num_computed = self.kv.get_fork_blocks(parent, request)
             else:
                 computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+                if self.kv_loads.waits(request, computed_blocks, num_computed):
+                    continue  # its KV is being loaded (a connector); others run meanwhile
             num_new = self._num_new_tokens(request, num_computed, budget)
             if num_new is None:
                 return
@@ -259,6 +265,7 @@ class Scheduler:
                     return
             self.waiting.remove(request)
             self.running.append(request)
+            self.kv_loads.admitted(request)
             if lora is not None:
                 loras.add(lora)
             request.status = RequestStatus.RUNNING
@@ -318,6 +325,7 @@ class Scheduler:
         return parent if parent is not None and not parent.is_finished else None
 
     def _preempt(self, request: Request) -> None:
+        self.kv_loads.preempted(request)
         self.kv.free(request)
         self.running.remove(request)
         self.runner_view.forget(request.request_id)
@@ -372,6 +380,7 @@ class Scheduler:
                 touched.append(request)
         for req_id in scheduler_output.num_scheduled_tokens:
             self._in_flight.pop(req_id, None)
+        self.kv_loads.update(runner_output.kv_connector_output, self.requests)
         return touched
 
     def forget_in_flight(self) -> None:
@@ -429,6 +438,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.kv.cache_blocks(request, request.num_computed_tokens)
+        self.kv_loads.finished(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         self.runner_view.forget(request.request_id)
@@ -438,7 +448,7 @@ class Scheduler:
     # ---- state and stats ---------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.kv_loads.has_pending_work()
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)

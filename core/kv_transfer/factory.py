@@ -1,0 +1,49 @@
+"""KV connectors by name: each is a scheduler half (`KVConnectorScheduler`, pure Python) and a
+worker half (`portside.runner.kv_transfer.KVConnectorWorker`), given as "module:Class" paths so
+that the scheduler's process never imports the worker half (torch) and vice versa."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["CONNECTORS", "register_connector", "connector_class", "make_scheduler_connector"]
+
+# name -> (scheduler half, worker half)
+CONNECTORS: dict[str, tuple[str, str]] = {
+    "tiers": ("portside.kv_transfer.tiers:TiersScheduler", "portside.runner.kv_tiers:TiersWorker"),
+}
+
+
+def register_connector(name: str, scheduler_cls: str, worker_cls: str) -> None:
+    """Add (or replace) a connector: its two halves as "module:Class" paths."""
+    CONNECTORS[name] = (scheduler_cls, worker_cls)
+
+
+def connector_class(name: str, half: str) -> Any:
+    """The class of connector `name`'s "scheduler" or "worker" half."""
+    if name not in CONNECTORS:
+        raise ValueError(f"unknown KV connector {name!r}; known: {', '.join(sorted(CONNECTORS))}")
+    path = CONNECTORS[name][0 if half == "scheduler" else 1]
+    module, _, cls = path.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_scheduler_connector(config: Any, block_size: int, info: Callable[[], Any], sliding_window: int | None = None,
+                             num_state_slots: int = 0) -> Any:
+    """The scheduler half of `config.kv_transfer`'s connector (`config`: the `EngineConfig`), or
+    None without one. `info()` asks the workers for their `KVTransferInfo` (block bytes, fingerprint).
+    Refuses what the connectors cannot keep yet, naming it."""
+    kvt = config.kv_transfer
+    if kvt is None:
+        return None
+    what = "the KV connector" if kvt.connector != "tiers" else "the KV tiers (--kv-offload-*, --preemption-mode swap)"
+    if not config.cache.enable_prefix_caching:
+        raise ValueError(f"{what} identify blocks by their prefix-cache hash; enable prefix caching")
+    if num_state_slots:
+        raise ValueError(f"{what}: a model with recurrent layers keeps state outside the KV blocks; not supported yet")
+    if sliding_window is not None:
+        raise ValueError(f"{what}: sliding-window models are not supported yet")
+    cls = connector_class(kvt.connector, "scheduler")
+    return cls(kvt, block_size, info())

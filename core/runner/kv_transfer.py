@@ -1,0 +1,114 @@
+"""The worker's half of a KV connector (the contract: `portside.kv_transfer.base`).
+
+The model runner builds one from `EngineConfig.kv_transfer` once its KV caches exist
+(`make_kv_connector_worker`), and per step calls `start_step(meta)` before the forward,
+`finish_step(meta)` after it, and `take_output()` for the step's `ModelRunnerOutput`. Blocks move
+through the platform's `KVBlockIO` in the neutral layout (`portside.contract.kv_transfer`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from portside.contract import KVBlockIO, KVBlockLayout, LatentKVCacheSpec, is_quantized_kv
+from portside.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVTransferInfo
+from portside.kv_transfer.config import KVTransferConfig
+from portside.kv_transfer.factory import connector_class
+
+__all__ = ["KVConnectorWorker", "make_kv_connector_worker"]
+
+
+class KVConnectorWorker(ABC):
+    """Executes a connector's `KVConnectorMetadata` on one rank."""
+
+    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor], io: KVBlockIO, fingerprint: str,
+                 rank: int = 0) -> None:
+        self.config = config
+        self.kv_caches = kv_caches
+        self.io = io
+        self.layout: KVBlockLayout = io.layout
+        self.fingerprint = fingerprint
+        self.rank = rank
+
+    @property
+    def info(self) -> KVTransferInfo:
+        return KVTransferInfo(self.layout.block_bytes, self.fingerprint)
+
+    @abstractmethod
+    def start_step(self, meta: KVConnectorMetadata | None) -> None:
+        """Before the step's forward: saves of blocks about to be reused (done when this returns),
+        then the loads (may continue in the background into blocks no step touches)."""
+
+    def finish_step(self, meta: KVConnectorMetadata | None) -> None:
+        """After the step's forward: saves of KV the step computed. Default: nothing."""
+
+    @abstractmethod
+    def take_output(self) -> KVConnectorOutput | None:
+        """Loads finished or failed since the last call, and counters; None: nothing to report."""
+
+    def shutdown(self) -> None:
+        """Stop background work. Default: nothing."""
+
+
+def make_kv_connector_worker(config: KVTransferConfig, kv_caches: list[torch.Tensor], io: KVBlockIO,
+                             identity: tuple[str, ...], rank: int = 0) -> Any:
+    """The configured connector's worker half; `identity` (model path, dtype, ...) goes into the
+    fingerprint of the blocks it stores."""
+    cls = connector_class(config.connector, "worker")
+    return cls(config, kv_caches, io, io.layout.fingerprint(*identity), rank)
+
+
+def _check_supported(config: Any, spec: Any) -> None:
+    """Refuse, naming it, what the neutral block layout does not describe yet."""
+    refused = None
+    if isinstance(spec, LatentKVCacheSpec):
+        refused = "a model with latent attention (MLA)"
+    elif is_quantized_kv(spec.storage_dtype):
+        refused = f"an 8-bit KV cache (--kv-cache-dtype {config.cache.kv_cache_dtype})"
+    elif config.speculative is not None and config.speculative.method != "ngram":
+        refused = f"speculative decoding with a draft model or head ({config.speculative.method}: its KV shares the blocks)"
+    elif config.parallel.world_size > 1:
+        refused = "tensor or pipeline parallelism"
+    if refused is not None:
+        raise ValueError(f"KV connectors (--kv-offload-*, --preemption-mode swap) do not support {refused} yet")
+
+
+class RunnerKVTransfer:
+    """The model runner's side of the configured connector: no-ops without one."""
+
+    def __init__(self) -> None:
+        self.worker: KVConnectorWorker | None = None
+
+    def setup(self, config: Any, platform: Any, backend: Any, spec: Any, kv_caches: list[torch.Tensor],
+              block_size: int, rank: int) -> None:
+        """Build the worker half once the caches exist (`config`: the `EngineConfig`)."""
+        if config.kv_transfer is None:
+            return
+        _check_supported(config, spec)
+        layout = platform.kv_block_layout(spec, block_size)
+        io = platform.kv_block_io(backend, layout)
+        identity = (config.model.path, str(config.model.dtype), config.cache.kv_cache_dtype,
+                    f"tp{config.parallel.tensor_parallel_size}", f"pp{config.parallel.pipeline_parallel_size}")
+        self.worker = make_kv_connector_worker(config.kv_transfer, kv_caches, io, identity, rank)
+
+    @property
+    def info(self) -> KVTransferInfo | None:
+        return None if self.worker is None else self.worker.info
+
+    def start_step(self, meta: KVConnectorMetadata | None) -> None:
+        if self.worker is not None:
+            self.worker.start_step(meta)
+
+    def finish_step(self, meta: KVConnectorMetadata | None) -> KVConnectorOutput | None:
+        """After the forward: the post-forward saves, then the worker's report for the step's output."""
+        if self.worker is None:
+            return None
+        self.worker.finish_step(meta)
+        return self.worker.take_output()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
