@@ -96,6 +96,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args) or 0
 
 
+def _cmd_disagg_proxy(args: argparse.Namespace) -> int:
+    from portside.server.disagg_proxy import run_proxy
+
+    return run_proxy(args)
+
+
 def build_parser() -> Parser:
     from portside.engine.args_cli import add_engine_args
 
@@ -151,6 +157,16 @@ def build_parser() -> Parser:
     add_engine_args(p)
     _add_config_arg(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("disagg-proxy", help="serve one OpenAI endpoint over a prefill and a decode instance "
+                       "(disaggregated prefill; docs/disagg.md)")
+    try:
+        from portside.server.disagg_proxy import add_proxy_args
+    except ImportError:  # the server extra is missing
+        pass
+    else:
+        add_proxy_args(p)
+    p.set_defaults(func=_cmd_disagg_proxy)
     return parser
 
 

@@ -127,7 +127,6 @@ def test_models_table_fits_80_columns(capsys: pytest.CaptureFixture[str], monkey
 
 @pytest.mark.parametrize(("argv", "flag"), [
     (("--cpu-offload-gb", "8"), "--cpu-offload-gb 8"),
-    (("--kv-transfer-config", "{}"), "--kv-transfer-config"),
     (("--load-format", "bitsandbytes"), "--load-format bitsandbytes"),
     (("--enable-sleep-mode",), "--enable-sleep-mode"),
     (("--mm-processor-kwargs", "{}"), "--mm-processor-kwargs"),

@@ -27,6 +27,7 @@ from portside.contract import Platform, check_backend_options
 from portside.engine.batch_invariant import check_batch_invariant
 from portside.engine.encoder_only import encoder_only_config
 from portside.kv_transfer.config import resolve_kv_transfer_config
+from portside.kv_transfer.shared_storage import resolve_disagg_flags
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
 from portside.spec_decode.config import SpeculativeConfig
@@ -114,6 +115,12 @@ class EngineArgs:
     kv_events_config: dict[str, Any] | str | None = None
     kv_events_publisher: str | None = None
     kv_events_endpoint: str | None = None
+    # disaggregated prefill and decode (`portside.kv_transfer.shared_storage`): vLLM's --kv-transfer-config (a dict or
+    # its JSON text) and portside's --kv-connector shared_storage / --kv-role / --kv-connector-path (which win)
+    kv_transfer_config: dict[str, Any] | str | None = None
+    kv_connector: str | None = None
+    kv_role: str | None = None  # producer, consumer or both (vLLM: kv_producer, kv_consumer, kv_both)
+    kv_connector_path: str | None = None
     data_parallel_rank: int = 0  # this replica's index among data_parallel_size (offsets the KV events endpoints)
 
     def resolve_model_path(self) -> str:
@@ -172,7 +179,8 @@ class EngineArgs:
             platform_options=tuple(sorted(self._platform_options(platform).items())),
             batch_invariant=self.batch_invariant,
             kv_transfer=resolve_kv_transfer_config(self.kv_offload_cpu_bytes, self.kv_offload_disk_path,
-                                                   self.kv_offload_disk_bytes, self.preemption_mode, self.swap_space),
+                                                   self.kv_offload_disk_bytes, self.preemption_mode, self.swap_space,
+                                                   *self._disagg()),
         )
         check_batch_invariant(config, platform)
         config = encoder_only_config(config, hf, self.max_model_len, self.max_num_batched_tokens)  # whole prompts
@@ -189,6 +197,11 @@ class EngineArgs:
             )
         check_backend_options(platform, config.platform_options)  # before the platform reads them
         return platform.check_and_update_config(config)
+
+    def _disagg(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
+        """(connector, role, options) of the disaggregation flags (`resolve_disagg_flags`), or none."""
+        resolved = resolve_disagg_flags(self.kv_transfer_config, self.kv_role, self.kv_connector, self.kv_connector_path)
+        return resolved if resolved is not None else (None, None, ())
 
     def _resolve_parallel(self) -> ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -70,6 +70,16 @@ def _add_kv_cache_args(g: argparse._ArgumentGroup) -> None:
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (also buffer_steps, hwm, '
                         'max_queue_size; "encoding": "array" for routers older than vLLM\'s map encoding); docs/kv_events.md')
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='disaggregated prefill and decode, as vLLM\'s: \'{"kv_connector": "SharedStorageConnector", '
+                        '"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}}\'; docs/disagg.md')
+    g.add_argument("--kv-connector", choices=["shared_storage"], default=None,
+                   help="KV connector between instances: shared_storage (block files in --kv-connector-path)")
+    g.add_argument("--kv-role", choices=["producer", "consumer", "both"], default=None,
+                   help="with --kv-connector: producer (a prefill instance: saves its prompts' KV), consumer (a decode "
+                        "instance: loads it) or both (default)")
+    g.add_argument("--kv-connector-path", default=None, metavar="DIR",
+                   help="with --kv-connector shared_storage: the directory every instance reads and writes")
     g.add_argument("--kv-events-publisher", choices=["zmq", "null"], default=None,
                    help="shorthand for --kv-events-config's publisher (zmq turns events on)")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",

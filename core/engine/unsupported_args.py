@@ -21,7 +21,6 @@ _GRAPHS = "graph capture and compilation are the platform's: --enforce-eager tur
 
 # flag (aliases) -> (values that are fine as they are, why not / what instead); () : any use fails
 UNSUPPORTED: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
-    ("--kv-transfer-config",): ((), "disaggregated prefill (KV-cache transfer between instances) is not implemented"),
     ("--cpu-offload-gb",): (("0",), "weights are not offloaded to host memory; use a quantized checkpoint or --quantization int8/fp8 to fit a model"),
     ("--load-format",): (("auto", "safetensors", "gguf"), "portside loads Hugging Face safetensors folders and .gguf files (auto, safetensors, gguf)"),
     ("--enable-sleep-mode",): ((), "sleep mode (releasing device memory on request) is not implemented"),

@@ -13,6 +13,8 @@ __all__ = ["CONNECTORS", "register_connector", "connector_class", "make_schedule
 # name -> (scheduler half, worker half)
 CONNECTORS: dict[str, tuple[str, str]] = {
     "tiers": ("portside.kv_transfer.tiers:TiersScheduler", "portside.runner.kv_tiers:TiersWorker"),
+    "shared_storage": ("portside.kv_transfer.shared_storage:SharedStorageScheduler",
+                       "portside.runner.kv_shared_storage:SharedStorageWorker"),
 }
 
 
