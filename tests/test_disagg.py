@@ -66,6 +66,16 @@ def test_flags_follow_vllm_and_portside_names() -> None:
         resolve_disagg_flags(None, "decoder", "shared_storage", "/z")
 
 
+def test_the_prefill_request_asks_for_one_token_unstreamed() -> None:
+    from portside.server.disagg_proxy import _prefill_body
+
+    body = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 20,
+            "max_completion_tokens": 20, "min_tokens": 5, "temperature": 0.0}
+    assert _prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "max_completion_tokens": 1,
+                                   "temperature": 0.0}
+    assert body["stream"] is True and body["max_tokens"] == 20  # the decode instance gets the original
+
+
 def test_connector_needs_a_path_and_is_the_only_connector(tiny_llama: Path, tmp_path: Path) -> None:
     from portside.engine.llm_engine import LLMEngine
 

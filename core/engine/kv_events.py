@@ -199,7 +199,10 @@ class ZmqEventPublisher:
         topic = self.config.topic.encode()
         while True:
             if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
+                try:
+                    self._serve_replay()
+                except Exception:  # a bad request never stops the publishing
+                    logger.exception("KV events: serving a replay request failed")
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:

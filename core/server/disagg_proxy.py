@@ -43,8 +43,8 @@ def _error(status: int, message: str, kind: str = "bad_gateway") -> JSONResponse
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request as the prefill instance gets it: one token, no streaming."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    """The request as the prefill instance gets it: one token (so no min_tokens), no streaming."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
