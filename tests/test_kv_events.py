@@ -194,3 +194,23 @@ def test_endpoint_in_use_is_a_clear_error(tiny_llama: Path, tmp_path: Path) -> N
                                 kv_events_endpoint=f"tcp://*:{port}")
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_data_parallel_replica_publishes_on_its_own_endpoint(tiny_llama: Path, tmp_path: Path) -> None:
+    from portside.engine.llm_engine import LLMEngine
+    from portside.sampling_params import SamplingParams
+
+    base = f"ipc://{tmp_path}/ev"
+    engine = LLMEngine.from_args(model=str(tiny_llama), device="cpu", max_model_len=64, block_size=4,
+                                 kv_events_publisher="zmq", kv_events_endpoint=base, data_parallel_rank=1)
+    sub = Subscriber(f"{base}_dp1", f"ipc://{tmp_path}/unused", "")
+    try:
+        time.sleep(0.3)
+        engine.add_request("r", {"prompt_token_ids": list(range(3, 20))}, SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        batches = sub.receive(1000)
+        assert batches and all(decode(p, "map")[2] == 1 for _, p in batches)
+    finally:
+        sub.close()
+        engine.shutdown()
