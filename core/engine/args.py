@@ -28,9 +28,10 @@ from portside.engine.batch_invariant import check_batch_invariant
 from portside.engine.encoder_only import encoder_only_config
 from portside.kv_transfer.config import resolve_kv_transfer_config
 from portside.kv_transfer.shared_storage import resolve_disagg_flags
+from portside.model.eagle import EagleHeadConfig
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
-from portside.spec_decode.config import SpeculativeConfig
+from portside.spec_decode.config import HEAD_METHODS, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +291,12 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and pooler is not None:
             raise ValueError("speculative_config applies to text generation; task embed never decodes: drop one")
+        if spec is not None and spec.method in HEAD_METHODS:  # an EAGLE head, checked against the target here
+            if not os.path.isdir(str(spec.model)):
+                raise ValueError(f"speculative_config: the {spec.method} head {spec.model!r} is not a folder")
+            head = EagleHeadConfig.read(str(spec.model), spec.method, {**hf, **(hf.get("text_config") or {})},
+                                        max_model_len)
+            return dataclasses.replace(spec, head=head)
         if spec is None or spec.method != "draft_model":
             return spec
         assert spec.model is not None

@@ -302,6 +302,20 @@ class DecoderForCausalLM(nn.Module):
             h = self.post_attention(i, h, o)
         return self.final_norm(h)
 
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, plus the residual stream entering each layer of `layers` (an EAGLE-3 head's
+        auxiliary hidden states), concatenated in that order: [T, len(layers) * hidden]."""
+        h, rope = self.embed(input_ids, positions, ctx.inputs_embeds)
+        aux: dict[int, torch.Tensor] = {}
+        for i in range(self.num_layers):
+            if i in layers:
+                aux[i] = h
+            q, k, v = self.pre_attention(i, h, rope)
+            o = ctx.attention(i, q, k, v, self.attention_scale(i), **self.attention_features(i))
+            h = self.post_attention(i, h, o)
+        return self.final_norm(h), torch.cat([aux[i] for i in layers], dim=-1)
+
     # ---- portside.contract.PiecewiseModel: the model cut at its attention calls ----------
 
     @property

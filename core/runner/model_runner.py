@@ -53,7 +53,9 @@ from portside.runner.sampling import SamplingHandoff
 from portside.runner.weight_updates import RunnerWeights
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 from portside.spec_decode.backoff import ProposalBackoff
+from portside.spec_decode.config import HEAD_METHODS
 from portside.spec_decode.draft_model import DraftModelProposer
+from portside.spec_decode.eagle import EagleProposer
 from portside.spec_decode.ngram import NgramProposer
 
 __all__ = ["ModelRunner"]
@@ -204,10 +206,18 @@ class ModelRunner(RunnerWeights):
                              f"{self.state_spec.kind} layers keep a recurrent state that rejected proposals would "
                              "corrupt; drop --speculative-config")
         self.ngram: NgramProposer | None = None
-        self.draft: DraftModelProposer | None = None
+        self.draft: DraftModelProposer | EagleProposer | None = None
         if config.speculative is not None and config.speculative.method == "draft_model":
             self.draft = DraftModelProposer(config, self.platform, self.comm, self.device, self.rank, self.attn_backend,
                                             self.block_size, self.vocab_size)
+        elif config.speculative is not None and config.speculative.method in HEAD_METHODS:
+            if self.pp_size > 1:
+                raise ValueError(f"speculative_config: method {config.speculative.method!r} with pipeline parallelism "
+                                 "is not supported")
+            self.draft = EagleProposer(config, self.platform, self.model, self.device, self.attn_backend,
+                                       self.block_size, self.requests)
+            if self.draft.aux_runner is not None:  # EAGLE-3: the target's aux hidden states, op by op
+                self.graph_runner = self.draft.aux_runner
         elif config.speculative is not None:
             self.ngram = NgramProposer(config.speculative)
         self.backoff = ProposalBackoff()
@@ -319,7 +329,10 @@ class ModelRunner(RunnerWeights):
         with self.platform.inference_mode():
             if self.states is not None:
                 self.states.copy(so.state_copies_before)
-            out = self._handoff(self._forward(batch), batch, so)
+            hidden = self._forward(batch)
+            out = self._handoff(hidden, batch, so)
+            if isinstance(self.draft, EagleProposer):  # the head reads the target's hidden states of the step
+                self.draft.observe(so, batch, hidden, out.sampled_token_ids)
             if self.states is not None:
                 self.states.copy(so.state_copies_after)
         self._advance(so, out.sampled_token_ids)

@@ -1,0 +1,276 @@
+"""EAGLE and EAGLE-3 speculative decoding (`speculative_config={"method": "eagle3", "model": HEAD}`).
+
+Heads are written in the published layouts (`portside.testing.eagle`): EAGLE-3 as yuhuili's
+(``midlayer.*``, safetensors, a ``d2t`` draft vocabulary of the tokens the target emits) and as the
+speculators' (``layers.0.*``, its own embedding), EAGLE-1 as ``pytorch_model.bin``; random weights
+(their proposals are rejected), and an EAGLE-1 head distilled to the target's successor table
+(`make_eagle_head(successors=...)`), whose proposals are accepted at every depth about half the time.
+
+- greedy tokens equal transformers' (and so the run without speculation), batched, with
+  chunked prefill, a preemption and prefix-cache hits; every block freed;
+- every proposal equals an independent pure-torch reference of the head run over the whole
+  sequence from transformers' hidden states (the head's paged KV and the bookkeeping of kept
+  rows, catch-up and chaining exact);
+- seeded sampling gives the plain run's tokens; unseeded sampling keeps the target's
+  distribution (chi-square);
+- a head whose hidden size, vocabulary or layer ids do not fit exits 2 naming the mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from test_spec_decode import TEXT, assert_all_blocks_free, assert_chi_square_fits
+
+from portside import LLM, SamplingParams
+from portside.spec_decode.config import SpeculativeConfig
+from portside.spec_decode.eagle import EagleProposer
+from portside.testing.eagle import make_eagle_head
+from portside.testing.tiny import hf_greedy, hf_logits, make_tiny_model
+
+AUX = [0, 2, 3]
+N = 32  # tokens generated per prompt
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("eagle_target"), "llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def ps(target) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(target)).encode(TEXT)
+    return [ids[i : i + n] for i, n in enumerate((5, 13, 3, 21))]
+
+
+@pytest.fixture(scope="module")
+def want(target, ps) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(p): hf_greedy(target, p, N) for p in ps}
+
+
+@pytest.fixture(scope="module")
+def heads(target, ps, want, tmp_path_factory) -> dict[str, Path]:
+    vocab = sorted({t for out in want.values() for t in out})
+    pairs: dict[int, Counter] = {}
+    for p in ps:
+        seq = p + want[tuple(p)]
+        for a, b in zip(seq, seq[1:]):
+            pairs.setdefault(a, Counter())[b] += 1
+    root = tmp_path_factory.mktemp("eagle_heads")
+    return {"eagle-distilled": make_eagle_head(target, root / "e1d", "eagle",
+                                               successors={a: c.most_common(1)[0][0] for a, c in pairs.items()}),
+            "eagle3": make_eagle_head(target, root / "e3", "eagle3", draft_vocab=vocab, aux_layer_ids=AUX),
+            "eagle3-speculators": make_eagle_head(target, root / "e3s", "eagle3", draft_vocab=vocab, aux_layer_ids=AUX,
+                                                  layout="speculators", with_embed=True, seed=1),
+            "eagle": make_eagle_head(target, root / "e1", "eagle", seed=2)}
+
+
+def make_llm(target: Path, head: Path, k: int = 3, **kwargs) -> LLM:
+    method = json.loads((head / "config.json").read_text()).get("draft_vocab_size") and "eagle3" or "eagle"
+    kwargs = {"device": "cpu", "max_model_len": 128, "block_size": 4} | kwargs
+    return LLM(model=str(target), speculative_config={"method": method, "model": str(head), "num_speculative_tokens": k},
+               **kwargs)
+
+
+def greedy(llm: LLM, ps: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+
+
+def test_config_parsing():
+    c = SpeculativeConfig.parse({"method": "eagle3", "model": "/m/h", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_lookahead_tokens) == ("eagle3", "/m/h", 3)
+    with pytest.raises(ValueError, match="'eagle' needs 'model', the eagle head's folder"):
+        SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'mtp' is not implemented"):
+        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2})
+
+
+# ---- an independent reference: the head over the whole sequence, no cache -----------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:  # [T, H, D]
+    d = x.shape[-1]
+    freqs = pos[:, None].double() / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None].float(), torch.cat([freqs.sin()] * 2, -1)[:, None].float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class RefHead:
+    def __init__(self, head: Path, target: Path):
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        f = head / "model.safetensors"
+        raw = load_file(str(f)) if f.exists() else torch.load(head / "pytorch_model.bin", weights_only=True)
+        self.w = {k.replace("midlayer.", "").replace("layers.0.", ""): v for k, v in raw.items()}
+        self.cfg = json.loads((head / "config.json").read_text())
+        self.eagle3 = "d2t" in self.w
+        self.hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+        self.embed = self.w.get("embed_tokens.weight", self.hf.model.embed_tokens.weight.detach())
+
+    @torch.no_grad()
+    def proposals(self, seq: list[int], k: int) -> list[int]:
+        out = self.hf(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        hid = torch.cat([out[i][0] for i in AUX], -1) @ self.w["fc.weight"].T if self.eagle3 else out[-1][0]
+        tokens, pos = list(seq[1:]), list(range(len(seq) - 1))
+        drafted: list[int] = []
+        for _ in range(k):
+            o, nxt = self.layer(torch.tensor(tokens), torch.tensor(pos), hid)
+            if self.eagle3:
+                best = int((o[-1] @ self.w["lm_head.weight"].T).argmax())
+                t = best + int(self.w["d2t"][best])
+            else:
+                t = int(self.hf.lm_head(o[-1]).argmax())
+            drafted.append(t)
+            tokens, pos, hid = tokens + [t], pos + [pos[-1] + 1], torch.cat([hid, nxt[-1:]])
+        return drafted
+
+    def layer(self, ids: torch.Tensor, pos: torch.Tensor, hid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, c = self.w, self.cfg
+        emb = self.embed[ids]
+        if self.eagle3:
+            x, res = torch.cat([_rms(emb, w["input_layernorm.weight"]), _rms(hid, w["hidden_norm.weight"])], -1), hid
+        else:
+            x = res = torch.cat([emb, hid], -1) @ w["fc.weight"].T + w["fc.bias"]
+        H, KVH = c["num_attention_heads"], c["num_key_value_heads"]
+        D = c["hidden_size"] // H
+        T = len(ids)
+        q = _rope((x @ w["self_attn.q_proj.weight"].T).view(T, H, D), pos, c.get("rope_theta", 10000.0))
+        kk = _rope((x @ w["self_attn.k_proj.weight"].T).view(T, KVH, D), pos, c.get("rope_theta", 10000.0))
+        v = (x @ w["self_attn.v_proj.weight"].T).view(T, KVH, D)
+        kk, v = kk.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
+        att = torch.einsum("thd,shd->hts", q, kk) / D**0.5
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        h = res + torch.einsum("hts,shd->thd", att, v).reshape(T, H * D) @ w["self_attn.o_proj.weight"].T
+        m = _rms(h, w["post_attention_layernorm.weight"])
+        h = h + (torch.nn.functional.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) \
+            @ w["mlp.down_proj.weight"].T
+        return (_rms(h, w["norm.weight"]) if self.eagle3 else h), h
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-speculators", "eagle", "eagle-distilled"])
+def test_greedy_equals_transformers_and_proposals_equal_the_reference(target, heads, ps, want, name, monkeypatch):
+    """Batched greedy runs with a 16-token budget (prompts prefilled in chunks, the head catching
+    up in the same steps); each proposal is checked against the reference head."""
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = EagleProposer.propose
+
+    def spy(self, states):
+        out = propose(self, states)
+        seen.extend((s.prompt_token_ids + s.output_token_ids, out[s.req_id]) for s in states if s.req_id in out)
+        return out
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    llm = make_llm(target, heads[name], max_num_batched_tokens=16)
+    for p, got in zip(ps, greedy(llm, ps, N)):
+        assert got == want[tuple(p)], f"prompt of {len(p)} tokens"
+    s = llm.engine.stats().spec_decode
+    assert s.num_drafts > 0, s
+    if name == "eagle-distilled":  # accepted and rejected at every depth
+        assert all(s.num_drafts > c > 0 for c in s.num_accepted_tokens_per_pos), s
+    assert_all_blocks_free(llm)
+    ref = RefHead(heads[name], target)
+    for seq, drafted in seen[:: max(1, len(seen) // 10)]:
+        assert drafted == ref.proposals(seq, len(drafted))[: len(drafted)], f"sequence of {len(seq)} tokens"
+    llm.shutdown()
+
+
+def test_preemption_and_prefix_hits_keep_greedy_exact(target, heads, ps, want):
+    """A pool that forces preemption and the same prompts again (prefix-cache hits, whose head
+    K/V is the earlier run's): tokens stay the target's, every block is freed."""
+    llm = make_llm(target, heads["eagle-distilled"], k=4, max_num_batched_tokens=16, num_kv_blocks=24, max_num_seqs=8,
+                   max_model_len=64)
+    for round_ in range(2):
+        for p, got in zip(ps, greedy(llm, ps, N)):
+            assert got == want[tuple(p)], f"round {round_}, prompt of {len(p)} tokens"
+        assert_all_blocks_free(llm)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_gives_the_tokens_of_the_run_without_speculation(target, heads, ps):
+    plain = LLM(model=str(target), device="cpu", max_model_len=128, block_size=4)
+    spec = make_llm(target, heads["eagle-distilled"])
+    params = [SamplingParams(temperature=0.7, max_tokens=20, seed=50 + i, ignore_eos=True) for i in range(len(ps))]
+    want = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    got = spec.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.engine.stats().spec_decode.num_drafts > 0
+    assert_all_blocks_free(spec)
+
+
+@pytest.mark.slow  # end-to-end, over 10 s on 2 cores: CI's legs run it
+def test_unseeded_sampling_keeps_the_target_distribution(target, ps, tmp_path):
+    """(t1, t2, t3) under temperature 1 and top-k 3; the head's one-token vocabulary is the most
+    likely t2 after the most likely t1, proposed for t2 and t3 (accepted or rejected for a draw
+    from the rest): joint frequencies against transformers' probabilities, chi-square at p > 0.001."""
+    prompt = ps[1][:7]
+    a = int(hf_logits(target, prompt)[-1].argmax())
+    b = int(hf_logits(target, prompt + [a])[-1].argmax())
+    head = make_eagle_head(target, tmp_path / "one", "eagle3", draft_vocab=[b], aux_layer_ids=AUX)
+    llm = make_llm(target, head, k=2, max_num_seqs=256, num_kv_blocks=1500, seed=11)
+    k = 3
+
+    def top(ids):
+        vals, toks = hf_logits(target, ids)[-1].topk(k)
+        return toks.tolist(), torch.softmax(vals, -1).tolist()
+
+    exact = {}
+    for x, px in zip(*top(prompt)):
+        for y, py in zip(*top(prompt + [x])):
+            for z, pz in zip(*top(prompt + [x, y])):
+                exact[(x, y, z)] = px * py * pz
+    params = SamplingParams(n=250, temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True)
+    counts: Counter = Counter()
+    for _ in range(6):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        counts.update(tuple(c.token_ids) for c in out.outputs)
+    s = llm.engine.stats().spec_decode
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens, s
+    assert_chi_square_fits(counts, exact)
+
+
+def test_a_head_that_does_not_fit_exits_2_naming_the_mismatch(target, tmp_path, capsys):
+    from portside.cli import main
+
+    cases = {
+        "hidden": (make_eagle_head(target, tmp_path / "h", "eagle3", target_hidden_size=32, aux_layer_ids=AUX),
+                   "head's hidden size (32) does not fit the target's (64)"),
+        "vocab": (make_eagle_head(target, tmp_path / "v", "eagle", vocab_size=300), "vocabulary (300 tokens) is not the"),
+        "layers": (make_eagle_head(target, tmp_path / "l", "eagle3", aux_layer_ids=[1, 2, 7]),
+                   "auxiliary layer ids [1, 2, 7] do not fit the target's 4 layers"),
+        "default layers": (make_eagle_head(target, tmp_path / "d", "eagle3", draft_vocab=[3, 4]),
+                           "auxiliary layer ids [2, 2, 1]"),  # vLLM's defaults fit 4 layers: this one loads
+    }
+    for name, (head, message) in cases.items():
+        method = "eagle" if name == "vocab" else "eagle3"
+        spec = json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 2})
+        rc = main(["generate", "hi", "--model", str(target), "--device", "cpu", "--max-tokens", "2",
+                   "--speculative-config", spec])
+        err = capsys.readouterr().err
+        if name == "default layers":
+            assert rc == 0, err
+            continue
+        assert rc == 2 and message in err, (name, err)
+
+
+def test_structured_requests_are_not_speculated(target, heads, ps):
+    from portside import StructuredOutputsParams
+
+    llm = make_llm(target, heads["eagle3"])
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,8}"))
+    (out,) = llm.generate([{"prompt_token_ids": ps[0]}], params, use_tqdm=False)
+    assert llm.engine.stats().spec_decode.num_drafts == 0
+    assert_all_blocks_free(llm)
