@@ -106,7 +106,15 @@ def encoder_attention(
     if num_tokens == 0:
         return out
     bounds = cu_seqlens.tolist()
-    for length, runs in length_groups(bounds).items():
+    groups = length_groups(bounds)
+    if len(groups) == 1:
+        (length, runs), = groups.items()
+        if runs == [(0, num_tokens // length)] and num_tokens % length == 0:
+            # every row, one length (a batch of equal prompts): SDPA's [n, L, H, D] output is the answer
+            shape = (num_tokens // length, length, num_heads, head_size)
+            o = _sdpa(query.view(shape), key.view(shape), value.view(shape), scale, query.dtype, sliding_window)
+            return o.reshape(num_tokens, num_heads, head_size)
+    for length, runs in groups.items():
         count = sum(n for _, n in runs)
         if len(runs) == 1:  # one run: views of the packed rows, no copy
             a, n = runs[0]

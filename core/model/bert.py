@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from portside.contract import AttentionMetadata, Communicator, ForwardContext, ModelOps
 from portside.model.args import ModelArgs
-from portside.model.bert_base import EncoderModel, check_whole_prompts, hf_activation
+from portside.model.bert_base import EncoderModel, check_whole_prompts, dense_act, dense_add, hf_activation
 
 __all__ = ["BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification"]
 
@@ -67,10 +68,36 @@ class BertEmbeddings(nn.Module):
 
 
 class _SelfAttention(nn.Module):
+    """query, key and value (transformers' names, loaded as three) run as one [3H, H] linear: on
+    first use their weights and biases move into one tensor each and stay views of it (a later
+    weight update writes through); fused again if they no longer are (moved, re-allocated)."""
+
     def __init__(self, hf: Any, dtype: torch.dtype) -> None:
         super().__init__()
         h = hf.hidden_size
         self.query, self.key, self.value = _Linear(h, h, dtype), _Linear(h, h, dtype), _Linear(h, h, dtype)
+        self._fused: tuple[nn.Parameter, nn.Parameter, tuple[int, ...]] | None = None  # (weight, bias, part ptrs)
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [t for m in (self.query, self.key, self.value) for t in (m.weight, m.bias)]
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, 3H]: q, k and v side by side."""
+        fused = self._fused
+        if fused is None or tuple(t.data_ptr() for t in self._parts()) != fused[2]:
+            fused = self._fuse()
+        return F.linear(x, fused[0], fused[1])
+
+    def _fuse(self) -> tuple[nn.Parameter, nn.Parameter, tuple[int, ...]]:
+        mods = (self.query, self.key, self.value)
+        with torch.inference_mode(False), torch.no_grad():
+            weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
+            bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
+            sizes = [m.weight.shape[0] for m in mods]
+            for m, w, b in zip(mods, weight.split(sizes), bias.split(sizes)):
+                m.weight.data, m.bias.data = w, b
+        self._fused = (weight, bias, tuple(t.data_ptr() for t in self._parts()))
+        return self._fused
 
 
 class _Output(nn.Module):
@@ -82,7 +109,7 @@ class _Output(nn.Module):
         self.LayerNorm = nn.LayerNorm(hf.hidden_size, eps=hf.layer_norm_eps, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(dense_add(x, self.dense.weight, self.dense.bias, residual))
 
 
 class _Attention(nn.Module):
@@ -95,8 +122,7 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         shape = (x.shape[0], self.num_heads, self.head_dim)
-        s = self.self
-        q, k, v = s.query(x).view(shape), s.key(x).view(shape), s.value(x).view(shape)
+        q, k, v = (t.view(shape) for t in self.self.qkv(x).chunk(3, dim=1))  # column views, no copy
         o = ctx.encoder_attention(q, k, v, self.head_dim**-0.5)
         return self.output(o.reshape(x.shape[0], -1), x)
 
@@ -106,9 +132,12 @@ class _Intermediate(nn.Module):
         super().__init__()
         self.dense = _Linear(hf.hidden_size, hf.intermediate_size, dtype)
         self.act = hf_activation(hf.hidden_act)
+        self.act_name = hf.hidden_act if isinstance(hf.hidden_act, str) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        if self.act_name is None:
+            return self.act(self.dense(x))
+        return dense_act(x, self.dense.weight, self.dense.bias, self.act_name)
 
 
 class BertLayer(nn.Module):

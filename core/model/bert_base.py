@@ -14,20 +14,29 @@ where the architecture has one), requests back to back as the step's attention m
 Pooling (the pooler calls these): `default_pooling_type` ("cls" or "mean", sentence-transformers'
 default for the architecture); a `*ForSequenceClassification` model also has `num_labels` and
 `classify(pooled [B, H]) -> logits [B, num_labels]` (before any activation).
+
+Dense layers that a backend may fuse (`dense_act`: bias and activation; `dense_add`: bias and
+residual): plain functions whose body is the reference, dispatched through torch's function
+overrides first, so a `TorchFunctionMode` that a backend's runner enters around the step (the cpu
+eager runner's `EagerLinears`) may run either as one kernel; outside such a mode they run as
+written.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 from portside.contract import AttentionMetadata, Communicator, KVCacheSpec, ModelOps
 from portside.model.args import ModelArgs
 
-__all__ = ["EncoderModel", "check_whole_prompts", "hf_activation"]
+__all__ = ["EncoderModel", "check_whole_prompts", "dense_act", "dense_add", "hf_activation"]
 
 
 def hf_activation(name: str) -> nn.Module:
@@ -35,6 +44,33 @@ def hf_activation(name: str) -> nn.Module:
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
+
+
+_shared_activation = functools.cache(hf_activation)  # stateless: one instance per name for `dense_act`
+
+
+def dense_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> torch.Tensor:
+    return _shared_activation(activation)(F.linear(x, weight, bias))
+
+
+def dense_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight, bias) + residual
+
+
+def dense_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """``act(x @ weight.T + bias)``, `activation` by transformers' name (`hf_activation`)."""
+    if has_torch_function((x, weight, bias)):
+        return handle_torch_function(dense_act, (x, weight, bias), x, weight, bias, activation)  # type: ignore[no-any-return]
+    return dense_act_reference(x, weight, bias, activation)
+
+
+def dense_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T + bias + residual``."""
+    if has_torch_function((x, weight, bias, residual)):
+        return handle_torch_function(dense_add, (x, weight, bias, residual), x, weight, bias, residual)  # type: ignore[no-any-return]
+    return dense_add_reference(x, weight, bias, residual)
 
 
 def check_whole_prompts(md: AttentionMetadata) -> None:

@@ -46,8 +46,8 @@ def test_encoder_mixed_lengths_match_reference(head_size, dtype):
 
 @pytest.mark.parametrize(
     "lengths",
-    [(1,), (577,), (64,) * 6 + (16,) * 2, (16, 64, 16, 64, 16), (0, 3, 0, 3, 0)],
-    ids=["one_token", "one_image", "windows_then_edges", "interleaved", "with_empty"],
+    [(1,), (577,), (64,) * 6 + (16,) * 2, (16, 64, 16, 64, 16), (0, 3, 0, 3, 0), (32,) * 4, (0, 8, 8)],
+    ids=["one_token", "one_image", "windows_then_edges", "interleaved", "with_empty", "equal", "equal_after_empty"],
 )
 def test_encoder_sequence_sets(lengths):
     _check(lengths, heads=2, d=64)
@@ -55,6 +55,13 @@ def test_encoder_sequence_sets(lengths):
 
 def test_encoder_fused_qkv_views():
     _check((7, 100, 1, 64, 16, 64), dtype=torch.bfloat16, fused=True, seed=5)
+    _check((16,) * 5, fused=True, seed=6)  # one length: SDPA's output returned as it is
+
+
+def test_encoder_equal_lengths_output_is_a_fresh_tensor():
+    q, k, v, cu = _inputs((8, 8), 2, 16, torch.float32, fused=True)
+    out = encoder_attention(q, k, v, cu, 8, 0.25)
+    assert out.is_contiguous() and out.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
 
 
 def test_encoder_empty_batch_and_float64_fallback():
