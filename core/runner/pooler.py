@@ -88,7 +88,7 @@ class Pooler:
         else:  # rows of other requests between the chunks
             x = hidden[torch.cat([torch.arange(c.row, c.row + c.n) for c in chunks]).to(hidden.device)]
         x = x.float()
-        if kind == "mean":  # (index_add_ over the rows: 150 ms for 8192 x 384 on the 2-core CPU, this 1.2)
-            return torch.stack([part.sum(0) for part in x.split([c.n for c in chunks])])
+        if kind == "mean":  # (index_add_ over the rows: 140 ms for 8192 x 384 on the 2-core CPU, this 13)
+            return torch.segment_reduce(x, "sum", lengths=sizes.to(x.device), axis=0)
         out = torch.zeros(len(chunks), x.shape[1], dtype=torch.float32, device=x.device)
         return out.fill_(float("-inf")).scatter_reduce_(0, seg.unsqueeze(1).expand_as(x), x, "amax")
