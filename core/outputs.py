@@ -52,6 +52,12 @@ class SpecDecodeStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a verification step yields on average: 1 + accepted proposals per draft (vLLM's
+        "mean acceptance length"); 0 without drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
 
 @dataclass
 class CompletionOutput:

@@ -104,6 +104,7 @@ def main() -> None:
                 "draft_tokens": s.num_draft_tokens if s else 0,
                 "accepted_tokens": s.num_accepted_tokens if s else 0,
                 "acceptance_rate": round(s.acceptance_rate, 3) if s else 0.0,
+                "acceptance_length": round(s.acceptance_length, 2) if s else 0.0,
                 "accepted_per_pos": s.num_accepted_tokens_per_pos if s else [],
             })
     machine = cpu_name()
@@ -116,12 +117,12 @@ def main() -> None:
              f"{' --draft ' + args.draft if args.draft else ''}`; {machine}; "
              f"torch {torch.__version__}. Default model, fp32, cpu backend, batch 1, greedy, {args.tokens} tokens; "
              "best of the repeats. Tokens with and without speculation checked equal.", "",
-             "| workload | method | plain ms/token | speculative ms/token | speed-up | drafts | proposed | accepted | acceptance | accepted per position |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| workload | method | plain ms/token | speculative ms/token | speed-up | drafts | proposed | accepted | acceptance | acceptance length | accepted per position |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['method']} | {r['plain_ms_per_token']} | {r['spec_ms_per_token']} | {r['speedup']}x | "
                      f"{r['drafts']} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['acceptance_rate']:.0%} | "
-                     f"{r['accepted_per_pos']} |")
+                     f"{r['acceptance_length']} | {r['accepted_per_pos']} |")
     table = "\n".join(lines)
     print(table)
     md = RESULTS / "spec_decode.md"
