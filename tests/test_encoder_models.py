@@ -224,3 +224,30 @@ def test_bert_checkpoint_as_pretraining_exports_name_it(folders, tmp_path: Path)
     save_file({**renamed, "bert.encoder.layer.9.output.dense.weight": torch.zeros(2)}, str(dst / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'bert.encoder.layer.9.output.dense.weight' has no place in BertModel"):
         load_encoder(dst)
+
+
+def test_bert_query_key_value_load_into_one_fused_projection(folders, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The checkpoint's query, key and value tensors fill the thirds of the fused qkv linear;
+    without one of them the load is refused naming the fused tensor; a partial reload (weight
+    updates) writes its third only."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = folders[("bert", False)]
+    tensors = load_file(str(src / "model.safetensors"))
+    model = load_encoder(src)
+    qkv = model.encoder.layer[1].attention.self.qkv
+    parts = [tensors[f"encoder.layer.1.attention.self.{n}.weight"] for n in ("query", "key", "value")]
+    assert torch.equal(qkv.weight, torch.cat(parts))
+    assert torch.equal(qkv.bias[-parts[2].shape[0]:], tensors["encoder.layer.1.attention.self.value.bias"])
+    new_key = torch.randn_like(parts[1])
+    model.load_weights([("encoder.layer.1.attention.self.key.weight", new_key)])
+    assert torch.equal(qkv.weight, torch.cat([parts[0], new_key, parts[2]]))
+    dst = tmp_path / "bert-no-key"
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    save_file({k: v for k, v in tensors.items() if k != "encoder.layer.0.attention.self.key.bias"},
+              str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*encoder.layer.0.attention.self.qkv.bias"):
+        load_encoder(dst)

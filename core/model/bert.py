@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from portside.contract import AttentionMetadata, Communicator, ForwardContext, ModelOps
@@ -68,36 +67,15 @@ class BertEmbeddings(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    """query, key and value (transformers' names, loaded as three) run as one [3H, H] linear: on
-    first use their weights and biases move into one tensor each and stay views of it (a later
-    weight update writes through); fused again if they no longer are (moved, re-allocated)."""
+    """query, key and value as one [3H, H] linear: checkpoints' ``query``, ``key`` and ``value``
+    load into its thirds (`QKV`), so one GEMM projects all three."""
 
     def __init__(self, hf: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        h = hf.hidden_size
-        self.query, self.key, self.value = _Linear(h, h, dtype), _Linear(h, h, dtype), _Linear(h, h, dtype)
-        self._fused: tuple[nn.Parameter, nn.Parameter, tuple[int, ...]] | None = None  # (weight, bias, part ptrs)
+        self.qkv = _Linear(hf.hidden_size, 3 * hf.hidden_size, dtype)
 
-    def _parts(self) -> list[torch.Tensor]:
-        return [t for m in (self.query, self.key, self.value) for t in (m.weight, m.bias)]
 
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, 3H]: q, k and v side by side."""
-        fused = self._fused
-        if fused is None or tuple(t.data_ptr() for t in self._parts()) != fused[2]:
-            fused = self._fuse()
-        return F.linear(x, fused[0], fused[1])
-
-    def _fuse(self) -> tuple[nn.Parameter, nn.Parameter, tuple[int, ...]]:
-        mods = (self.query, self.key, self.value)
-        with torch.inference_mode(False), torch.no_grad():
-            weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
-            bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
-            sizes = [m.weight.shape[0] for m in mods]
-            for m, w, b in zip(mods, weight.split(sizes), bias.split(sizes)):
-                m.weight.data, m.bias.data = w, b
-        self._fused = (weight, bias, tuple(t.data_ptr() for t in self._parts()))
-        return self._fused
+QKV = {f"attention.self.{name}": ("attention.self.qkv", i) for i, name in enumerate(("query", "key", "value"))}
 
 
 class _Output(nn.Module):
@@ -201,6 +179,7 @@ class BertModel(EncoderModel):
 
     checkpoint_prefixes = ("bert.",)
     ignored = ("cls.",)  # BertForPreTraining / MaskedLM heads
+    stacked = QKV
     _padding_idx: Callable[[Any], int | None] = staticmethod(lambda hf: None)
 
     def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
@@ -233,6 +212,8 @@ class XLMRobertaModel(BertModel):
 class BertForSequenceClassification(EncoderModel):
     """BERT cross-encoder: CLS state -> pooler (dense + tanh) -> classifier."""
 
+    stacked = QKV
+
     def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
         super().__init__(args, comm, tp_rank, tp_size, dtype, ops)
@@ -261,6 +242,8 @@ class _RobertaClassificationHead(nn.Module):
 
 class XLMRobertaForSequenceClassification(EncoderModel):
     """XLM-R / RoBERTa cross-encoder (bge-reranker): CLS state -> dense + tanh -> out_proj."""
+
+    stacked = QKV
 
     def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:

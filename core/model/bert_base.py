@@ -93,6 +93,10 @@ class EncoderModel(nn.Module):
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ()
     # checkpoint tensors a pooling model does not use (masked-LM heads, position-id buffers)
     ignored: ClassVar[tuple[str, ...]] = ()
+    # checkpoint module names (e.g. "attention.self.query") loaded into one share of a fused
+    # parameter's rows: -> (our module's name, share index); the fused parameter has as many
+    # equal shares as the largest index + 1
+    stacked: ClassVar[dict[str, tuple[str, int]]] = {}
 
     def __init__(self, args: ModelArgs, comm: Communicator | None = None, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.float32, ops: ModelOps | None = None) -> None:
@@ -127,20 +131,36 @@ class EncoderModel(nn.Module):
             return None
         raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
 
+    def _stacked_target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, int | None]:
+        """(parameter, part index) for a tensor of one of `stacked`'s parts, (parameter, None) for any other."""
+        for part, (fused, index) in self.stacked.items():
+            if f".{part}." in name or name.startswith(f"{part}."):
+                return self._target(name.replace(part, fused), params), index
+        return self._target(name, params), None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's tensors (HF names) into the parameters of the same names."""
+        """Copy the checkpoint's tensors (HF names) into the parameters of the same names (the
+        `stacked` parts into their share of the fused parameter's rows)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        parts: dict[str, set[int]] = {}
+        count = 1 + max((index for _, index in self.stacked.values()), default=0)
         for name, tensor in weights:
-            target = self._target(name, params)
+            target, index = self._stacked_target(name, params)
             if target is None:
                 continue
             param = params[target]
+            if index is not None:
+                rows = param.shape[0] // count
+                param = param.narrow(0, index * rows, rows)  # type: ignore[assignment]
             if param.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: expected {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
-            loaded.add(target)
+            if index is None or len(parts.setdefault(target, set()) | {index}) == count:
+                loaded.add(target)
+            if index is not None:
+                parts[target].add(index)
         return loaded
 
     def check_loaded(self, loaded: set[str]) -> None:
