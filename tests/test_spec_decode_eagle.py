@@ -274,3 +274,23 @@ def test_structured_requests_are_not_speculated(target, heads, ps):
     (out,) = llm.generate([{"prompt_token_ids": ps[0]}], params, use_tqdm=False)
     assert llm.engine.stats().spec_decode.num_drafts == 0
     assert_all_blocks_free(llm)
+
+
+def test_lora_on_the_target(target, heads, ps, tmp_path):
+    """An adapter on the target: the EAGLE-3 head reads the adapted target's aux hidden states;
+    greedy tokens equal the adapted target's without speculation."""
+    from portside.lora.request import LoRARequest
+    from portside.testing.tiny import make_tiny_lora
+
+    lora = LoRARequest("a", 1, str(make_tiny_lora(target, tmp_path / "lora")))
+    kw = {"enable_lora": True, "max_lora_rank": 8}
+    plain = LLM(model=str(target), device="cpu", max_model_len=128, block_size=4, **kw)
+    spec = make_llm(target, heads["eagle3"], **kw)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ps[:2]]
+    want = plain.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    got = spec.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert want[0].outputs[0].token_ids != greedy(plain, ps[:1], 16)[0]  # the adapter changes the tokens
+    assert spec.engine.stats().spec_decode.num_drafts > 0
+    assert_all_blocks_free(spec)

@@ -52,6 +52,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
         model = value.get("model")
         method = value.get("method") or ("draft_model" if model is not None else None)
+        if method == "mtp":
+            raise ValueError("speculative_config: method 'mtp' is not implemented: the MTP layers of a DeepSeek-V3 or "
+                             "GLM-4.5 checkpoint are read and set aside (portside.model.mtp) but no proposer runs them "
+                             "yet, and Qwen3-Next is a recurrent hybrid, which refuses speculation; use 'eagle3', "
+                             "'eagle', 'draft_model' or 'ngram'")
         if method in _UNSUPPORTED:
             raise ValueError(f"speculative_config: method {method!r} is not implemented; use 'ngram', 'draft_model' "
                              "(a 'model' with the target's vocabulary), 'eagle' or 'eagle3' (a head's 'model' folder)")
