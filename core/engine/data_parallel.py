@@ -77,7 +77,7 @@ def start_replicas(num_replicas: int, **engine_kwargs: Any) -> list[Any]:
 
 def merge_stats(stats: list[Any]) -> Any:
     """One `EngineStats` for several replicas: numbers summed, lists joined, counter dataclasses
-    merged, the KV-cache usage recomputed from the summed blocks, anything else replica 0's
+    and dicts merged, the KV-cache usage recomputed from the summed blocks, anything else replica 0's
     (None while any replica has none yet)."""
     if not stats or any(s is None for s in stats):
         return None
@@ -88,6 +88,8 @@ def merge_stats(stats: list[Any]) -> Any:
             values[f.name] = _merge_counts(items)
         elif isinstance(items[0], list):
             values[f.name] = [x for item in items for x in item]
+        elif isinstance(items[0], dict):  # counters by name (the KV tiers')
+            values[f.name] = {k: sum(i.get(k, 0) for i in items) for k in {k for i in items for k in i}}
         elif all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in items):
             values[f.name] = sum(items)
         # anything else (a flag, a name): replica 0's

@@ -328,6 +328,7 @@ class LLMEngine(EngineRL):
             token_intervals=self.outputs.token_intervals,
             weight_bytes=self.weight_bytes,
             spec_decode=s.spec_decode,
+            kv_transfer=s.kv_transfer,
         )
 
     def shutdown(self) -> None:

@@ -29,6 +29,8 @@ class EngineStats:
     # the latest step: tokens it computed, and the seconds since each request's previous tokens
     step_tokens: int = 0
     token_intervals: list[float] = field(default_factory=list)
+    # KV tiers / connector counters and tokens recomputed after preemption (`portside.sched.kv_loads.KVLoads.stats`)
+    kv_transfer: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

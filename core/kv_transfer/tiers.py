@@ -20,6 +20,12 @@ a restarted engine rebuilds the index from their headers (`portside.kv_transfer.
 least recently written evicted first. A file whose checksum or header does not match is
 reported by the worker as a failed load: dropped, counted (`corrupt_blocks`), its tokens
 recomputed.
+
+With KV events on (`--kv-events-config`, docs/kv_events.md) the tiers report their blocks too,
+beside the device cache's "GPU" ones: a block copied to the host tier is stored with medium
+"CPU" and removed from it when the host tier lets it go, likewise "DISK" for the disk tier (the
+files a restarted engine finds are announced at its first step). A reset reports nothing more
+than the device cache's `AllBlocksCleared`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from portside.kv_cache.kv_events import KVEventRecorder
 from portside.kv_transfer import disk_format
 from portside.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVTransferInfo
 from portside.kv_transfer.config import KVTransferConfig
@@ -90,10 +97,12 @@ class TiersScheduler(KVConnectorScheduler):
         self._matched: dict[str, list[int]] = {}  # req_id -> hashes found by get_num_new_matched_tokens
         self.counters: dict[str, float] = dict.fromkeys(
             ("host_hit_blocks", "disk_hit_blocks", "host_saved_blocks", "disk_saved_blocks", "swapped_out_blocks",
-             "corrupt_blocks", "failed_load_blocks", "load_seconds", "load_bytes", "save_seconds", "save_bytes",
+             "corrupt_blocks", "failed_load_blocks", "loads", "load_seconds", "load_bytes", "save_seconds", "save_bytes",
              "disk_evicted_blocks"), 0.0)
         if self.disk_dir is not None:
             self._rebuild_disk_index()
+        self._announced = False  # the disk tier's blocks reported to KV events (`_events`)
+        self._quiet = False  # a reset: no removals (the device cache reports AllBlocksCleared)
 
     # ---- the index ---------------------------------------------------------------------------
 
@@ -116,11 +125,24 @@ class TiersScheduler(KVConnectorScheduler):
             return None
         return entry
 
+    def _events(self) -> KVEventRecorder | None:
+        """The KV-events recorder (None: events off), once the disk tier's blocks are announced."""
+        events = self.kv.pool.events if self.kv is not None and not self._quiet else None
+        if events is not None and not self._announced:
+            self._announced = True
+            for block_hash, entry in self.disk_lru.items():
+                events.stored(block_hash, entry.parent_hash, entry.token_ids, medium="DISK")
+        return events
+
     def _drop(self, block_hash: int) -> None:
         """Forget a block in every tier (its file is removed)."""
         entry = self.entries.pop(block_hash, None)
         if entry is None:
             return
+        if (events := self._events()) is not None:
+            for medium, held in (("CPU", entry.host_slot is not None), ("DISK", entry.on_disk)):
+                if held:
+                    events.removed(block_hash, medium)
         if entry.host_slot is not None:
             self.host_lru.pop(block_hash, None)
             self.free_slots.append(entry.host_slot)
@@ -142,6 +164,8 @@ class TiersScheduler(KVConnectorScheduler):
         assert slot is not None
         del self.host_lru[block_hash]
         entry.host_slot = None
+        if (events := self._events()) is not None:
+            events.removed(block_hash, "CPU")
         if self.disk_dir is not None and not entry.on_disk:
             self._spill(block_hash, entry, slot)
         if not entry.on_disk:
@@ -158,6 +182,8 @@ class TiersScheduler(KVConnectorScheduler):
         self.ops.append(("spill", slot, block_hash, entry.parent_hash, entry.token_ids))
         entry.on_disk = True
         self.disk_lru[block_hash] = entry
+        if (events := self._events()) is not None:
+            events.stored(block_hash, entry.parent_hash, entry.token_ids, medium="DISK")
         self.counters["disk_saved_blocks"] += 1
 
     def _save(self, block_id: int, block_hash: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
@@ -175,6 +201,8 @@ class TiersScheduler(KVConnectorScheduler):
             entry = self.entries[block_hash] = _Entry(parent, tokens)
         entry.host_slot = slot
         self.host_lru[block_hash] = entry
+        if (events := self._events()) is not None:
+            events.stored(block_hash, parent, tokens, medium="CPU")
         self.ops.append(("save", block_id, slot))
         self.counters["host_saved_blocks"] += 1
         return True
@@ -228,6 +256,7 @@ class TiersScheduler(KVConnectorScheduler):
         self.inflight[request.request_id] = matched
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
+        self._events()  # a restarted engine's disk blocks are announced at its first step
         self._matched.clear()
         if not self.ops and not self.loads:
             return None
@@ -250,8 +279,10 @@ class TiersScheduler(KVConnectorScheduler):
                 self._drop(hashes[good])
 
     def reset(self) -> None:
+        self._quiet = True
         for block_hash in list(self.entries):
             self._drop(block_hash)
+        self._quiet = False
         for hashes in self.inflight.values():  # their loads are discarded (`KVLoads`): pins are moot
             hashes.clear()
 

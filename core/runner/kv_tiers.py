@@ -102,7 +102,7 @@ class TiersWorker(KVConnectorWorker):
                 out.finished_loading.add(req_id)
                 if good < len(loads):
                     out.failed_loading[req_id] = good
-                for key, value in (("load_seconds", time.perf_counter() - t0),
+                for key, value in (("load_seconds", time.perf_counter() - t0), ("loads", 1),
                                    ("load_bytes", good * self.layout.block_bytes)):
                     out.stats[key] = out.stats.get(key, 0.0) + value
                 self._pending -= 1

@@ -6,9 +6,11 @@ takes that many blocks from the pool for them and holds them, together with the 
 blocks, under the request's id in `KVCacheManager.external_holds` (so no other request can evict
 or overwrite them); the request stays in the waiting queue, skipped, while other requests run.
 When the worker reports the loads finished, the good blocks enter the prefix cache under the
-request's block hashes and the request is admitted through the normal path: a prefix hit on
-them. The hold is released once it is admitted (its allocation took its own references), or
-once an abort's loads have finished (a block being written is never handed out).
+request's block hashes and the hold is released: they are cached free blocks, most recently
+used, and the request is admitted through the normal path, a prefix hit on them. (Holding them
+until admission could deadlock: a request ahead of it in the queue may need those blocks. If
+they are evicted first, they go back to the host tier and are loaded again.) A load in flight
+keeps its hold until it lands, an aborted request's too: a block being written is never handed out.
 
 Without a connector every method is a no-op, so the scheduler calls them unconditionally.
 Pure Python, like the rest of `portside.sched`.
@@ -44,6 +46,10 @@ class KVLoads:
         self.kv = kv
         self.loads: dict[str, _Load] = {}
         self.num_loaded_tokens = 0  # tokens loaded instead of computed, since start (metrics)
+        # preemption (with or without a connector): tokens a preempted request had computed, and
+        # how many of them it computed again after resuming (the rest came from the caches)
+        self._computed_at_preemption: dict[str, int] = {}
+        self.num_recomputed_tokens = 0
         if connector is not None:
             connector.bind(kv)
             kv.on_reset = self._reset
@@ -61,11 +67,14 @@ class KVLoads:
         return self.connector is not None and (bool(self.loads) or self.connector.has_pending_work())
 
     def preempted(self, request: Request) -> None:
+        rid = request.request_id
+        self._computed_at_preemption[rid] = max(self._computed_at_preemption.get(rid, 0), request.num_computed_tokens)
         if self.connector is not None:
             self.connector.on_preempt(request, self.kv.get_block_ids(request.request_id))
 
     def finished(self, request: Request) -> None:
         """`request` ended (its blocks are freed next): the connector hears of it; a hold is released."""
+        self._computed_at_preemption.pop(request.request_id, None)
         if self.connector is not None:
             self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
             self.drop(request)
@@ -75,9 +84,8 @@ class KVLoads:
         what the connector has past its device hit (`hit`, `num_computed` tokens)."""
         if self.connector is None:
             return False
-        load = self.loads.get(request.request_id)
-        if load is not None:
-            return not load.done
+        if request.request_id in self.loads:
+            return True
         bs = self.kv.block_size
         num_blocks = self.connector.get_num_new_matched_tokens(request, num_computed) // bs
         pool = self.kv.pool
@@ -106,11 +114,10 @@ class KVLoads:
             del held[end:]
             self.kv.pool.free_blocks(reversed(bad))
             request = requests.get(req_id)
-            if load.aborted or request is None:
-                self._release(req_id)
-                continue
-            self.num_loaded_tokens += good * self.kv.block_size
-            self._cache(request, held, load.num_hit)
+            if not load.aborted and request is not None:
+                self.num_loaded_tokens += good * self.kv.block_size
+                self._cache(request, held, load.num_hit)
+            self._release(req_id)
         self.connector.update_connector_output(output)
 
     def _cache(self, request: Request, held: list[KVCacheBlock], start: int) -> None:
@@ -120,20 +127,17 @@ class KVLoads:
         for i in range(start, len(held)):
             self.kv.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]))
 
-    def admitted(self, request: Request) -> None:
-        """`request` was admitted (its allocation holds the blocks now): release the hold."""
-        if self.loads.pop(request.request_id, None) is not None:
-            self._release(request.request_id)
+    def admitted(self, request: Request, num_computed: int) -> None:
+        """`request` was admitted with `num_computed` tokens cached (its allocation holds the blocks
+        now): a resumed request's tokens computed again are counted."""
+        before = self._computed_at_preemption.pop(request.request_id, None)
+        if before is not None:
+            self.num_recomputed_tokens += max(0, before - num_computed)
 
     def drop(self, request: Request) -> None:
-        """`request` ended while waiting: release its hold, at once or when its loads finish."""
+        """`request` ended while waiting: its hold is released when its loads land."""
         load = self.loads.get(request.request_id)
-        if load is None:
-            return
-        if load.done:
-            del self.loads[request.request_id]
-            self._release(request.request_id)
-        else:
+        if load is not None:
             load.aborted = True
 
     def _reset(self) -> None:
@@ -145,6 +149,11 @@ class KVLoads:
     def _release(self, req_id: str) -> None:
         self.loads.pop(req_id, None)
         self.kv.pool.free_blocks(reversed(self.kv.external_holds.pop(req_id, [])))
+
+    def stats(self) -> dict[str, float]:
+        """The connector's counters, with the tokens loaded and the tokens recomputed after preemption."""
+        out = dict(self.connector.stats()) if self.connector is not None else {}
+        return {**out, "loaded_tokens": self.num_loaded_tokens, "preemption_recomputed_tokens": self.num_recomputed_tokens}
 
     @property
     def num_loading(self) -> int:

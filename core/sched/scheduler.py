@@ -66,6 +66,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # of which found in the cache
     num_preemptions: int
     spec_decode: SpecDecodeStats  # every request's proposals and acceptances since start
+    kv_transfer: dict[str, float]  # KV tiers / connector counters, tokens recomputed after preemption (`KVLoads.stats`)
 
 
 class Scheduler:
@@ -265,7 +266,7 @@ class Scheduler:
                     return
             self.waiting.remove(request)
             self.running.append(request)
-            self.kv_loads.admitted(request)
+            self.kv_loads.admitted(request, num_computed)
             if lora is not None:
                 loras.add(lora)
             request.status = RequestStatus.RUNNING
@@ -462,6 +463,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
             spec_decode=self.spec_stats,
+            kv_transfer=self.kv_loads.stats(),
         )
 
     def check_integrity(self) -> None:

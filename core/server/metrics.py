@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from portside.engine.stats import RequestRecord
+from portside.server.kv_transfer_metrics import kv_transfer_metrics
 from portside.server.vllm_metrics import VllmMetrics
 
 disable_created_metrics()  # no `_created` series: they double the exposition for little use
@@ -55,6 +56,7 @@ class _EngineCollector(Collector):
         yield _counter("portside_prompt_tokens", "Prompt tokens processed since start.", get("prompt_tokens_total"))
         yield _counter("portside_generation_tokens", "Tokens generated since start.", get("generation_tokens_total"))
         yield _gauge("portside_model_weight_bytes", "Bytes of the loaded model weights (all ranks; quantized where the model is).", get("weight_bytes"))
+        yield from kv_transfer_metrics(getattr(s, "kv_transfer", None))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

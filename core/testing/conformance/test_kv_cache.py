@@ -82,3 +82,40 @@ def test_kv_cache_round_trip(conformance_platform: type[Platform]) -> None:
                                  f"outside their slots ({where})")  # fmt: skip
         elif int(cache.count_nonzero()) != int(k.count_nonzero() + v.count_nonzero()):
             contract_failure("kv-cache", f"the cache holds data read_kv() cannot see: K/V landed outside their slots ({where})")
+
+
+def test_kv_block_layout_round_trips_a_block(conformance_platform: type[Platform]) -> None:
+    """`Platform.kv_block_layout` / `kv_block_io` (KV tiers and connectors): neutral blocks written
+    into the backend's caches read back bit-equal, land at the right slots (`read_kv` sees them),
+    touch no other block, and are `block_bytes` long; so blocks saved on one backend load on another."""
+    from portside.contract import KVCacheSpec
+
+    platform = conformance_platform
+    device = platform.device(0)
+    gen = torch.Generator().manual_seed(1)
+    dtype = platform.supported_dtypes[0]
+    block_size = platform.default_block_size
+    backend = platform.attention_backend(engine_config(platform, dtype, block_size))
+    if backend.supports(HEAD_SIZE, dtype, block_size) is not None:
+        return
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
+    layout = platform.kv_block_layout(spec, block_size)
+    io = platform.kv_block_io(backend, layout)
+    shape = backend.cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_SIZE, dtype)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    ids = [7, 2, 5]
+    blocks = torch.randn(len(ids), spec.num_layers, 2, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    io.write(caches, ids, blocks)
+    back = io.read(caches, ids)
+    if back.shape != blocks.shape or not torch.equal(back.cpu(), blocks):
+        contract_failure("kv-transfer", f"kv_block_io: read() of blocks {ids} does not return what write() stored")
+    if back[0].numel() * back.element_size() != layout.block_bytes:
+        contract_failure("kv-transfer", f"a neutral block is {back[0].numel() * back.element_size()} bytes, "
+                         f"KVBlockLayout.block_bytes says {layout.block_bytes}")
+    slot = ids[1] * block_size + 3  # token 3 of the second block, layer 1, through the backend's own read_kv
+    k, v = backend.read_kv(caches[1], torch.tensor([slot], device=device))
+    if not (torch.equal(k[0].cpu().to(dtype), blocks[1, 1, 0, 3]) and torch.equal(v[0].cpu().to(dtype), blocks[1, 1, 1, 3])):
+        contract_failure("kv-transfer", "kv_block_io: a block's token t of layer l is not at slot block * block_size + t")
+    others = [b for b in range(NUM_BLOCKS) if b not in ids]
+    if io.read(caches, others).count_nonzero():
+        contract_failure("kv-transfer", "kv_block_io: write() touched blocks it was not given")
