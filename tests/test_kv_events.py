@@ -214,3 +214,59 @@ def test_a_data_parallel_replica_publishes_on_its_own_endpoint(tiny_llama: Path,
     finally:
         sub.close()
         engine.shutdown()
+
+
+def test_host_and_disk_tiers_report_their_blocks(tiny_llama: Path, tmp_path: Path) -> None:
+    """With the KV tiers on, blocks evicted to host memory are stored with medium CPU, spilled to
+    disk with DISK, and removed as the tiers let them go: per medium, the subscriber's view equals
+    each tier's index; a restarted engine announces the disk tier's blocks at its first step."""
+    from portside.engine.llm_engine import LLMEngine
+    from portside.kv_transfer.disk_format import file_bytes
+    from portside.sampling_params import SamplingParams
+
+    endpoint = f"ipc://{tmp_path}/ev"
+    args = dict(model=str(tiny_llama), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=16,
+                kv_offload_cpu_bytes=6 * 2048, kv_offload_disk_path=str(tmp_path / "disk"),
+                kv_offload_disk_bytes=10 * file_bytes(2048, 4), kv_events_publisher="zmq", kv_events_endpoint=endpoint)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def views(sub: Subscriber) -> dict[str, set[int]]:
+        held: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "DISK": set()}
+        for _, payload in sub.receive(1000):
+            for ev in decode(payload, "map")[1]:
+                if ev["type"] == "BlockStored":
+                    held[ev["medium"]].update(ev["block_hashes"])
+                elif ev["type"] == "BlockRemoved":
+                    assert set(ev["block_hashes"]) <= held[ev["medium"]], ev
+                    held[ev["medium"]].difference_update(ev["block_hashes"])
+        return held
+
+    engine = LLMEngine.from_args(**args)
+    sub = Subscriber(endpoint, f"ipc://{tmp_path}/unused", "")
+    try:
+        time.sleep(0.3)
+        for r in range(5):
+            engine.add_request(f"r{r}", {"prompt_token_ids": [(11 * r + i) % 300 + 3 for i in range(30)]}, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        tiers = engine.scheduler.kv_loads.connector
+        held = views(sub)
+        assert held["GPU"] == {h & U64 for h in engine.scheduler.kv.pool.cached}
+        assert held["CPU"] == {h & U64 for h in tiers.host_lru} and held["CPU"]
+        assert held["DISK"] == {h & U64 for h in tiers.disk_lru} and held["DISK"]
+        assert tiers.counters["disk_evicted_blocks"] > 0  # the disk tier let some go too
+    finally:
+        sub.close()
+        engine.shutdown()
+    engine = LLMEngine.from_args(**args)  # a restart: the disk tier's files are found again
+    sub = Subscriber(endpoint, f"ipc://{tmp_path}/unused", "")
+    try:
+        time.sleep(0.3)
+        on_disk = {h & U64 for h in engine.scheduler.kv_loads.connector.disk_lru}
+        engine.add_request("again", {"prompt_token_ids": list(range(3, 10))}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert on_disk and views(sub)["DISK"] == on_disk
+    finally:
+        sub.close()
+        engine.shutdown()
