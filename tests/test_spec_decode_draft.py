@@ -55,7 +55,7 @@ def test_config_parsing():
         '{"method": "draft_model", "num_speculative_tokens": 2}': "needs 'model'",
         '{"method": "ngram", "model": "/m/d", "num_speculative_tokens": 2}': "takes no 'model'",
         '{"model": "/m/d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}': "apply to method 'ngram' only",
-        '{"method": "mtp", "num_speculative_tokens": 2}': "'mtp' is not implemented",
+        '{"method": "medusa", "num_speculative_tokens": 2}': "'medusa' is not implemented",
         '{"model": "/m/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}': "positive integer",
     }
     for text, message in bad.items():

@@ -13,7 +13,9 @@ speculators' (``layers.0.*``, its own embedding), EAGLE-1 as ``pytorch_model.bin
   rows, catch-up and chaining exact);
 - seeded sampling gives the plain run's tokens; unseeded sampling keeps the target's
   distribution (chi-square);
-- a head whose hidden size, vocabulary or layer ids do not fit exits 2 naming the mismatch.
+- a head whose hidden size, vocabulary or layer ids do not fit exits 2 naming the mismatch;
+- a LoRA adapter on the target; DeepSeek-V3's MTP layer (method "mtp") read from the target's
+  checkpoint (`portside.testing.eagle.add_mtp_layer`).
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def test_config_parsing():
     assert (c.method, c.model, c.num_lookahead_tokens) == ("eagle3", "/m/h", 3)
     with pytest.raises(ValueError, match="'eagle' needs 'model', the eagle head's folder"):
         SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="'mtp' is not implemented"):
-        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).num_lookahead_tokens == 2
+    with pytest.raises(ValueError, match="'mtp' takes no 'model'"):
+        SpeculativeConfig.parse({"method": "mtp", "model": "/m/h", "num_speculative_tokens": 2})
 
 
 # ---- an independent reference: the head over the whole sequence, no cache -----------------------
@@ -186,6 +189,7 @@ def test_greedy_equals_transformers_and_proposals_equal_the_reference(target, he
     llm.shutdown()
 
 
+@pytest.mark.slow  # end-to-end, two rounds through a small pool (29 s at load 14 on 2 cores): CI's legs run it
 def test_preemption_and_prefix_hits_keep_greedy_exact(target, heads, ps, want):
     """A pool that forces preemption and the same prompts again (prefix-cache hits, whose head
     K/V is the earlier run's): tokens stay the target's, every block is freed."""
@@ -294,3 +298,25 @@ def test_lora_on_the_target(target, heads, ps, tmp_path):
     assert want[0].outputs[0].token_ids != greedy(plain, ps[:1], 16)[0]  # the adapter changes the tokens
     assert spec.engine.stats().spec_decode.num_drafts > 0
     assert_all_blocks_free(spec)
+
+
+def test_mtp_layer_of_a_deepseek_v3_checkpoint(tmp_path):
+    """DeepSeek-V3 (latent attention, experts) with its MTP layer (``model.layers.{L}.*``) proposing:
+    greedy tokens equal transformers', batched, chunked; a checkpoint without MTP layers exits 2."""
+    from portside.cli import main
+    from portside.testing.eagle import add_mtp_layer
+    from portside.testing.tiny_deepseek import make_tiny_deepseek
+
+    overrides = dict(seed=6, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, norm_topk_prob=True)
+    path = add_mtp_layer(make_tiny_deepseek(tmp_path / "v3", "v3", num_nextn_predict_layers=1, **overrides))
+    llm = LLM(model=str(path), device="cpu", max_model_len=64, block_size=4, max_num_batched_tokens=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompts = [[5, 17, 250, 31, 99, 8, 120], [64, 300, 2], [45, 77, 1, 390, 12, 13, 14, 200, 201, 6, 7, 333, 42]]
+    for p, got in zip(prompts, greedy(llm, prompts, 12)):
+        assert got == hf_greedy(path, p, 12), f"prompt of {len(p)} tokens"
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    assert_all_blocks_free(llm)
+    plain = make_tiny_deepseek(tmp_path / "plain", "v3", **overrides)
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    assert main(["generate", "hi", "--model", str(plain), "--device", "cpu", "--speculative-config", spec]) == 2

@@ -31,7 +31,7 @@ from portside.kv_transfer.shared_storage import resolve_disagg_flags
 from portside.model.eagle import EagleHeadConfig
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
-from portside.spec_decode.config import HEAD_METHODS, SpeculativeConfig
+from portside.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,11 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and pooler is not None:
             raise ValueError("speculative_config applies to text generation; task embed never decodes: drop one")
-        if spec is not None and spec.method in HEAD_METHODS:  # an EAGLE head, checked against the target here
+        if spec is not None and spec.method == "mtp" and not int(hf.get("num_nextn_predict_layers") or 0):
+            raise ValueError(f"speculative_config: method 'mtp' needs multi-token-prediction layers in the checkpoint; "
+                             f"{(hf.get('architectures') or ['this model'])[0]} has none (num_nextn_predict_layers); "
+                             "use 'eagle3', 'eagle' or 'draft_model'")
+        if spec is not None and spec.method in ("eagle", "eagle3"):  # an EAGLE head, checked against the target here
             if not os.path.isdir(str(spec.model)):
                 raise ValueError(f"speculative_config: the {spec.method} head {spec.model!r} is not a folder")
             head = EagleHeadConfig.read(str(spec.model), spec.method, {**hf, **(hf.get("text_config") or {})},

@@ -6,12 +6,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-HEAD_METHODS = ("eagle", "eagle3")  # a head over the target's hidden states (`spec_decode.eagle`)
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+HEAD_METHODS = ("eagle", "eagle3", "mtp")  # a head over the target's hidden states (`spec_decode.eagle`)
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step: more only costs forward rows that are rarely accepted
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
          "draft_tensor_parallel_size"}
-_UNSUPPORTED = ("medusa", "mtp", "mlp_speculator", "suffix")
+_UNSUPPORTED = ("medusa", "mlp_speculator", "suffix")
 _DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
 
 
@@ -52,19 +52,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
         model = value.get("model")
         method = value.get("method") or ("draft_model" if model is not None else None)
-        if method == "mtp":
-            raise ValueError("speculative_config: method 'mtp' is not implemented: the MTP layers of a DeepSeek-V3 or "
-                             "GLM-4.5 checkpoint are read and set aside (portside.model.mtp) but no proposer runs them "
-                             "yet, and Qwen3-Next is a recurrent hybrid, which refuses speculation; use 'eagle3', "
-                             "'eagle', 'draft_model' or 'ngram'")
         if method in _UNSUPPORTED:
             raise ValueError(f"speculative_config: method {method!r} is not implemented; use 'ngram', 'draft_model' "
-                             "(a 'model' with the target's vocabulary), 'eagle' or 'eagle3' (a head's 'model' folder)")
+                             "(a 'model' with the target's vocabulary), 'eagle' or 'eagle3' (a head's 'model' folder) or 'mtp'")
         if method is None:
             raise ValueError("speculative_config needs 'method' (ngram) or a draft 'model'")
         if method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; use one of {', '.join(METHODS)}")
-        if method != "ngram" and not (isinstance(model, str) and model):
+        if method == "mtp" and model is not None:
+            raise ValueError("speculative_config: method 'mtp' takes no 'model': the MTP layers are the target's own")
+        if method not in ("ngram", "mtp") and not (isinstance(model, str) and model):
             what = "the draft model's folder" if method == "draft_model" else f"the {method} head's folder"
             raise ValueError(f"speculative_config: method {method!r} needs 'model', {what}")
         if method != "ngram" and ("prompt_lookup_min" in value or "prompt_lookup_max" in value):
@@ -89,6 +86,8 @@ class SpeculativeConfig:
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
 
     def describe(self) -> str:
+        if self.method == "mtp":
+            return f"the checkpoint's MTP layer, {self.num_speculative_tokens} tokens"
         if self.method != "ngram":
             what = "draft model" if self.method == "draft_model" else f"{self.method} head"
             return f"{what} {self.model}, {self.num_speculative_tokens} tokens"

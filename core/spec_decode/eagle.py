@@ -31,7 +31,8 @@ from portside.contract import EagerGraphRunner, ForwardContext, KVCacheSpec, Pla
 from portside.model.decoder import TP, DecoderForCausalLM
 from portside.model.eagle import EagleHead, EagleHeadConfig
 from portside.runner.inputs import BatchInputs, CachedRequestState, attention_metadata, slot_mapping
-from portside.runner.kv_cache import allocate_kv_caches, check_attention_features
+from portside.runner.kv_cache import allocate_kv_caches
+from portside.spec_decode.mtp import MTPHead
 
 if TYPE_CHECKING:
     from portside.config import EngineConfig
@@ -70,32 +71,42 @@ class _Rows:
 
 
 class EagleProposer:
-    """The proposer for methods "eagle" and "eagle3" (the model runner's `draft`)."""
+    """The proposer for methods "eagle", "eagle3" and "mtp" (the model runner's `draft`)."""
 
     def __init__(self, config: EngineConfig, platform: type[Platform], target: Any, device: torch.device,
                  attn_backend: Any, block_size: int, requests: dict[str, CachedRequestState]) -> None:
         """`target`: the target model (a `DecoderForCausalLM`: its layers' TP group shards the head
         alike); `requests`: the runner's request states."""
         spec = config.speculative
-        assert spec is not None and spec.head is not None
-        cfg: EagleHeadConfig = spec.head
+        assert spec is not None
         self.k = spec.num_speculative_tokens
         self.platform, self.device, self.attn_backend, self.block_size = platform, device, attn_backend, block_size
         self.max_model_len = config.model.max_model_len
         self.requests = requests  # the runner's: a request's current state (a preempted one comes back anew)
-        if cfg.method == "eagle3" and type(target).forward is not DecoderForCausalLM.forward:
-            raise ValueError(f"speculative_config: method 'eagle3' reads auxiliary hidden states, which "
-                             f"{target.config.architecture} does not return; use method 'eagle' or 'draft_model'")
-        with torch.device(device):
-            self.head = EagleHead(cfg, cast(TP, target.tp), target.dtype)
-        self.head.load(target)
+        self.aux_runner: AuxGraphRunner | None = None
+        self.head: EagleHead | MTPHead
+        if spec.method == "mtp":  # the target's own MTP layer
+            if config.model.quantization is not None:
+                raise ValueError("speculative_config: method 'mtp' with a quantized checkpoint is not supported yet")
+            with torch.device(device):
+                self.head = MTPHead(target)
+            where = f"the checkpoint's MTP layer (layer {target.config.num_layers})"
+        else:
+            cfg: EagleHeadConfig = spec.head
+            if cfg.method == "eagle3" and type(target).forward is not DecoderForCausalLM.forward:
+                raise ValueError(f"speculative_config: method 'eagle3' reads auxiliary hidden states, which "
+                                 f"{target.config.architecture} does not return; use method 'eagle' or 'draft_model'")
+            with torch.device(device):
+                self.head = EagleHead(cfg, cast(TP, target.tp), target.dtype)
+            self.head.load(target)
+            if cfg.method == "eagle3":
+                self.aux_runner = AuxGraphRunner(target, config, cfg.aux_layer_ids)
+            where = f"head {cfg.path}" + (f", auxiliary hidden states of target layers {list(cfg.aux_layer_ids)}"
+                                          if self.aux_runner else "")
         self.head.eval()
-        check_attention_features(self.head, platform, attn_backend)
-        self.aux_runner = AuxGraphRunner(target, config, cfg.aux_layer_ids) if cfg.method == "eagle3" else None
         self.kv_caches: list[torch.Tensor] = []
         self.rows: dict[str, _Rows] = {}
-        logger.info("speculative decoding: %s head %s, %d tokens a step%s", cfg.method, cfg.path, self.k,
-                    f", auxiliary hidden states of target layers {list(cfg.aux_layer_ids)}" if self.aux_runner else "")
+        logger.info("speculative decoding: %s, %s, %d tokens a step", spec.method, where, self.k)
 
     # ---- KV cache (the target's block ids, the head's own one-layer tensors) ----------------
 

@@ -113,3 +113,32 @@ def _target_lm_head(target: Path, cfg: dict[str, Any]) -> torch.Tensor:
         if name == want:
             return tensor.float()
     raise ValueError(f"{target}: no {want}")
+
+
+def add_mtp_layer(model: str | os.PathLike, *, seed: int = 0, noise: float = 0.05) -> Path:
+    """Give the DeepSeek-V3-style folder `model` (written with ``num_nextn_predict_layers=1`` and
+    its last layer of the MTP layer's kind: experts from ``first_k_dense_replace`` on) the MTP
+    layer its checkpoint names ``model.layers.{num_hidden_layers}.*``: the last layer's tensors
+    plus `noise`, ``enorm``, ``hnorm``, ``eh_proj`` (2 x hidden -> hidden), ``shared_head.norm``
+    and the copies ``embed_tokens`` / ``shared_head.head`` of the target's, as DeepSeek ships them."""
+    from safetensors.torch import load_file, save_file
+
+    model = Path(model)
+    cfg = json.loads((model / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    if int(cfg.get("num_nextn_predict_layers") or 0) != 1:
+        raise ValueError(f"{model}: write it with num_nextn_predict_layers=1")
+    f = model / "model.safetensors"
+    tensors = load_file(str(f))
+    gen = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    extra = {mtp + k.removeprefix(last): v + noise * torch.randn(v.shape, generator=gen).to(v.dtype)
+             if v.is_floating_point() else v for k, v in tensors.items() if k.startswith(last)}
+    extra.update({mtp + "enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                  mtp + "hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                  mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5,
+                  mtp + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                  mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                  mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+    save_file({**tensors, **{k: v.contiguous() for k, v in extra.items()}}, str(f), metadata={"format": "pt"})
+    return model
