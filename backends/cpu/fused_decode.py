@@ -17,6 +17,13 @@ prefill chunks, other models, tensor parallelism, other dtypes) run as before.
 bf16 models run the batch-1 step too: the bf16 matrices are streamed as they are (half the bytes
 of fp32) and each dot product widens them to fp32 as it loads them, with fp32 activations and
 accumulation, over the model's bf16 KV cache; their multi-row steps as well.
+
+GGUF-quantized models whose every matrix (q/k/v, o, gate/up, down and the LM head, part by part)
+took an int8-activation kernel (backend option ``cpu_gguf_act=int8``: layouts ``gguf-<type>-int8``
+of `quant`) run their batch-1 steps natively too (`step_h`): the matrices stay in their GGUF
+blocks and each dot product is `gguf_dot`'s, the arithmetic the op-by-op linears compute; the
+embedding row is looked up in torch (`quantized_embedding`) and handed in. Their multi-row steps
+run op by op. With fp32 activations (the default) GGUF models run op by op.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 
 import torch
 
-from portside.backends.cpu import native_ops
+from portside.backends.cpu import gguf_dot, native_ops
 from portside.backends.cpu.attention import MAX_FUSED_ROWS
 from portside.backends.cpu.options import cpu_options
 from portside.contract import ForwardContext
@@ -53,25 +60,32 @@ class FusedDecoder:
     def __init__(self, model: Any) -> None:
         m, args = model.model, model.config
         attn = m.layers[0].self_attn
+        self.quantized = _is_quantized(model)
+        self._embed = m.embed_tokens
 
         def bias(linear: torch.nn.Module) -> torch.Tensor:
             b = getattr(linear, "bias", None)
             return b.detach() if b is not None else torch.empty(0)
 
-        tensors = [w.detach() for w in (m.embed_tokens.weight, m.norm.weight, model.lm_head.weight)]
-        tensors.append(m.rotary.cos_sin)
+        def matrix(linear: torch.nn.Module) -> torch.Tensor:  # quantized: passed by `set_quantized`
+            return torch.empty(0) if self.quantized else linear.weight.detach()
+
+        tensors = [matrix(m.embed_tokens), m.norm.weight.detach(), matrix(model.lm_head), m.rotary.cos_sin]
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             tensors += [
-                layer.input_layernorm.weight.detach(), a.qkv_proj.weight.detach(), bias(a.qkv_proj),
-                a.o_proj.weight.detach(), bias(a.o_proj), layer.post_attention_layernorm.weight.detach(),
-                mlp.gate_up_proj.weight.detach(), bias(mlp.gate_up_proj), mlp.down_proj.weight.detach(),
-                bias(mlp.down_proj),
+                layer.input_layernorm.weight.detach(), matrix(a.qkv_proj), bias(a.qkv_proj),
+                matrix(a.o_proj), bias(a.o_proj), layer.post_attention_layernorm.weight.detach(),
+                matrix(mlp.gate_up_proj), bias(mlp.gate_up_proj), matrix(mlp.down_proj), bias(mlp.down_proj),
             ]
         dims = [len(m.layers), args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
-                args.intermediate_size, args.vocab_size]
+                args.intermediate_size, args.vocab_size, int(self.quantized)]
         self._decoder = torch.classes.portside_cpu_native.LlamaDecoder(tensors, dims, args.rms_norm_eps, attn.scale)
-        self.dtype = m.embed_tokens.weight.dtype  # fp32 or bf16: the hidden states handed back
+        if self.quantized:
+            self._decoder.set_quantized(*_quantized_parts(model))
+            self.covers_rows = _covers_no_rows  # type: ignore[method-assign]  # batch-1 steps only
+        # fp32 or bf16: the hidden states handed back
+        self.dtype = m.norm.weight.dtype if self.quantized else m.embed_tokens.weight.dtype
 
     @staticmethod
     def covers(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
@@ -85,7 +99,8 @@ class FusedDecoder:
         """Whether this step is one sequence's 2..`MAX_FUSED_ROWS` rows (a speculative verification,
         a short prefill chunk) that the native multi-row step runs: the attention backend made
         its one-sequence plan (`NativeAttentionBackend.prepare`), and fp32 or bf16 caches (the
-        model's dtype: not an 8-bit `--kv-cache-dtype`)."""
+        model's dtype: not an 8-bit `--kv-cache-dtype`). A quantized model's decoder covers none
+        (its instance's `covers_rows`)."""
         return (2 <= input_ids.shape[0] <= MAX_FUSED_ROWS
                 and getattr(ctx.metadata.backend_data, "native_rows", None) is not None
                 and ctx.kv_caches[0].dtype in FUSED_DTYPES)
@@ -109,9 +124,10 @@ class FusedDecoder:
         """(hidden [1, hidden] after the final norm, in the model's dtype; fp32 logits [1, vocab])
         of a covered step; the new K/V rows are written into `ctx.kv_caches`."""
         step = ctx.metadata.backend_data.native_step
+        h0 = self._embed(input_ids).float().contiguous() if self.quantized else None
         torch.ops.portside_cpu_native.set_decode_step(ctx.kv_caches, *step.tensors)
         try:
-            hidden, logits = self._decoder.step(input_ids, positions)
+            hidden, logits = self._decoder.step(input_ids, positions) if h0 is None else self._decoder.step_h(h0, positions)
         finally:
             torch.ops.portside_cpu_native.clear_decode_step()
         return (hidden if self.dtype == torch.float32 else hidden.to(self.dtype)), logits
@@ -138,16 +154,86 @@ def unsupported_reason(model: Any) -> str | None:
         used = {name: value for name, value in model.attention_features(i).items() if value is not None}
         if used:
             return f"layer {i} uses attention features {used}"
-    if getattr(model.config, "quantized", False) or any(getattr(m, "quant", None) is not None for m in model.modules()):
-        return "quantized weights"
+    if _is_quantized(model):
+        why = quantized_reason(model)
+        if why:
+            return why
     if model.dtype not in FUSED_DTYPES:
         return f"dtype {model.dtype} (the native step is fp32 or bf16)"
     if model.model.embed_tokens.tp_size != 1:
         return "tensor parallelism"
-    params = [*model.parameters(), model.model.rotary.cos_sin]
+    params = [*model.parameters(), model.model.rotary.cos_sin, *(w.qweight for w in _quant_weights(model))]
     if any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
         return "a weight that is not a contiguous cpu tensor"
     return native_ops.not_ready_reason()
+
+
+def _covers_no_rows(input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
+    return False
+
+
+def _is_quantized(model: Any) -> bool:
+    return bool(getattr(model.config, "quantized", False)) or any(getattr(m, "quant", None) is not None
+                                                                  for m in model.modules())
+
+
+def _quant_weights(model: Any) -> list[Any]:
+    """The quantized weights of the model's linears, LM head and embedding (parts of a fused one apart)."""
+    out = []
+    for m in model.modules():
+        q = getattr(m, "quant", None)
+        if isinstance(q, torch.nn.ModuleList):
+            out += list(q)
+        elif q is not None:
+            out.append(q)
+    return out
+
+
+def _matrices(model: Any) -> list[torch.nn.Module]:
+    """The linears the native step multiplies by, in `set_quantized`'s order: per layer qkv, o,
+    gate_up, down; then the LM head."""
+    out: list[torch.nn.Module] = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        out += [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return [*out, model.lm_head]
+
+
+def _parts(linear: torch.nn.Module) -> list[Any]:
+    q = getattr(linear, "quant", None)
+    return list(q) if isinstance(q, torch.nn.ModuleList) else [q]
+
+
+def quantized_reason(model: Any) -> str | None:
+    """None when every matrix of a quantized model is GGUF blocks that took an int8-activation
+    kernel (``cpu_gguf_act=int8``), so the native step computes them as the op-by-op linears do;
+    else why not."""
+    for linear in _matrices(model):
+        for w in _parts(linear):
+            layout = getattr(w, "layout", None)
+            kernel = getattr(layout, "kernel", "")
+            if (w is None or getattr(w, "kind", None) != "gguf" or w.ggml_type not in gguf_dot.TYPES
+                    or not kernel.endswith("-int8") or w.qweight.dim() != 2):
+                what = "dense weights" if w is None else f"{w.extra_repr()} (layout {kernel or None})"
+                return (f"quantized weights not all GGUF blocks with int8 activations (cpu_gguf_act=int8): "
+                        f"{type(linear).__name__} has {what}")
+    if len(_parts(model.lm_head)) > 4 or any(len(_parts(m)) > 4 for m in _matrices(model)):
+        return "a quantized matrix in more than 4 parts"
+    return None
+
+
+def _quantized_parts(model: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """`LlamaDecoder.set_quantized`'s arguments: every part's GGUF rows, and (matrix, type,
+    first row, rows) per part."""
+    tensors: list[torch.Tensor] = []
+    meta: list[int] = []
+    for i, linear in enumerate(_matrices(model)):
+        row = 0
+        for w in _parts(linear):
+            tensors.append(w.qweight)
+            meta += [i, int(w.ggml_type), row, int(w.qweight.shape[0])]
+            row += int(w.qweight.shape[0])
+    return tensors, meta
 
 
 def make_fused_decoder(model: Any, config: Any) -> FusedDecoder | None:
@@ -161,5 +247,6 @@ def make_fused_decoder(model: Any, config: Any) -> FusedDecoder | None:
         return None
     logger.info("cpu: batch-1 decode steps run in the fused native step (csrc/fused_decode.cpp), %s%s",
                 str(model.dtype).removeprefix("torch."),
-                "" if model.dtype == torch.float32 else " weights and KV cache, fp32 activations and sums")
+                " model, GGUF matrices x int8 activations" if _is_quantized(model)
+                else "" if model.dtype == torch.float32 else " weights and KV cache, fp32 activations and sums")
     return FusedDecoder(model)

@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "decode_plan.h"
+#include "gguf_dot.h"
 #include "row_dot.h"
 
 namespace {
@@ -104,6 +105,8 @@ struct LayerT {
 };
 using Layer = LayerT<float>;
 using Layer16 = LayerT<uint16_t>;
+struct QMat;
+using LayerQ = LayerT<QMat>;  // a GGUF-quantized model's: pointers to its `QMat`s
 
 // [begin, end) of `n` items for thread `t` of `threads`: even contiguous shares.
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
@@ -214,6 +217,116 @@ void rotate(const float* x, float* out, int64_t heads, int64_t d, const float* c
 inline float silu(float g) {
   const float e = paged::exp_nonpos(-fabsf(g));
   return g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+}
+
+// ---------------------------------------------------------------------------------------------
+// GGUF-quantized models (`step_h`): the matrices stay in their GGUF blocks as the file stores
+// them, and each dot product is gguf_dot's (csrc/gguf_dot*.cpp: the weights times the activations
+// quantized to 8 bits per block, llama.cpp's arithmetic, the same path the op-by-op
+// ``cpu_gguf_act=int8`` linears take). A matrix is one or more parts of consecutive output rows, each
+// of one GGUF type (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's Q4_K_M mix writes).
+// Each thread quantizes a matrix's input itself (a few microseconds, against the ~1 ms its rows take
+// to stream) and computes its `rows_shared` chunks with the kernels' one-row path (`dot_rows`).
+// The embedding row comes from the caller (the model's quantized embedding, looked up in torch).
+
+struct QPart {
+  const uint8_t* w;  // GGUF rows [rows, rb]
+  int64_t rb, type, row0, rows;  // row bytes, ggml type, first output row in the matrix, row count
+};
+struct QMat {
+  std::vector<QPart> parts;  // in output order, covering the matrix's rows
+};
+constexpr size_t kMaxParts = 4;
+
+// One thread's input of a matrix, quantized for each part's type (`prep`); and gate/up scratch.
+struct QAct {
+  portside_gguf::Activations a[kMaxParts];
+  portside_gguf::Ctx c[kMaxParts];
+  int64_t isa;
+  std::vector<float> gu;  // [2 I]: this thread's chunk of gate and up rows
+};
+
+// The dense step's matrix input: x as it is. A quantized matrix's: x quantized into `q`.
+template <class W>
+inline const float* prep(const float* x, int64_t, const W*, QAct*) {
+  return x;
+}
+inline const QAct* prep(const float* x, int64_t K, const QMat* m, QAct* q) {
+  for (size_t p = 0; p < m->parts.size(); ++p) {
+    const QPart& part = m->parts[p];
+    if (p > 0 && m->parts[p - 1].type == part.type) q->c[p] = q->c[p - 1];  // the same codes
+    else q->c[p] = portside_gguf::quantize_activations(x, 1, K, part.type, q->a[p], false);
+    q->c[p].w = part.w, q->c[p].rb = part.rb, q->c[p].N = part.rows;
+  }
+  return q;
+}
+
+// y[r] = x . w[r] for r in [r0, r1) of a quantized matrix, part by part.
+inline void rows1(const QAct* q, const QMat* m, float* y, int64_t, int64_t r0, int64_t r1) {
+  for (size_t p = 0; p < m->parts.size(); ++p) {
+    const QPart& part = m->parts[p];
+    const int64_t a = std::max(r0, part.row0), b = std::min(r1, part.row0 + part.rows);
+    if (a >= b) continue;
+    portside_gguf::Ctx c = q->c[p];
+    c.y = y + part.row0;
+    portside_gguf::dot_rows(c, q->isa, part.type, a - part.row0, b - part.row0);
+  }
+}
+
+// act[ch] = silu(gate_ch . x + b) * (up_ch . x + b) for the channels [c0, c1): gate rows first,
+// then up (I each). Dense: the two rows of a channel side by side.
+template <class W>
+inline void gate_up_rows(const float* x, const W* w, int64_t I, int64_t H, const float* bias, float* act, int64_t c0,
+                         int64_t c1, QAct*) {
+  for (int64_t ch = c0; ch < c1; ++ch) {
+    float g, u;
+    dot2w(x, w + ch * H, w + (I + ch) * H, H, &g, &u);
+    if (bias) g += bias[ch], u += bias[I + ch];
+    act[ch] = silu(g) * u;
+  }
+}
+inline void gate_up_rows(const QAct* x, const QMat* w, int64_t I, int64_t H, const float* bias, float* act, int64_t c0,
+                         int64_t c1, QAct* q) {
+  float* gu = q->gu.data();
+  rows1(x, w, gu, H, c0, c1);
+  rows1(x, w, gu, H, I + c0, I + c1);
+  for (int64_t ch = c0; ch < c1; ++ch) {
+    float g = gu[ch], u = gu[I + ch];
+    if (bias) g += bias[ch], u += bias[I + ch];
+    act[ch] = silu(g) * u;
+  }
+}
+
+// The first kPrefetchBytes of each part's rows in [r0, r1).
+inline void prefetch_rows(const QMat* m, int64_t r0, int64_t r1) {
+  int64_t left = kPrefetchBytes;
+  for (const QPart& part : m->parts) {
+    const int64_t a = std::max(r0, part.row0), b = std::min(r1, part.row0 + part.rows);
+    if (a >= b || left <= 0) continue;
+    const char* p = (const char*)(part.w + (a - part.row0) * part.rb);
+    const int64_t bytes = std::min(left, (b - a) * part.rb);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+    left -= bytes;
+  }
+}
+inline void prefetch_share(const QMat* m, int64_t n_rows, int64_t, int t, int n) {
+  const auto [r0, r1] = share(n_rows, t, n);
+  prefetch_rows(m, r0, r1);
+}
+// This thread's shares of gate's rows and of up's.
+template <class W>
+inline void prefetch_gate_up(const W* w, int64_t I, int64_t H, int t, int n) {
+  prefetch_share(w, I, H, t, n);
+  prefetch_share(w + I * H, I, H, t, n);
+}
+inline void prefetch_gate_up(const QMat* m, int64_t I, int64_t, int t, int n) {
+  const auto [r0, r1] = share(I, t, n);
+  prefetch_rows(m, r0, r1);
+  prefetch_rows(m, I + r0, I + r1);
+}
+
+inline void embed_row(float*, const QMat*, int64_t) {
+  TORCH_CHECK(false, "LlamaDecoder: a GGUF-quantized decoder takes the embedding row (step_h), not token ids");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -355,6 +468,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
   const float *embed = nullptr, *final_norm, *lm_head = nullptr, *cos_sin;
   const uint16_t *embed16 = nullptr, *lm_head16 = nullptr;  // a bf16 model's
   bool bf16 = false;
+  // A GGUF-quantized model's (dims[7] == 1): matrices `qmats` (per layer qkv, o, gate_up, down,
+  // then the LM head; filled by `set_quantized`), layers `layersq`; its steps are `step_h`'s.
+  bool quant = false;
+  std::vector<QMat> qmats;
+  std::vector<LayerQ> layersq;
+  std::vector<QAct> qacts;  // per thread
+  int64_t qisa = 0;
   int64_t L, H, NH, KVH, D, I, V, P;
   float eps, scale;
   // Step buffers: shared by the threads (each writes its own share), and per thread. So one step
@@ -370,8 +490,10 @@ struct LlamaDecoder : torch::CustomClassHolder {
   // empty tensor. `dims`: L, H, NH, KVH, D, I, V.
   LlamaDecoder(std::vector<at::Tensor> ts, std::vector<int64_t> dims, double eps_, double scale_)
       : tensors(std::move(ts)), eps((float)eps_), scale((float)scale_) {
-    TORCH_CHECK(dims.size() == 7, "LlamaDecoder: dims are L, H, NH, KVH, D, I, V");
+    TORCH_CHECK(dims.size() == 7 || (dims.size() == 8 && (dims[7] == 0 || dims[7] == 1)),
+                "LlamaDecoder: dims are L, H, NH, KVH, D, I, V and optionally 1 for GGUF-quantized matrices");
     L = dims[0], H = dims[1], NH = dims[2], KVH = dims[3], D = dims[4], I = dims[5], V = dims[6];
+    quant = dims.size() == 8 && dims[7] == 1;
     TORCH_CHECK((int64_t)tensors.size() == 4 + kPerLayer * L, "LlamaDecoder: expected ", 4 + kPerLayer * L,
                 " tensors for ", L, " layers, got ", tensors.size());
     TORCH_CHECK(KVH > 0 && NH % KVH == 0 && D % 2 == 0, "LlamaDecoder: bad head counts or head size");
@@ -379,16 +501,20 @@ struct LlamaDecoder : torch::CustomClassHolder {
     P = tensors[3].size(0);
     // The model's dtype is its embedding's: fp32, or bf16 (matrices streamed as bf16, the small
     // vectors copied to fp32 here: `small`).
-    const at::ScalarType wt = tensors[0].scalar_type();
+    // (quantized: the embedding and the matrices are not in `tensors`; the norms give the dtype)
+    const at::ScalarType wt = tensors[quant ? 1 : 0].scalar_type();
     TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "LlamaDecoder: the weights must be fp32 or bf16, got ", wt);
-    bf16 = wt == at::kBFloat16;
+    bf16 = !quant && wt == at::kBFloat16;
     tensors.reserve(tensors.size() + 2 + 6 * L);  // the fp32 copies below are kept here too: no reallocation
     auto small = [&](const at::Tensor& t, std::vector<int64_t> shape, const char* what) -> const float* {
       if (t.scalar_type() == at::kFloat) return checked(t, shape, what).data_ptr<float>();
       tensors.push_back(checked(t, shape, what, at::kBFloat16).to(at::kFloat));
       return tensors.back().data_ptr<float>();
     };
-    if (bf16) {
+    if (quant) {
+      qmats.resize(4 * L + 1);  // never resized again: the layers point into it
+      qisa = portside_gguf::best_isa();
+    } else if (bf16) {
       embed16 = (const uint16_t*)checked(tensors[0], {V, H}, "the embedding", wt).data_ptr();
       lm_head16 = (const uint16_t*)checked(tensors[2], {V, H}, "the LM head", wt).data_ptr();
     } else {
@@ -403,6 +529,14 @@ struct LlamaDecoder : torch::CustomClassHolder {
     };
     for (int64_t l = 0; l < L; ++l) {
       const int64_t i = 4 + kPerLayer * l;  // not a pointer into `tensors`: `small` appends to it
+      if (quant) {
+        QMat* q = qmats.data() + 4 * l;
+        layersq.push_back({small(tensors[i], {H}, "an input norm"), q, bias(tensors[i + 2], QKV, "a qkv bias"), q + 1,
+                           bias(tensors[i + 4], H, "an o bias"), small(tensors[i + 5], {H}, "a post-attention norm"),
+                           q + 2, bias(tensors[i + 7], 2 * I, "a gate_up bias"), q + 3,
+                           bias(tensors[i + 9], H, "a down bias")});
+        continue;
+      }
       if (bf16) {
         auto m = [&](int64_t j, std::vector<int64_t> shape, const char* what) {
           return (const uint16_t*)checked(tensors[i + j], shape, what, wt).data_ptr();
@@ -429,21 +563,69 @@ struct LlamaDecoder : torch::CustomClassHolder {
   }
 
   std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions) {
-    return bf16 ? step_w(layers16, embed16, lm_head16, ids, positions) : step_w(layers, embed, lm_head, ids, positions);
+    TORCH_CHECK(!quant, "LlamaDecoder.step: a GGUF-quantized decoder's steps are step_h's (the embedding row given)");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == 1, "LlamaDecoder.step: one int64 token id");
+    const int64_t token = ids.data_ptr<int64_t>()[0];
+    TORCH_CHECK(token >= 0 && token < V, "LlamaDecoder.step: token id ", token, " outside the vocabulary");
+    return bf16 ? step_w(layers16, embed16, lm_head16, nullptr, token, positions)
+                : step_w(layers, embed, lm_head, nullptr, token, positions);
+  }
+
+  // A GGUF-quantized decoder's matrices: `parts` uint8 [rows, row bytes] in GGUF blocks, `meta`
+  // four values per part: the matrix (4 l + 0..3: layer l's qkv, o, gate_up, down; 4 L: the LM
+  // head), its ggml type (one with a gguf_dot kernel), its first row, its row count. Each matrix's
+  // parts come in row order and cover it.
+  void set_quantized(std::vector<at::Tensor> parts, std::vector<int64_t> meta) {
+    TORCH_CHECK(quant, "LlamaDecoder.set_quantized: the decoder was not built for quantized matrices (dims[7])");
+    TORCH_CHECK(meta.size() == 4 * parts.size(), "LlamaDecoder.set_quantized: four values per part");
+    const int64_t QS = NH * D, QKV = (NH + 2 * KVH) * D;
+    const int64_t rows[4] = {QKV, H, 2 * I, H}, cols[4] = {H, QS, H, I};
+    for (QMat& m : qmats) m.parts.clear();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t m = meta[4 * i], type = meta[4 * i + 1], row0 = meta[4 * i + 2], n = meta[4 * i + 3];
+      TORCH_CHECK(m >= 0 && m <= 4 * L, "LlamaDecoder.set_quantized: matrix ", m, " out of range");
+      const int64_t N = m == 4 * L ? V : rows[m % 4], K = m == 4 * L ? H : cols[m % 4];
+      const auto [block, bb] = portside_gguf::block_shape(type);
+      const at::Tensor& t = parts[i];
+      TORCH_CHECK(bb > 0, "LlamaDecoder.set_quantized: GGUF type ", type, " has no int8-activation kernel");
+      QMat& q = qmats[m];
+      const int64_t expect = q.parts.empty() ? 0 : q.parts.back().row0 + q.parts.back().rows;
+      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() &&
+                      t.size(0) == n && K % block == 0 && t.size(1) == K / block * bb && row0 == expect && n > 0 &&
+                      q.parts.size() < kMaxParts,
+                  "LlamaDecoder.set_quantized: part ", i, " of matrix ", m, " is not contiguous uint8 [", n, ", ",
+                  K / std::max<int64_t>(block, 1) * bb, "] rows from ", expect, " (or more than ", kMaxParts, " parts)");
+      tensors.push_back(t);
+      q.parts.push_back({t.data_ptr<uint8_t>(), t.size(1), type, row0, n});
+    }
+    for (int64_t m = 0; m <= 4 * L; ++m) {
+      const int64_t N = m == 4 * L ? V : rows[m % 4];
+      TORCH_CHECK(!qmats[m].parts.empty() && qmats[m].parts.back().row0 + qmats[m].parts.back().rows == N,
+                  "LlamaDecoder.set_quantized: matrix ", m, " is not covered by its parts (", N, " rows)");
+    }
+  }
+
+  // A GGUF-quantized model's batch-1 decode step from its embedding row `hidden0` [1, hidden]
+  // (fp32; the model's quantized embedding, looked up by the caller): as `step`.
+  std::tuple<at::Tensor, at::Tensor> step_h(const at::Tensor& hidden0, const at::Tensor& positions) {
+    TORCH_CHECK(quant && !qmats.empty() && !qmats.back().parts.empty(),
+                "LlamaDecoder.step_h: a GGUF-quantized decoder with its matrices set (set_quantized)");
+    TORCH_CHECK(hidden0.device().is_cpu() && hidden0.scalar_type() == at::kFloat && hidden0.is_contiguous() &&
+                    hidden0.numel() == H,
+                "LlamaDecoder.step_h: the embedding row must be a contiguous fp32 cpu tensor of ", H, " values");
+    return step_w(layersq, (const QMat*)nullptr, &qmats.back(), hidden0.data_ptr<float>(), 0, positions);
   }
 
   // `step` for matrices of element type W (the members of that type, passed in).
   template <class W>
+  // `h0`: the embedding row (quantized models), else `token`'s row of `embed`.
   std::tuple<at::Tensor, at::Tensor> step_w(const std::vector<LayerT<W>>& layers, const W* embed, const W* lm_head,
-                                            const at::Tensor& ids, const at::Tensor& positions) {
+                                            const float* h0, int64_t token, const at::Tensor& positions) {
     const portside_native::DecodePlan& plan = portside_native::decode_plan();
     TORCH_CHECK(plan.active && plan.lens.size(0) == 1 && plan.slots.size(0) == 1 && (int64_t)plan.caches.size() == L,
                 "LlamaDecoder.step: needs the decode plan of a one-sequence decode step (set_decode_step)");
-    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == 1 && positions.scalar_type() == at::kLong &&
-                    positions.numel() == 1,
-                "LlamaDecoder.step: one int64 token id and one int64 position");
-    const int64_t token = ids.data_ptr<int64_t>()[0], pos = positions.data_ptr<int64_t>()[0];
-    TORCH_CHECK(token >= 0 && token < V, "LlamaDecoder.step: token id ", token, " outside the vocabulary");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == 1, "LlamaDecoder.step: one int64 position");
+    const int64_t pos = positions.data_ptr<int64_t>()[0];
     TORCH_CHECK(pos >= 0 && pos < P, "LlamaDecoder.step: position ", pos, " outside the rotary table");
     const at::Tensor& c0 = plan.caches[0];
     const int64_t num_blocks = c0.size(1), block_size = c0.size(2);
@@ -478,13 +660,18 @@ struct LlamaDecoder : torch::CustomClassHolder {
     const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D) + (cache16 ? (1 + Q8_CHUNK) * KVH * D : 0);
     if ((int)mine.size() < threads) mine.resize(threads);
     for (auto& m : mine) m.resize(H + 2 * NH * D + scratch);
+    if (quant && (int)qacts.size() < threads) {
+      qacts.resize(threads);
+      for (QAct& q : qacts) q.gu.resize(2 * I), q.isa = qisa;
+    }
 
     const int64_t matrices = 4 * L + 1;
     if ((int64_t)counters.size() < matrices * threads) counters = std::vector<Counter>(matrices * threads);
     for (int64_t i = 0; i < matrices * threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
-    at::Tensor hidden = at::empty({1, H}, ids.options().dtype(at::kFloat));
-    at::Tensor logits = at::empty({1, V}, ids.options().dtype(at::kFloat));
-    embed_row(h.data(), embed + token * H, H);
+    at::Tensor hidden = at::empty({1, H}, positions.options().dtype(at::kFloat));
+    at::Tensor logits = at::empty({1, V}, positions.options().dtype(at::kFloat));
+    if (h0) memcpy(h.data(), h0, H * sizeof(float));
+    else embed_row(h.data(), embed + token * H, H);
     const float* rope = cos_sin + pos * D;
     const int64_t QS = NH * D, KS = KVH * D, QKV = QS + 2 * KS;
 
@@ -495,6 +682,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
       int64_t last = (int64_t)__rdtsc();
 #endif
       float *x = mine[t].data(), *q = x + H, *merged = q + QS, *work = merged + QS;
+      QAct* qa = quant ? &qacts[t] : nullptr;  // this thread's quantized matrix inputs
       const int owner = (int)((splits - 1) % n);  // attends the newest split, so writes the new K/V
       for (const LayerT<W>& w : layers) {
         const int64_t l = &w - layers.data();
@@ -502,8 +690,9 @@ struct LlamaDecoder : torch::CustomClassHolder {
         // input norm (every thread, its own copy), then this thread's rows of q, k, v
         rms_norm(h.data(), w.in_norm, x, H, eps);
         Counter* c = counters.data() + 4 * l * n;
+        const auto xqkv = prep(x, H, w.qkv, qa);
         rows_shared(c, QKV, t, n, [&](int64_t r0, int64_t r1) {
-          rows1(x, w.qkv, qkv.data(), H, r0, r1);
+          rows1(xqkv, w.qkv, qkv.data(), H, r0, r1);
           if (w.qkv_b)
             for (int64_t r = r0; r < r1; ++r) qkv[r] += w.qkv_b[r];
         });
@@ -542,32 +731,29 @@ struct LlamaDecoder : torch::CustomClassHolder {
           o_in = merged;
         }
         // this thread's rows of o, added to the residual
+        const auto xo = prep(o_in, QS, w.o, qa);
         rows_shared(c + n, H, t, n, [&](int64_t r0, int64_t r1) {
-          rows1(o_in, w.o, y.data(), QS, r0, r1);
+          rows1(xo, w.o, y.data(), QS, r0, r1);
           for (int64_t r = r0; r < r1; ++r) h[r] += y[r] + (w.o_b ? w.o_b[r] : 0.f);
         });
         MARK(4);
-        prefetch_share(w.gate_up, I, H, t, n);  // gate, then up
-        prefetch_share(w.gate_up + I * H, I, H, t, n);
+        prefetch_gate_up(w.gate_up, I, H, t, n);
 #pragma omp barrier
         MARK(5);
         // post-attention norm, then this thread's channels of gate and up (side by side) and SiLU
         rms_norm(h.data(), w.post_norm, x, H, eps);
+        const auto xgu = prep(x, H, w.gate_up, qa);
         rows_shared(c + 2 * n, I, t, n, [&](int64_t c0, int64_t c1) {
-          for (int64_t ch = c0; ch < c1; ++ch) {
-            float g, u;
-            dot2w(x, w.gate_up + ch * H, w.gate_up + (I + ch) * H, H, &g, &u);
-            if (w.gate_up_b) g += w.gate_up_b[ch], u += w.gate_up_b[I + ch];
-            act[ch] = silu(g) * u;
-          }
+          gate_up_rows(xgu, w.gate_up, I, H, w.gate_up_b, act.data(), c0, c1, qa);
         });
         MARK(6);
         prefetch_share(w.down, H, I, t, n);
 #pragma omp barrier
         MARK(7);
         // this thread's rows of down, added to the residual
+        const auto xdown = prep(act.data(), I, w.down, qa);
         rows_shared(c + 3 * n, H, t, n, [&](int64_t r0, int64_t r1) {
-          rows1(act.data(), w.down, y.data(), I, r0, r1);
+          rows1(xdown, w.down, y.data(), I, r0, r1);
           for (int64_t r = r0; r < r1; ++r) h[r] += y[r] + (w.down_b ? w.down_b[r] : 0.f);
         });
         MARK(8);
@@ -578,8 +764,9 @@ struct LlamaDecoder : torch::CustomClassHolder {
       rms_norm(h.data(), final_norm, x, H, eps);
       if (t == 0) memcpy(hidden.data_ptr<float>(), x, H * sizeof(float));
       float* out = logits.data_ptr<float>();
+      const auto xlm = prep(x, H, lm_head, qa);
       rows_shared(counters.data() + 4 * L * n, V, t, n,
-                  [&](int64_t r0, int64_t r1) { rows1(x, lm_head, out, H, r0, r1); });
+                  [&](int64_t r0, int64_t r1) { rows1(xlm, lm_head, out, H, r0, r1); });
       MARK(10);
     }
     return {hidden, logits};
@@ -592,6 +779,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
   // plus one barrier a layer: every row's K/V is written before any row attends, since row m
   // attends the new rows 0..m as well as the cached prefix (causal, as core's reference does).
   at::Tensor step_rows(const at::Tensor& ids, const at::Tensor& positions) {
+    TORCH_CHECK(!quant, "LlamaDecoder.step_rows: not for a GGUF-quantized decoder (batch-1 steps only)");
     return bf16 ? step_rows_w(layers16, embed16, lm_head16, ids, positions)
                 : step_rows_w(layers, embed, lm_head, ids, positions);
   }
@@ -784,6 +972,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
                     hidden.size(1) == H,
                 "LlamaDecoder.logits: hidden must be fp32 [N, ", H, "]");
+    TORCH_CHECK(!quant, "LlamaDecoder.logits: not for a GGUF-quantized decoder (batch-1 steps only)");
     const at::Tensor x = hidden.contiguous();
     const int64_t N = x.size(0);
     at::Tensor out = at::empty({N, V}, x.options());
@@ -825,6 +1014,8 @@ TORCH_LIBRARY_FRAGMENT(portside_cpu_native, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
       .def("step", &LlamaDecoder::step)
+      .def("set_quantized", &LlamaDecoder::set_quantized)
+      .def("step_h", &LlamaDecoder::step_h)
       .def("step_rows", &LlamaDecoder::step_rows)
       .def("logits", &LlamaDecoder::logits);
 }

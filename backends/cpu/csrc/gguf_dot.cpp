@@ -53,30 +53,31 @@
 
 namespace portside_gguf {
 
+namespace {
+
+void quantize_block(const float* xb, int64_t block, int8_t* qb, float* d) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  const float scale = amax / 127.f;
+  *d = scale;
+  if (amax == 0.f) {
+    std::memset(qb, 0, block);
+    return;
+  }
+  for (int64_t j = 0; j < block; ++j) {
+    const float v = std::min(std::max(xb[j] / scale, -127.f), 127.f);
+    qb[j] = int8_t(std::nearbyint(v));
+  }
+}
+
+}  // namespace
+
 void quantize_blocks(const float* x, int64_t T, int64_t K, int64_t block, int8_t* q, float* d) {
   at::parallel_for(0, T * (K / block), 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* xb = x + b * block;
-      int8_t* qb = q + b * block;
-      float amax = 0.f;
-      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float scale = amax / 127.f;
-      d[b] = scale;
-      if (amax == 0.f) {
-        std::memset(qb, 0, block);
-        continue;
-      }
-      for (int64_t j = 0; j < block; ++j) {
-        const float v = std::min(std::max(xb[j] / scale, -127.f), 127.f);
-        qb[j] = int8_t(std::nearbyint(v));
-      }
-    }
+    for (int64_t b = b0; b < b1; ++b) quantize_block(x + b * block, block, q + b * block, d + b);
   });
 }
 
-namespace {
-
-// (values per block, bytes per block) of a type with a kernel; (0, 0) for any other.
 std::pair<int64_t, int64_t> block_shape(int64_t ggml_type) {
   switch (ggml_type) {
     case GGML_Q8_0: return {32, 34};
@@ -88,6 +89,48 @@ std::pair<int64_t, int64_t> block_shape(int64_t ggml_type) {
   }
   return {0, 0};
 }
+
+Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type, Activations& a, bool parallel) {
+  const int64_t block = block_shape(ggml_type).first;
+  a.xq.resize(T * K);
+  a.xd.resize(T * (K / block));
+  if (parallel) {
+    quantize_blocks(x, T, K, block, a.xq.data(), a.xd.data());
+  } else {
+    for (int64_t b = 0; b < T * (K / block); ++b) quantize_block(x + b * block, block, a.xq.data() + b * block, a.xd.data() + b);
+  }
+  const int8_t* xq = a.xq.data();
+  if (block == 256) {
+    a.bs.resize(T * (K / 16));
+    for (int64_t i = 0; i < T * (K / 16); ++i) {
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) s += xq[i * 16 + j];
+      a.bs[i] = int16_t(s);
+    }
+  }
+  if (ggml_type == GGML_Q6_K) {
+    a.ps.resize(T * K / 2);
+    for (int64_t i = 0; i < T * K / 2; ++i) a.ps[i] = int16_t(-32 * (int32_t(xq[2 * i]) + xq[2 * i + 1]));
+  }
+  if (ggml_type == GGML_Q8_0 || ggml_type == GGML_Q4_0 || ggml_type == GGML_IQ4_XS) {
+    const int32_t off = ggml_type == GGML_Q4_0 ? 8 : 128;
+    a.lb.resize(T * K / 4);
+    for (int64_t l = 0; l < T * K / 4; ++l)
+      a.lb[l] = -off * (int32_t(xq[4 * l]) + xq[4 * l + 1] + xq[4 * l + 2] + xq[4 * l + 3]);
+  }
+  if (block == 32) {
+    a.xdl.resize(T * K / 4);
+    for (int64_t l = 0; l < T * K / 4; ++l) a.xdl[l] = a.xd[l / 8];
+  }
+  return Ctx{nullptr, 0, K, 0, T, a.xq.data(), a.xd.data(), a.lb.data(), a.xdl.data(), a.bs.data(), a.ps.data(), nullptr};
+}
+
+void dot_rows(const Ctx& c, int64_t isa, int64_t ggml_type, int64_t n0, int64_t n1) {
+  if (block_shape(ggml_type).first == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0, n0, n1);
+  else dot_k(c, isa, ggml_type, n0, n1);
+}
+
+namespace {
 
 at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, const std::optional<at::Tensor>& bias,
                     int64_t isa) {
@@ -106,35 +149,12 @@ at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "gguf_dot: bias must have ", N, " values");
   at::Tensor out = at::empty({T, N}, xf.options());
   if (T > 0 && N > 0) {
-    std::vector<int8_t> xq(T * K);
-    std::vector<float> xd(T * (K / block)), xdl;
-    std::vector<int32_t> lb;
-    std::vector<int16_t> bs, ps;
-    quantize_blocks(xf.data_ptr<float>(), T, K, block, xq.data(), xd.data());
-    if (block == 256) {
-      bs.resize(T * (K / 16));
-      for (int64_t i = 0; i < T * (K / 16); ++i) {
-        int32_t s = 0;
-        for (int j = 0; j < 16; ++j) s += xq[i * 16 + j];
-        bs[i] = int16_t(s);
-      }
-    }
-    if (ggml_type == GGML_Q6_K) {
-      ps.resize(T * K / 2);
-      for (int64_t i = 0; i < T * K / 2; ++i) ps[i] = int16_t(-32 * (int32_t(xq[2 * i]) + xq[2 * i + 1]));
-    }
-    if (ggml_type == GGML_Q8_0 || ggml_type == GGML_Q4_0 || ggml_type == GGML_IQ4_XS) {
-      const int32_t off = ggml_type == GGML_Q4_0 ? 8 : 128;
-      lb.resize(T * K / 4);
-      for (int64_t l = 0; l < T * K / 4; ++l)
-        lb[l] = -off * (int32_t(xq[4 * l]) + xq[4 * l + 1] + xq[4 * l + 2] + xq[4 * l + 3]);
-    }
-    if (block == 32) {
-      xdl.resize(T * K / 4);
-      for (int64_t l = 0; l < T * K / 4; ++l) xdl[l] = xd[l / 8];
-    }
-    const Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), K, N, T, xq.data(), xd.data(),
-                lb.data(), xdl.data(), bs.data(), ps.data(), out.data_ptr<float>()};
+    Activations a;
+    Ctx c = quantize_activations(xf.data_ptr<float>(), T, K, ggml_type, a, true);
+    c.w = static_cast<const uint8_t*>(qweight.data_ptr());
+    c.rb = qweight.size(1);
+    c.N = N;
+    c.y = out.data_ptr<float>();
     if (block == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0);
     else dot_k(c, isa, ggml_type);
   }

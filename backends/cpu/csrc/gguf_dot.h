@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PORTSIDE_GD_AVX2 1
@@ -115,16 +117,24 @@ inline void prefetch(const Ctx& c, int64_t n, int64_t off, int64_t len) {
   }
 }
 
+// One token row (decode), weight rows [n0, n1) on the calling thread: two weight rows side by
+// side (two streams in flight).
+template <class Kern, class C>
+void rows_range(const C& c, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) Kern::template rows<2, 1>(c, n, 0);
+  if (n < n1) Kern::template rows<1, 1>(c, n, 0);
+}
+
 // Runs Kern::rows<NR, R>(c, n, t) (NR weight rows from n, R token rows from t, writing y) over
-// the whole output, split across threads by weight rows.
+// the whole output, split across threads by weight rows; or, with n1 >= 0 (one token row only),
+// over the weight rows [n0, n1) on the calling thread (csrc/fused_decode.cpp's quantized step,
+// which splits the rows across its own threads).
 template <class Kern, class C>  // C: gguf_dot's Ctx, or int4_dot's
-void drive(const C& c) {
-  if (c.T == 1) {  // decode: two weight rows side by side per thread (two streams in flight)
-    at::parallel_for(0, c.N, 16, [&](int64_t n0, int64_t n1) {
-      int64_t n = n0;
-      for (; n + 2 <= n1; n += 2) Kern::template rows<2, 1>(c, n, 0);
-      if (n < n1) Kern::template rows<1, 1>(c, n, 0);
-    });
+void drive(const C& c, int64_t n0 = 0, int64_t n1 = -1) {
+  if (n1 >= 0) return rows_range<Kern>(c, n0, n1);
+  if (c.T == 1) {  // decode: the output rows split across threads
+    at::parallel_for(0, c.N, 16, [&](int64_t r0, int64_t r1) { rows_range<Kern>(c, r0, r1); });
     return;
   }
   at::parallel_for(0, c.N, 8, [&](int64_t n0, int64_t n1) {
@@ -183,7 +193,30 @@ inline int64_t best_isa() {
   return ISA_SCALAR;
 }
 
-void dot_q8_q4(const Ctx& c, int64_t isa, bool q4);
-void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type);
+// n1 >= 0: weight rows [n0, n1) of one token row on the calling thread (`drive`).
+void dot_q8_q4(const Ctx& c, int64_t isa, bool q4, int64_t n0 = 0, int64_t n1 = -1);
+void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type, int64_t n0 = 0, int64_t n1 = -1);
+
+// (values per block, bytes per block) of a type with a kernel; (0, 0) for any other.
+std::pair<int64_t, int64_t> block_shape(int64_t ggml_type);
+
+// The activations as the kernels of `ggml_type` read them, for x [T, K] fp32: the codes and
+// scales and what that type's kernels take besides (Ctx's x fields). Owned by the caller, reused
+// across calls (resized as needed).
+struct Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xdl;
+  std::vector<int32_t> lb;
+  std::vector<int16_t> bs, ps;
+};
+
+// Quantizes x [T, K] into `a` for `ggml_type` (K whole blocks of it) and returns a Ctx with its x
+// fields set (w, rb, N and y left for the caller). `parallel`: the blocks split across threads
+// (at::parallel_for); false on a thread that is one of several already (the fused step).
+Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type, Activations& a, bool parallel);
+
+// y[n] = x . W[n] for the weight rows [n0, n1) of c (one token row: c.T == 1) on the calling
+// thread, with the path `isa` (not ISA_BEST: resolve it once with best_isa()).
+void dot_rows(const Ctx& c, int64_t isa, int64_t ggml_type, int64_t n0, int64_t n1);
 
 }  // namespace portside_gguf

@@ -396,29 +396,29 @@ struct VnniIQ4_XS {  // two sub-blocks (64 codes) per zmm: the looked-up values 
 #endif  // PORTSIDE_GD_VNNI
 
 template <template <bool> class K45, class K6, class KIQ4>
-void run(const Ctx& c, int64_t ggml_type) {
+void run(const Ctx& c, int64_t ggml_type, int64_t n0, int64_t n1) {
   switch (ggml_type) {
-    case GGML_Q4_K: return drive<K45<false>>(c);
-    case GGML_Q5_K: return drive<K45<true>>(c);
-    case GGML_Q6_K: return drive<K6>(c);
-    default: return drive<KIQ4>(c);
+    case GGML_Q4_K: return drive<K45<false>>(c, n0, n1);
+    case GGML_Q5_K: return drive<K45<true>>(c, n0, n1);
+    case GGML_Q6_K: return drive<K6>(c, n0, n1);
+    default: return drive<KIQ4>(c, n0, n1);
   }
 }
 
 }  // namespace
 
-void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type) {
+void dot_k(const Ctx& c, int64_t isa, int64_t ggml_type, int64_t n0, int64_t n1) {
 #ifdef PORTSIDE_GD_VNNI
   // IQ4_XS decode: the AVX2 kernel (its table lookups and scale products cost more as zmm operations
   // than the bytes they save: 0.65 vs 1.0 ms for a 5632 x 2048 decode on a Zen 4, whose 512-bit
   // operations are two 256-bit halves; the VNNI kernel is 1.4x faster at 64 rows)
-  if (isa == ISA_VNNI && !(ggml_type == GGML_IQ4_XS && c.T == 1)) return run<VnniQ45_K, VnniQ6_K, VnniIQ4_XS>(c, ggml_type);
+  if (isa == ISA_VNNI && !(ggml_type == GGML_IQ4_XS && c.T == 1)) return run<VnniQ45_K, VnniQ6_K, VnniIQ4_XS>(c, ggml_type, n0, n1);
   if (isa == ISA_VNNI) isa = ISA_AVX2;
 #endif
 #ifdef PORTSIDE_GD_AVX2
-  if (isa == ISA_AVX2) return run<Avx2Q45_K, Avx2Q6_K, Avx2IQ4_XS>(c, ggml_type);
+  if (isa == ISA_AVX2) return run<Avx2Q45_K, Avx2Q6_K, Avx2IQ4_XS>(c, ggml_type, n0, n1);
 #endif
-  run<ScalarQ45_K, ScalarQ6_K, ScalarIQ4_XS>(c, ggml_type);
+  run<ScalarQ45_K, ScalarQ6_K, ScalarIQ4_XS>(c, ggml_type, n0, n1);
 }
 
 }  // namespace portside_gguf

@@ -175,15 +175,15 @@ struct VnniQ8Q4 {
 
 }  // namespace
 
-void dot_q8_q4(const Ctx& c, int64_t isa, bool q4) {
+void dot_q8_q4(const Ctx& c, int64_t isa, bool q4, int64_t n0, int64_t n1) {
   switch (isa) {
 #ifdef PORTSIDE_GD_VNNI
-    case ISA_VNNI: return q4 ? drive<VnniQ8Q4<true>>(c) : drive<VnniQ8Q4<false>>(c);
+    case ISA_VNNI: return q4 ? drive<VnniQ8Q4<true>>(c, n0, n1) : drive<VnniQ8Q4<false>>(c, n0, n1);
 #endif
 #ifdef PORTSIDE_GD_AVX2
-    case ISA_AVX2: return q4 ? drive<Avx2Q8Q4<true>>(c) : drive<Avx2Q8Q4<false>>(c);
+    case ISA_AVX2: return q4 ? drive<Avx2Q8Q4<true>>(c, n0, n1) : drive<Avx2Q8Q4<false>>(c, n0, n1);
 #endif
-    default: return q4 ? drive<ScalarQ4_0>(c) : drive<ScalarQ8_0>(c);
+    default: return q4 ? drive<ScalarQ4_0>(c, n0, n1) : drive<ScalarQ8_0>(c, n0, n1);
   }
 }
 
