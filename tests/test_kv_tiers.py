@@ -206,3 +206,53 @@ def test_blocks_saved_by_one_backend_load_into_another_layout():
             k_ref, v_ref = ref.read_kv(ref_caches[layer], torch.arange(src * 4, src * 4 + 4))
             k_npu, v_npu = npu.read_kv(npu_caches[layer], torch.arange(dst * 4, dst * 4 + 4))
             assert torch.equal(k_ref, k_npu) and torch.equal(v_ref, v_npu)
+
+
+def test_abort_while_loading_releases_the_blocks_once_the_load_lands(tiny_llama):
+    llm = _llm(tiny_llama, kv_offload_cpu_bytes=1 << 20)
+    _replay(llm, rounds=1)  # the first prompts' blocks are in the host tier now
+    engine, sched = llm.engine, llm.engine.scheduler
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    so = sched.schedule()  # admits nothing: the request waits for its blocks, which it holds for the load
+    assert so.is_empty and list(sched.kv_loads.loads) and sched.kv.external_holds
+    engine.abort_request("a")  # while the load is in flight: the blocks stay held until it lands
+    assert sched.kv.external_holds
+    for _ in range(50):
+        sched.update_from_output(so, engine.executor.execute_model(so))
+        if not sched.kv_loads.loads:
+            break
+        so = sched.schedule()
+    assert not engine.has_unfinished_requests()
+    _check_books(llm)
+
+
+def test_cli_flags_reach_the_engine_config(tiny_llama):
+    from portside.cli import build_parser, parse_args
+    from portside.engine.args import EngineArgs
+    from portside.engine.args_cli import engine_kwargs
+    from portside.platform import resolve_platform
+
+    args = parse_args(build_parser(), ["serve", str(tiny_llama), "--preemption-mode", "swap", "--swap-space", "0.5",
+                                       "--kv-offload-disk-path", "/tmp/kv", "--kv-offload-disk-bytes", "1e6"])
+    kwargs = engine_kwargs(args)
+    config = EngineArgs(model=str(tiny_llama), **kwargs).create_engine_config(resolve_platform("cpu"))
+    kvt = config.kv_transfer
+    assert kvt is not None and kvt.cpu_bytes == 2**29 and kvt.disk_path == "/tmp/kv" and kvt.disk_bytes == 10**6
+    assert kvt.option("swap") == "1"
+
+
+def test_prometheus_series_of_the_tiers():
+    from portside.engine.stats import EngineStats
+    from portside.server.metrics import ServerMetrics
+
+    stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_used_blocks=0, num_total_blocks=1,
+                        prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, prompt_tokens_total=0,
+                        generation_tokens_total=0,
+                        kv_transfer={"host_hit_blocks": 3, "disk_hit_blocks": 2, "corrupt_blocks": 1, "load_bytes": 4096,
+                                     "load_seconds": 0.5, "loads": 2, "preemption_recomputed_tokens": 7})
+    text = ServerMetrics(lambda: stats, lambda: 0).render().decode()
+    for line in ('portside_kv_tier_hit_blocks_total{tier="host"} 3.0', 'portside_kv_tier_hit_blocks_total{tier="disk"} 2.0',
+                 "portside_kv_tier_corrupt_blocks_total 1.0", "portside_kv_transfer_load_bytes_total 4096.0",
+                 "portside_kv_transfer_throughput_bytes_per_second 8192.0",
+                 "portside_preemption_recomputed_tokens_total 7.0"):
+        assert line in text, line
