@@ -71,7 +71,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._matched: dict[str, list[BlockRef]] = {}  # consumer: req_id -> blocks found (block id still -1)
         self._loads: dict[str, list[BlockRef]] = {}
         self.counters: dict[str, float] = dict.fromkeys(
-            ("saved_blocks", "loaded_blocks", "failed_load_blocks", "corrupt_blocks", "load_seconds", "load_bytes",
+            ("saved_blocks", "loaded_blocks", "failed_load_blocks", "corrupt_blocks", "loads", "load_seconds", "load_bytes",
              "save_seconds", "save_bytes"), 0.0)
 
     def _path(self, block_hash: int) -> str:

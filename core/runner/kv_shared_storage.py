@@ -46,6 +46,7 @@ class SharedStorageWorker(KVConnectorWorker):
             if good < len(blocks):
                 self._out.failed_loading[req_id] = good
                 self._count("failed_load_blocks", len(blocks) - good)
+            self._count("loads", 1)
             self._count("loaded_blocks", good)
             self._count("load_bytes", good * self.layout.block_bytes)
             self._count("load_seconds", time.perf_counter() - t0)
