@@ -256,3 +256,27 @@ def test_prometheus_series_of_the_tiers():
                  "portside_kv_transfer_throughput_bytes_per_second 8192.0",
                  "portside_preemption_recomputed_tokens_total 7.0"):
         assert line in text, line
+
+
+def test_a_load_overlaps_the_steps_of_running_requests(tiny_llama):
+    """The step that starts a request's load also runs the others, and the runner returns
+    before the load lands (it runs on the loader thread): the waiting request is admitted a
+    later step, with the loaded tokens cached."""
+    llm = _llm(tiny_llama, kv_offload_cpu_bytes=1 << 20)
+    _replay(llm, rounds=1)
+    engine, sched = llm.engine, llm.engine.scheduler
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[5][:20]}, SamplingParams(temperature=0.0, max_tokens=30,
+                                                                                  ignore_eos=True))
+    engine.step()
+    engine.step()  # b decodes
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    so = sched.schedule()
+    assert "b" in so.num_scheduled_tokens and "a" not in so.num_scheduled_tokens
+    assert list(so.kv_connector_metadata.loads) == ["a"]
+    sched.update_from_output(so, engine.executor.execute_model(so))
+    while "a" not in {r.request_id for r in sched.running}:
+        engine.step()
+    assert sched.requests["a"].num_cached_tokens == 40
+    while engine.has_unfinished_requests():
+        engine.step()
+    _check_books(llm)

@@ -3,11 +3,14 @@ scheduler reads it)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 __all__ = ["KVTransferConfig", "KV_ROLES"]
 
 KV_ROLES = ("producer", "consumer", "both")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ def resolve_kv_transfer_config(cpu_bytes: float = 0, disk_path: str | None = Non
     if mode not in PREEMPTION_MODES:
         raise ValueError(f"unknown preemption mode {mode!r}; use recompute or swap")
     cpu = int(cpu_bytes or 0)
+    if swap_space is not None and (mode != "swap" or cpu):
+        logger.warning("--swap-space has no effect: it sizes the host tier only for --preemption-mode swap without "
+                       "--kv-offload-cpu-bytes")
     if mode == "swap" and cpu == 0:
         cpu = int((swap_space if swap_space is not None else DEFAULT_SWAP_SPACE_GIB) * 2**30)
     if cpu == 0 and disk_path is None and connector is None:
