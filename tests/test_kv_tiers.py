@@ -163,6 +163,8 @@ def test_flags_resolve_and_bad_combinations_are_refused():
         resolve_kv_transfer_config(disk_path="/tmp/x", disk_bytes=100)
     with pytest.raises(ValueError, match="needs --kv-offload-disk-bytes"):
         resolve_kv_transfer_config(cpu_bytes=100, disk_path="/tmp/x")
+    with pytest.raises(ValueError, match="one KV connector"):
+        resolve_kv_transfer_config(cpu_bytes=1 << 20, connector="shared_storage")
     with pytest.raises(ValueError, match="unknown preemption mode"):
         resolve_kv_transfer_config(preemption_mode="swapp")
 

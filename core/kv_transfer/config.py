@@ -66,6 +66,9 @@ def resolve_kv_transfer_config(cpu_bytes: float = 0, disk_path: str | None = Non
         cpu = int((swap_space if swap_space is not None else DEFAULT_SWAP_SPACE_GIB) * 2**30)
     if cpu == 0 and disk_path is None and connector is None:
         return None
+    if connector not in (None, "tiers") and (cpu or disk_path is not None):
+        raise ValueError(f"--kv-connector {connector} and the KV tiers (--kv-offload-*, --preemption-mode swap) cannot be "
+                         "combined yet: an engine runs one KV connector; drop one")
     if disk_path is not None and cpu == 0 and (connector or "tiers") == "tiers":
         raise ValueError("--kv-offload-disk-path needs --kv-offload-cpu-bytes > 0: blocks reach the disk tier "
                          "when the host tier evicts them")
