@@ -182,6 +182,9 @@ class ModelRunner(RunnerWeights):
         elif self.lora is not None:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
+        aux = getattr(getattr(self, "draft", None), "aux_runner", None)
+        if aux is not None:  # an EAGLE-3 head's target, rebuilt after a weight update: its aux hidden states again
+            self.graph_runner = aux
         # vision-language models: steps with image rows run in a runner that passes the step's
         # `ForwardContext.inputs_embeds` on (graph runners that capture the embedding embed token
         # ids themselves); with 3-D rotary positions (mrope) every step does

@@ -104,6 +104,7 @@ class EagleProposer:
             where = f"head {cfg.path}" + (f", auxiliary hidden states of target layers {list(cfg.aux_layer_ids)}"
                                           if self.aux_runner else "")
         self.head.eval()
+        platform.prepare_model(self.head, config)  # the platform's weight layout (the cpu backend: huge pages)
         self.kv_caches: list[torch.Tensor] = []
         self.rows: dict[str, _Rows] = {}
         logger.info("speculative decoding: %s, %s, %d tokens a step", spec.method, where, self.k)
