@@ -15,16 +15,14 @@ Pooling (the pooler calls these): `default_pooling_type` ("cls" or "mean", sente
 default for the architecture); a `*ForSequenceClassification` model also has `num_labels` and
 `classify(pooled [B, H]) -> logits [B, num_labels]` (before any activation).
 
-Dense layers that a backend may fuse (`dense_act`: bias and activation; `dense_add`: bias and
-residual): plain functions whose body is the reference, dispatched through torch's function
-overrides first, so a `TorchFunctionMode` that a backend's runner enters around the step (the cpu
-eager runner's `EagerLinears`) may run either as one kernel; outside such a mode they run as
-written.
+A dense layer and its residual add (`dense_add`) is a plain function whose body is the
+reference, dispatched through torch's function overrides first, so a `TorchFunctionMode` that a
+backend's runner enters around the step (the cpu eager runner's `EagerLinears`) may run it as
+one kernel; outside such a mode it runs as written.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -36,7 +34,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from portside.contract import AttentionMetadata, Communicator, KVCacheSpec, ModelOps
 from portside.model.args import ModelArgs
 
-__all__ = ["EncoderModel", "check_whole_prompts", "dense_act", "dense_add", "hf_activation"]
+__all__ = ["EncoderModel", "check_whole_prompts", "dense_add", "hf_activation"]
 
 
 def hf_activation(name: str) -> nn.Module:
@@ -46,24 +44,9 @@ def hf_activation(name: str) -> nn.Module:
     return ACT2FN[name]
 
 
-_shared_activation = functools.cache(hf_activation)  # stateless: one instance per name for `dense_act`
-
-
-def dense_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        activation: str) -> torch.Tensor:
-    return _shared_activation(activation)(F.linear(x, weight, bias))
-
-
 def dense_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         residual: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight, bias) + residual
-
-
-def dense_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """``act(x @ weight.T + bias)``, `activation` by transformers' name (`hf_activation`)."""
-    if has_torch_function((x, weight, bias)):
-        return handle_torch_function(dense_act, (x, weight, bias), x, weight, bias, activation)  # type: ignore[no-any-return]
-    return dense_act_reference(x, weight, bias, activation)
 
 
 def dense_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
