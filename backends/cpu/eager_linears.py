@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portside.backends.cpu.encoder_linears import FUSED, fused_dense
+from portside.backends.cpu.encoder_linears import LINEAR_ADD, fused_dense
 from portside.backends.cpu.native_ops import amx_unavailable_reason
 from portside.backends.cpu.options import cpu_options
 
@@ -159,12 +159,12 @@ class EagerLinears(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in FUSED:  # an encoder's dense layer with its activation or residual add (`encoder_linears`)
+        if getattr(func, "fusion", None) == LINEAR_ADD:  # an encoder's dense layer + residual (`encoder_linears`)
             out = fused_dense(func, args, self.packed, padded_rows) if self.packed is not None and not kwargs else None
             if out is not None:
                 return out
             with self:  # the reference, its linear through this mode
-                return FUSED[func](*args, **kwargs)
+                return func.reference(*args, **kwargs)
         if func is F.linear:
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]

@@ -1,5 +1,5 @@
-"""The encoder models' dense layer with its residual add (`portside.model.bert_base.dense_add`)
-in the cpu eager runner: one oneDNN call over the prepacked weight with the add as its binary
+"""The encoder models' dense layer with its residual add (`portside.model.bert_base.dense_add`,
+recognised by its ``fusion`` attribute, `LINEAR_ADD`) in the cpu eager runner: one oneDNN call over the prepacked weight with the add as its binary
 post-op (`_linear_pointwise.binary` "add"), instead of the linear and then a second pass over
 its [T, H] output. What it cannot take (a widened bf16 weight, a residual of another shape or
 dtype, one row) runs core's reference, its linear still through the runner's mode.
@@ -20,11 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portside.model.bert_base import dense_add, dense_add_reference
+__all__ = ["LINEAR_ADD", "fused_dense"]
 
-__all__ = ["FUSED", "fused_dense"]
-
-FUSED: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {dense_add: dense_add_reference}
+LINEAR_ADD = "linear+add"  # the ``fusion`` attribute of `dense_add` (backends do not import core's models)
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -33,7 +31,7 @@ def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def fused_dense(func: Callable[..., torch.Tensor], args: tuple[Any, ...], packed: Any,
                 padded_rows: Callable[[int], int]) -> torch.Tensor | None:
-    """`func(*args)` (`dense_add`) as one oneDNN call over `packed.get(weight)`, rows padded to
+    """`func(*args)` (a `LINEAR_ADD` function, `dense_add`) as one oneDNN call over `packed.get(weight)`, rows padded to
     `padded_rows`; None where it does not apply (the caller runs the reference)."""
     x, weight, bias, residual = args
     if x.dim() != 2 or x.shape[0] < 2 or x.dtype != weight.dtype or not x.is_contiguous():

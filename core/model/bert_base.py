@@ -18,7 +18,10 @@ default for the architecture); a `*ForSequenceClassification` model also has `nu
 A dense layer and its residual add (`dense_add`) is a plain function whose body is the
 reference, dispatched through torch's function overrides first, so a `TorchFunctionMode` that a
 backend's runner enters around the step (the cpu eager runner's `EagerLinears`) may run it as
-one kernel; outside such a mode it runs as written.
+one kernel; outside such a mode it runs as written. Backends import only the contract, so the
+function names what it computes in its ``fusion`` attribute ("linear+add": ``F.linear(x,
+weight, bias) + residual``) and carries its reference (``reference``) for a mode that cannot fuse
+the call at hand.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def dense_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if has_torch_function((x, weight, bias, residual)):
         return handle_torch_function(dense_add, (x, weight, bias, residual), x, weight, bias, residual)  # type: ignore[no-any-return]
     return dense_add_reference(x, weight, bias, residual)
+
+
+dense_add.fusion = "linear+add"  # type: ignore[attr-defined]
+dense_add.reference = dense_add_reference  # type: ignore[attr-defined]
 
 
 def check_whole_prompts(md: AttentionMetadata) -> None:
