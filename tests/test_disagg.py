@@ -113,6 +113,8 @@ def test_consumer_loads_what_the_producer_saved(tiny_llama: Path, tmp_path: Path
         assert consumer.scheduler.kv_loads.num_loaded_tokens - before == 2 * BS
         stats = consumer.scheduler.kv_loads.connector.stats()
         assert stats["corrupt_blocks"] == 1 and stats["failed_load_blocks"] >= 1
+        assert not victim.exists()  # deleted: a producer writes it again
+        assert _run(consumer, prompts[1], 12) == expected[1]  # again: nothing retried, nothing loaded twice
         consumer.scheduler.kv.check_integrity()
         assert producer.scheduler.kv_loads.num_loaded_tokens == 0  # a producer never loads
     finally:

@@ -14,7 +14,9 @@ layout: another model's blocks are never read), one checksummed file per block
 (`portside.kv_transfer.disk_format`, written under a temporary name and renamed).
 
 A block that is missing, truncated, corrupt or another block's (a hash collision) stops its
-request's load there: the blocks before it are used, the rest recomputed, never wrong KV. The
+request's load there: the blocks before it are used, the rest recomputed, never wrong KV; a
+damaged file is deleted (a producer writes it again), and this instance never tries a block whose
+load failed again. The
 directory is not pruned: remove old files with the usual tools (files are named
 ``<hash>.kvb``; a consumer only needs them until its request is scheduled).
 """
@@ -70,6 +72,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._saved: dict[str, int] = {}  # producer: req_id -> prompt blocks already saved
         self._matched: dict[str, list[BlockRef]] = {}  # consumer: req_id -> blocks found (block id still -1)
         self._loads: dict[str, list[BlockRef]] = {}
+        self._inflight: dict[str, list[int]] = {}  # consumer: req_id -> hashes being loaded
+        self._bad: set[int] = set()  # consumer: blocks whose load failed: never tried again (computed instead)
         self.counters: dict[str, float] = dict.fromkeys(
             ("saved_blocks", "loaded_blocks", "failed_load_blocks", "corrupt_blocks", "loads", "load_seconds", "load_bytes",
              "save_seconds", "save_bytes"), 0.0)
@@ -92,7 +96,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         hashes = self.kv.block_hashes(request, max_blocks)
         found: list[BlockRef] = []
         for i in range(start, max_blocks):
-            if not os.path.exists(self._path(hashes[i])):
+            if hashes[i] in self._bad or not os.path.exists(self._path(hashes[i])):
                 break
             found.append((-1, hashes[i], hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs])))
         if found:
@@ -103,6 +107,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         found = self._matched.pop(request.request_id)
         assert len(found) == len(block_ids), (found, block_ids)
         self._loads[request.request_id] = [(b, h, p, t) for b, (_, h, p, t) in zip(block_ids, found, strict=True)]
+        self._inflight[request.request_id] = [h for _, h, _, _ in found]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         self._matched.clear()
@@ -138,6 +143,11 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for key, value in output.stats.items():
             self.counters[key] = self.counters.get(key, 0.0) + value
+        for req_id in output.finished_loading:
+            hashes = self._inflight.pop(req_id, [])
+            good = output.failed_loading.get(req_id, len(hashes))
+            if good < len(hashes):  # the request is looked up again: it must compute from there, not retry
+                self._bad.add(hashes[good])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         self._requests.pop(request.request_id, None)

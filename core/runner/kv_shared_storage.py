@@ -64,6 +64,8 @@ class SharedStorageWorker(KVConnectorWorker):
                     logger.warning("shared-storage KV: block %016x not used (%s); its tokens are recomputed",
                                    block_hash & (2**64 - 1), e)
                     self._count("corrupt_blocks", 1)
+                    if "holds another block" not in str(e):  # damaged, not a hash collision: a producer rewrites it
+                        disk_format.remove(path)
                 break
             payloads.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if payloads:
