@@ -9,7 +9,8 @@ When the worker reports the loads finished, the good blocks enter the prefix cac
 request's block hashes and the hold is released: they are cached free blocks, most recently
 used, and the request is admitted through the normal path, a prefix hit on them. (Holding them
 until admission could deadlock: a request ahead of it in the queue may need those blocks. If
-they are evicted first, they go back to the host tier and are loaded again.) A load in flight
+they are evicted first, the request computes them: one load per admission, so a connector that
+keeps offering a block that failed is not asked again and again.) A load in flight
 keeps its hold until it lands, an aborted request's too: a block being written is never handed out.
 
 Without a connector every method is a no-op, so the scheduler calls them unconditionally.
@@ -45,6 +46,9 @@ class KVLoads:
         self.connector = connector
         self.kv = kv
         self.loads: dict[str, _Load] = {}
+        # requests whose load landed, until admitted: never a second load for the same admission (a
+        # connector that still offers a block that failed would otherwise be asked again and again)
+        self._landed: set[str] = set()
         self.num_loaded_tokens = 0  # tokens loaded instead of computed, since start (metrics)
         # preemption (with or without a connector): tokens a preempted request had computed, and
         # how many of them it computed again after resuming (the rest came from the caches)
@@ -75,6 +79,7 @@ class KVLoads:
     def finished(self, request: Request) -> None:
         """`request` ended (its blocks are freed next): the connector hears of it; a hold is released."""
         self._computed_at_preemption.pop(request.request_id, None)
+        self._landed.discard(request.request_id)
         if self.connector is not None:
             self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
             self.drop(request)
@@ -86,6 +91,8 @@ class KVLoads:
             return False
         if request.request_id in self.loads:
             return True
+        if request.request_id in self._landed:
+            return False
         bs = self.kv.block_size
         num_blocks = self.connector.get_num_new_matched_tokens(request, num_computed) // bs
         pool = self.kv.pool
@@ -117,6 +124,7 @@ class KVLoads:
             if not load.aborted and request is not None:
                 self.num_loaded_tokens += good * self.kv.block_size
                 self._cache(request, held, load.num_hit)
+                self._landed.add(req_id)
             self._release(req_id)
         self.connector.update_connector_output(output)
 
@@ -130,6 +138,7 @@ class KVLoads:
     def admitted(self, request: Request, num_computed: int) -> None:
         """`request` was admitted with `num_computed` tokens cached (its allocation holds the blocks
         now): a resumed request's tokens computed again are counted."""
+        self._landed.discard(request.request_id)
         before = self._computed_at_preemption.pop(request.request_id, None)
         if before is not None:
             self.num_recomputed_tokens += max(0, before - num_computed)
