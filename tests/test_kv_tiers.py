@@ -282,3 +282,32 @@ def test_a_load_overlaps_the_steps_of_running_requests(tiny_llama):
     while engine.has_unfinished_requests():
         engine.step()
     _check_books(llm)
+
+
+def test_the_host_index_never_reuses_a_slot_being_loaded_from():
+    """Pure Python: two host slots; while a request's load reads both, a third evicted block finds
+    no slot (not saved); once the load is reported, LRU eviction resumes."""
+    from portside.kv_cache.manager import KVCacheManager
+    from portside.kv_transfer.base import KVConnectorOutput, KVTransferInfo
+    from portside.kv_transfer.config import KVTransferConfig
+    from portside.kv_transfer.tiers import TiersScheduler
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tiers = TiersScheduler(KVTransferConfig(cpu_bytes=2 * 100), 4, KVTransferInfo(100, "fp"))
+    tiers.bind(kv)
+    req = _request_like(list(range(10, 23)))  # 13 tokens: 3 full blocks, 2 loadable (never the last token)
+    hashes = kv.block_hashes(req, 3)
+    blocks = [tuple(range(10 + 4 * i, 14 + 4 * i)) for i in range(3)]
+    for i in (1, 0):  # tail first, as the pool evicts
+        tiers.on_evict(i, hashes[i], hashes[i - 1] if i else None, blocks[i])
+    assert tiers.get_num_new_matched_tokens(req, 0) == 8
+    tiers.update_state_after_alloc(req, [5, 6], 8)
+    meta = tiers.build_connector_meta(None)
+    assert [op[0] for op in meta.ops] == ["save", "save"] and meta.loads["probe"] == [(5, "host", 1), (6, "host", 0)]
+    tiers.on_evict(2, hashes[2], hashes[1], blocks[2])  # both slots pinned: not kept
+    assert tiers.build_connector_meta(None) is None and hashes[2] not in tiers.entries
+    tiers.update_connector_output(KVConnectorOutput(finished_loading={"probe"}))
+    tiers.on_evict(2, hashes[2], hashes[1], blocks[2])  # now the least recently used slot is reused
+    assert [op[:2] for op in tiers.build_connector_meta(None).ops] == [("save", 2)]
+    assert hashes[2] in tiers.entries and len(tiers.entries) == 2
+    tiers.check_integrity()
