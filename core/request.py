@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from portside.kv_cache.hashing import stable_key
 from portside.outputs import SpecDecodeStats
 from portside.sampling_params import SamplingParams
 
@@ -70,8 +71,10 @@ class Request:
     @property
     def block_hash_root(self) -> int | None:
         """What its first KV block's hash chains on: requests under different adapters compute
-        different KV for the same tokens, so they never share prefix-cache blocks."""
-        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+        different KV for the same tokens, so they never share prefix-cache blocks. Keyed by the
+        adapter's name and folder (stable across restarts, so the disk KV tier finds its blocks)."""
+        lora = self.lora_request
+        return None if lora is None else stable_key("lora", lora.lora_name, lora.lora_path)
 
     def block_extra_keys(self, start: int, end: int) -> tuple[str, ...]:
         """What the KV of prompt positions [start, end) depends on beside the tokens: the

@@ -320,3 +320,22 @@ class WindowedKVCacheMachine(KVCacheMachine):
 
 TestWindowedKVCacheMachine = WindowedKVCacheMachine.TestCase
 TestWindowedKVCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_block_hashes_are_equal_across_processes_with_lora_and_images() -> None:
+    """A restarted server (another PYTHONHASHSEED) must find its disk-tier blocks again: the LoRA
+    root and image identifiers enter the chain as stable digests, not per-process `str` hashes."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from portside.kv_cache import hashing; from portside.lora.request import LoRARequest;"
+            "from portside.request import Request; from portside.sampling_params import SamplingParams;"
+            "r = Request('r', list(range(20)), SamplingParams(), lora_request=LoRARequest('ad', 3, '/a'));"
+            "print(r.block_hash_root, hashing.hash_full_blocks(list(range(20)), 4, [], root=r.block_hash_root,"
+            " extra_keys=lambda s, e: ('img-sha256-abc',) if s < 8 else ()))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs
+    root = int(outs.pop().split()[0])
+    assert root != hashing.stable_key("lora", "other", "/a")

@@ -6,20 +6,28 @@ confirmed against the stored tokens (see `BlockPool.lookup`). Python's `hash` of
 deterministic across processes, and a first block chains on -1 (a value `hash` never returns)
 rather than on None (whose hash is its address before Python 3.12), so a text-only chain hashes
 the same in every process: a restarted server finds its disk-tier blocks (`portside.kv_transfer`).
-A chain with a LoRA root or image identifiers includes `str` hashes, which differ between
-processes unless PYTHONHASHSEED is fixed: such blocks are only found again in the same process.
+What a block depends on beside its tokens (a LoRA adapter, image identifiers) enters the chain as
+`stable_key` digests, never as `str` hashes (those differ between processes unless PYTHONHASHSEED
+is fixed), so adapter and image blocks are found again after a restart too.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
+
+
+def stable_key(*parts: str) -> int:
+    """A 64-bit integer digest of `parts`, equal in every process (unlike `hash` of a `str`)."""
+    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple[str, ...] = ()) -> int:
     """Hash of one full block, chained on the previous block's hash (None for the first);
     `extra`: what its KV depends on beside the tokens (the images whose placeholders it holds)."""
     parent = -1 if parent_hash is None else parent_hash
-    return hash((parent, token_ids, extra)) if extra else hash((parent, token_ids))
+    return hash((parent, token_ids, tuple(stable_key(e) for e in extra))) if extra else hash((parent, token_ids))
 
 
 def hash_full_blocks(
