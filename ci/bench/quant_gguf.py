@@ -38,10 +38,12 @@ from portside.testing.tiny import make_tiny_gguf
 
 HERE = Path(__file__).resolve().parent
 FORMATS = ("Q8_0", "Q4_0", "Q4_K_M")
-PEERS = ("portside", "a8", "llama.cpp")
+PEERS = ("portside", "a8", "a8-op", "llama.cpp")
 # what make_tiny_gguf writes for a format where llama.cpp's quantizer is not at hand
 FALLBACK = {"Q8_0": ("Q8_0", None), "Q4_0": ("Q4_0", None), "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"})}
 A8_OPTION = ("cpu_gguf_act", "int8")
+# the a8-op rows: int8 activations op by op (batch-1 decode outside the fused native step)
+A8_OP = {"cpu_gguf_act": "int8", "cpu_fused_decode": "off"}
 FP32_ACT = {"cpu_gguf_act": "fp32"}  # the gguf-<fmt> rows, where the option exists (set, whatever its default)
 LLAMA_CPP_VERSION = "0.3.36"
 # issue 48's targets: decode llama.cpp ms / portside ms, prefill portside tok/s / llama.cpp's, ms / bound
@@ -237,14 +239,14 @@ def run(hf_dir: Path, work: Path, prompts: list[list[int]], *, formats: list[str
             row: dict[str, Any] = {}
             for peer in peers:
                 name = {"portside": f"gguf-{fmt.lower()}", "a8": f"gguf-{fmt.lower()}-a8",
-                        "llama.cpp": f"llama.cpp-{fmt.lower()}"}[peer]
+                        "a8-op": f"gguf-{fmt.lower()}-a8-op", "llama.cpp": f"llama.cpp-{fmt.lower()}"}[peer]
                 load = load_info()
                 try:
                     if peer == "portside":
                         info = bench_portside(path, prompt, many, decode_tokens, threads, repeats, fp32_act)
-                    elif peer == "a8":
+                    elif peer in ("a8", "a8-op"):
                         info = {"skipped": a8_skip} if a8_skip else bench_portside(
-                            path, prompt, many, decode_tokens, threads, repeats, dict([A8_OPTION]))
+                            path, prompt, many, decode_tokens, threads, repeats, dict([A8_OPTION]) if peer == "a8" else A8_OP)
                     elif python is None:
                         info = {"skipped": f"llama.cpp unavailable: {why_no_llama}"}
                     else:
@@ -308,7 +310,8 @@ def markdown(section: dict[str, Any]) -> list[str]:
     s = section
     act = s.get("gguf_act_default")
     lines = [("portside: `gguf-<fmt>` rows with fp32 activations, `-a8` rows with activations quantized to 8 bits "
-              f"per block (`cpu_gguf_act=int8`); portside's default is `cpu_gguf_act={act}`." if act else
+              f"per block (`cpu_gguf_act=int8`; batch-1 decode in the fused native step), `-a8-op` the same op by op "
+              f"(`cpu_fused_decode=off`); portside's default is `cpu_gguf_act={act}`." if act else
               "portside: fp32 activations (this build has no `cpu_gguf_act` option)."), "",
              f"Same GGUF file per format, greedy: decode = {s['decode_tokens']} tokens after a {s['prompt_len']}-token "
              f"prompt (ms/token); prefill = one {s['prompt_len']}-token prompt, and {s['batch']} of them (tokens/s; "
