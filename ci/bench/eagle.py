@@ -2,7 +2,7 @@
 without a head, side by side in one run (engines interleaved in every repeat, best repeat kept),
 the greedy tokens checked equal, and the acceptance length (1 + accepted proposals per draft).
 
-    python ci/bench/eagle.py [--tokens 128] [--repeats 3] [--threads 2] [--k 4] [--hidden 1024] [--layers 8]
+    python ci/bench/eagle.py [--tokens 128] [--repeats 3] [--threads 2] [--k 4] [--hidden 1024] [--layers 12]
                              [--leak 0.05] [--workdir /tmp/portside-eagle-bench]
 
 The target and its head are built here (no download):
@@ -94,13 +94,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--leak", type=float, default=0.05)
     ap.add_argument("--workdir", default="/tmp/portside-eagle-bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, head = build(Path(args.workdir), args.hidden, args.layers, args.leak)
-    common = {"model": str(target), "device": "cpu", "max_model_len": 1024}
+    common = {"model": str(target), "device": "cpu", "max_model_len": 512}
     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": args.k}
     engines = {"plain": LLMEngine.from_args(**common), "eagle": LLMEngine.from_args(**common, speculative_config=spec)}
     rng = random.Random(0)
