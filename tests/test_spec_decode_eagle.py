@@ -320,3 +320,15 @@ def test_mtp_layer_of_a_deepseek_v3_checkpoint(tmp_path):
     plain = make_tiny_deepseek(tmp_path / "plain", "v3", **overrides)
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
     assert main(["generate", "hi", "--model", str(plain), "--device", "cpu", "--speculative-config", spec]) == 2
+
+
+def test_eagle3_on_a_qwen3_target(ps, tmp_path):
+    """A Qwen3 target (q/k norms, head_dim 32 over hidden 64): the head's aux hidden states come
+    from its own layer loop; greedy tokens equal transformers'."""
+    target = make_tiny_model(tmp_path / "qwen3", "qwen3", num_hidden_layers=4)
+    head = make_eagle_head(target, tmp_path / "head", "eagle3", aux_layer_ids=AUX, layout="speculators")
+    llm = make_llm(target, head, max_num_batched_tokens=16)
+    for p, got in zip(ps[:2], greedy(llm, ps[:2], 12)):
+        assert got == hf_greedy(target, p, 12)
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    assert_all_blocks_free(llm)
