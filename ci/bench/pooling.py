@@ -63,9 +63,12 @@ def make_texts(path: Path, n: int, tokens: int) -> tuple[list[str], float]:
     return texts, sum(lengths) / len(lengths)
 
 
-def timed(fn: Any) -> float:
-    t0 = time.perf_counter()
+def timed(fn: Any, cpu: list[float] | None = None) -> float:
+    """Wall seconds of `fn()`; with `cpu`, its process CPU seconds (all threads) appended."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -97,10 +100,10 @@ def main() -> None:
                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256) as llm:
             llm.embed(texts[:64], use_tqdm=False)  # warm-up
             got = torch.tensor([o.outputs.embedding for o in llm.embed(texts[:32], use_tqdm=False)])
-            st_times, ps_times = [], []
+            st_times, ps_times, st_cpu, ps_cpu = [], [], [], []  # type: ignore[var-annotated]
             for _ in range(args.repeats):
-                st_times.append(timed(lambda: st.encode(texts, batch_size=args.st_batch_size)))
-                ps_times.append(timed(lambda: llm.embed(texts, use_tqdm=False)))
+                st_times.append(timed(lambda: st.encode(texts, batch_size=args.st_batch_size), st_cpu))
+                ps_times.append(timed(lambda: llm.embed(texts, use_tqdm=False), ps_cpu))
         st_rate, ps_rate = len(texts) / min(st_times), len(texts) / min(ps_times)
     cos = torch.nn.functional.cosine_similarity(got.double(), want.double()).min().item()
     result = {
@@ -109,6 +112,10 @@ def main() -> None:
         "portside_inputs_per_s": round(ps_rate, 1), "sentence_transformers_inputs_per_s": round(st_rate, 1),
         "st_batch_size": args.st_batch_size, "max_num_batched_tokens": args.max_num_batched_tokens,
         "ratio": round(ps_rate / st_rate, 2), "min_cosine": cos,
+        # CPU seconds (both engines' threads) per run, min over repeats: on a shared machine the
+        # wall figures move with other work; these much less
+        "portside_cpu_s": round(min(ps_cpu), 2), "sentence_transformers_cpu_s": round(min(st_cpu), 2),
+        "cpu_time_ratio": round(min(st_cpu) / min(ps_cpu), 2),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }  # fmt: skip
     print(json.dumps(result, indent=2))
@@ -122,7 +129,9 @@ def main() -> None:
         f"| portside (LLM.embed, max_num_batched_tokens {args.max_num_batched_tokens}) | {ps_rate:.1f} |\n"
         f"| sentence-transformers (encode, batch {args.st_batch_size}) | {st_rate:.1f} |\n\n"
         f"portside / sentence-transformers: **{ps_rate / st_rate:.2f}x** (issue 49's target: >= 1.5x); "
-        f"embeddings agree to cosine >= {cos:.6f}\n")
+        f"embeddings agree to cosine >= {cos:.6f}\n\n"
+        f"CPU seconds per run (all threads, best run): portside {result['portside_cpu_s']}, sentence-transformers "
+        f"{result['sentence_transformers_cpu_s']} ({result['cpu_time_ratio']}x)\n")
 
 
 if __name__ == "__main__":
