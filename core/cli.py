@@ -1,4 +1,4 @@
-"""The `portside` command: generate, serve, devices, models.
+"""The `portside` command: generate, serve, devices, models, bench.
 
 Usage errors (a bad flag, an unknown or unavailable device, a missing model) print one message
 naming the fix and exit with code 2.
@@ -103,6 +103,7 @@ def _cmd_disagg_proxy(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> Parser:
+    from portside.cli_bench import add_bench_parser
     from portside.engine.args_cli import add_engine_args
 
     parser = Parser(prog="portside", description="Hardware-portable LLM inference and serving.")
@@ -167,6 +168,8 @@ def build_parser() -> Parser:
     else:
         add_proxy_args(p)
     p.set_defaults(func=_cmd_disagg_proxy)
+
+    add_bench_parser(sub)
     return parser
 
 
