@@ -196,7 +196,7 @@ def parse_args(parser: Parser, argv: list[str]) -> argparse.Namespace:
             if getattr(args, dest, None) is None:
                 setattr(args, dest, str(value))
     if extra:
-        parser.unknown_args_error(args.command, extra)
+        parser.unknown_args_error(args.command, extra, getattr(args, "bench_command", None))
     return args
 
 

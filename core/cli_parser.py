@@ -74,11 +74,14 @@ class Parser(argparse.ArgumentParser):
                 return action.choices[command]
         return self
 
-    def unknown_args_error(self, command: str | None, extra: list[str]) -> NoReturn:
-        """Exit 2 for arguments no flag took, under the subcommand's usage, with suggestions."""
+    def unknown_args_error(self, command: str | None, extra: list[str], nested: str | None = None) -> NoReturn:
+        """Exit 2 for arguments no flag took, under the subcommand's usage (`nested`: its own subcommand's,
+        as `bench latency`), with suggestions."""
         from portside.engine.unsupported_args import unsupported_message
 
         sub = self.subparser(command)
+        if nested is not None and isinstance(sub, Parser):
+            sub = sub.subparser(nested)
         known = option_names(sub) + option_names(self)
         flag = next((t for t in extra if t.startswith("-")), None)
         if flag is None:

@@ -83,7 +83,8 @@ def test_ngram_speculation_prints_acceptance_length(repetitive_llama, tmp_path, 
     (["bench", "latency", "--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
     (["bench", "throughput", "--num-prompts", "many"], "--num-prompts: invalid int value: 'many'"),
     (["bench", "latency", "--num-iters-warmup", "-1"], "--num-iters-warmup: must be at least 0"),
-    (["bench", "latency", "--no-such-flag"], "unknown flag --no-such-flag"),
+    (["bench", "latency", "--input-lenn", "4"], "unknown flag --input-lenn; did you mean --input-len?"),
+    (["bench", "throughput", "--batch-size", "4"], "unknown flag --batch-size"),
 ])
 def test_bad_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
