@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from portside.contract import ForwardContext, KVCacheSpec, Platform
+from portside.contract import KVCacheSpec, Platform
 from portside.model.registry import load_model
-from portside.runner.inputs import CachedRequestState, attention_metadata, slot_mapping
+from portside.runner.inputs import CachedRequestState
 from portside.runner.kv_cache import allocate_kv_caches, check_attention_features, dummy_decode_context
+from portside.spec_decode.rows import pack_rows, proposal_room
 
 if TYPE_CHECKING:
     from portside.config import EngineConfig
@@ -94,10 +95,7 @@ class DraftModelProposer:
         todo: list[tuple[CachedRequestState, _Draft, int]] = []  # (state, its draft, proposals to make)
         for state in states:
             n = state.num_tokens
-            params = state.sampling_params
-            room = min(self.k, self.max_model_len - n, len(state.block_ids) * bs - n + 1)
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
+            room = proposal_room(state, self.k, self.max_model_len, bs)
             if room <= 0:
                 continue
             draft = self.requests.setdefault(state.req_id, _Draft())
@@ -144,34 +142,14 @@ class DraftModelProposer:
     def _forward(self, rows: list[tuple[CachedRequestState, int, list[int]]]) -> list[int | None]:
         """Run the draft over each row's tokens (written from position `start`); the greedy next
         token of each row that ends at or past its sequence's last token, else None."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][2]) != 1)  # one-token queries first
-        bs, d = self.block_size, self.device
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        samples: list[int] = []  # rows (in `order`) that draw
-        for j, i in enumerate(order):
-            state, start, tokens = rows[i]
-            end = start + len(tokens)
-            ids.extend(tokens)
-            positions.extend(range(start, end))
-            slots.extend(slot_mapping(state.block_ids, start, end, bs))
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + len(tokens))
-            if end >= state.num_tokens:
-                samples.append(j)
-        md = attention_metadata([rows[i][0].block_ids for i in order], slots, qsl, seq_lens,
-                                sum(1 for r in rows if len(r[2]) == 1), bs, d)
-        ctx = ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(md))
-        hidden = self.graph_runner(torch.tensor(ids, dtype=torch.int64, device=d),
-                                   torch.tensor(positions, dtype=torch.int64, device=d), ctx)
+        packed = pack_rows(rows, self.block_size, self.device, self.attn_backend, self.kv_caches)
+        hidden = self.graph_runner(packed.ids, packed.positions, packed.ctx)
+        samples = [j for j, i in enumerate(packed.order) if rows[i][1] + len(rows[i][2]) >= rows[i][0].num_tokens]
         drawn: list[int | None] = [None] * len(rows)
         if samples:
-            last = torch.tensor([qsl[j + 1] - 1 for j in samples], dtype=torch.int64, device=d)
+            last = torch.tensor([packed.last_index(j) for j in samples], dtype=torch.int64, device=self.device)
             tokens = self.graph_runner.logits(hidden, last).argmax(dim=-1).tolist()
             for j, token in zip(samples, tokens):
-                drawn[order[j]] = token
+                drawn[packed.order[j]] = token
         return drawn
 

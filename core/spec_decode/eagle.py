@@ -30,9 +30,10 @@ import torch
 from portside.contract import EagerGraphRunner, ForwardContext, KVCacheSpec, Platform
 from portside.model.decoder import TP, DecoderForCausalLM
 from portside.model.eagle import EagleHead, EagleHeadConfig
-from portside.runner.inputs import BatchInputs, CachedRequestState, attention_metadata, slot_mapping
+from portside.runner.inputs import BatchInputs, CachedRequestState
 from portside.runner.kv_cache import allocate_kv_caches
 from portside.spec_decode.mtp import MTPHead
+from portside.spec_decode.rows import pack_rows, proposal_room
 
 if TYPE_CHECKING:
     from portside.config import EngineConfig
@@ -187,38 +188,16 @@ class EagleProposer:
         return proposals
 
     def _room(self, state: CachedRequestState) -> int:
-        n, params = state.num_tokens, state.sampling_params
-        room = min(self.k, self.max_model_len - n, len(state.block_ids) * self.block_size - n + 1)
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
-        return max(room, 0)
+        return proposal_room(state, self.k, self.max_model_len, self.block_size)
 
     def _forward(self, rows: list[tuple[CachedRequestState, int, list[int], torch.Tensor]]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Run the head over each row (tokens from position `start`, their hidden states); per row
         its last position's (hidden for the logits, residual stream for the next chained row)."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][2]) != 1)  # one-token queries first
-        bs, d = self.block_size, self.device
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        for i in order:
-            state, start, tokens, _ = rows[i]
-            end = start + len(tokens)
-            ids.extend(tokens)
-            positions.extend(range(start, end))
-            slots.extend(slot_mapping(state.block_ids, start, end, bs))
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + len(tokens))
-        md = attention_metadata([rows[i][0].block_ids for i in order], slots, qsl, seq_lens,
-                                sum(1 for r in rows if len(r[2]) == 1), bs, d)
-        ctx = ForwardContext(self.attn_backend, self.kv_caches, self.attn_backend.prepare(md))
-        hidden = torch.cat([rows[i][3] for i in order]).to(self.head.dtype)
-        out, nxt = self.head(torch.tensor(ids, dtype=torch.int64, device=d),
-                             torch.tensor(positions, dtype=torch.int64, device=d), hidden, ctx)
+        packed = pack_rows(rows, self.block_size, self.device, self.attn_backend, self.kv_caches)
+        hidden = torch.cat([rows[i][3] for i in packed.order]).to(self.head.dtype)
+        out, nxt = self.head(packed.ids, packed.positions, hidden, packed.ctx)
         last: list[int] = [0] * len(rows)
-        for j, i in enumerate(order):
-            last[i] = qsl[j + 1] - 1
+        for j, i in enumerate(packed.order):
+            last[i] = packed.last_index(j)
         return [cast(torch.Tensor, out[x]) for x in last], [cast(torch.Tensor, nxt[x]) for x in last]
