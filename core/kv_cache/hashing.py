@@ -17,9 +17,9 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 
-def stable_key(*parts: str) -> int:
-    """A 64-bit integer digest of `parts`, equal in every process (unlike `hash` of a `str`)."""
-    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest()
+def stable_key(*parts: object) -> int:
+    """A 64-bit integer digest of `parts` (as text), equal in every process (unlike `hash` of a `str`)."""
+    digest = hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
