@@ -10,6 +10,7 @@ and generation within 1.3x the checkpoint's tensor bytes."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,7 +234,8 @@ def test_resident_memory_stays_within_the_checkpoint(tmp_path: Path) -> None:
     q = write_fp8_block(make_tiny_model(tmp_path / "hf", "llama", **shape), tmp_path / "fp8", (128, 128))
     control_shape = {**shape, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4}
     control = write_fp8_block(make_tiny_model(tmp_path / "hf-control", "llama", **control_shape), tmp_path / "control", (128, 128))
-    kw = dict(prompt_len=512, max_tokens=32)
+    # dtype bfloat16, the checkpoint's: on a CPU without native bf16 `auto` serves the dense tensors in fp32
+    kw: dict[str, Any] = dict(prompt_len=512, max_tokens=32, llm_kwargs={"dtype": "bfloat16"})
     run, base = measure(q, **kw), measure(control, **kw)
     r = resident_ratio(run, tensor_bytes(q), base, tensor_bytes(control))
     assert run["kv_mib"] == base["kv_mib"], r
