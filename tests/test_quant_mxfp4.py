@@ -10,6 +10,7 @@ resident memory after load and generation within 1.3x the checkpoint's tensor by
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -212,7 +213,8 @@ def test_resident_memory_stays_within_the_checkpoint(tmp_path: Path) -> None:
     q = write_mxfp4_experts(make_tiny_gpt_oss(tmp_path / "hf", **shape), tmp_path / "mxfp4")
     control_shape = {**shape, "intermediate_size": 32, "num_local_experts": 2, "num_experts_per_tok": 2}
     control = write_mxfp4_experts(make_tiny_gpt_oss(tmp_path / "hf-control", **control_shape), tmp_path / "control")
-    kw = dict(prompt_len=256, max_tokens=32)
+    # dtype bfloat16, the checkpoint's: on a CPU without native bf16 `auto` serves the dense tensors in fp32
+    kw: dict[str, Any] = dict(prompt_len=256, max_tokens=32, llm_kwargs={"dtype": "bfloat16"})
     run, base = measure(q, **kw), measure(control, **kw)
     r = resident_ratio(run, tensor_bytes(q), base, tensor_bytes(control))
     assert run["kv_mib"] == base["kv_mib"], r
