@@ -31,7 +31,6 @@ from portside.model.pipeline import PipelineStage
 __all__ = ["Glm4MoeForCausalLM"]
 
 
-
 def _glm4_model(model_cls: type[DecoderForCausalLM], args: ModelArgs, tp: TP, dtype: torch.dtype,
                 stage: PipelineStage) -> nn.Module:  # fmt: skip
     """`DecoderModel`, its attention with per-head q/k norms where the config has ``use_qk_norm``."""
@@ -52,6 +51,12 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         self.num_mtp_layers = int(getattr(hf, "num_nextn_predict_layers", None) or 0)
         self.mtp_weights: dict[str, torch.Tensor] = {}
         """The multi-token-prediction layers' checkpoint tensors, by name (last pipeline stage)."""
+
+    @property
+    def layer_class(self) -> type[DecoderForCausalLM]:
+        """The class this model's decoder layers (and so its MTP layer's) are built from: with
+        ``use_qk_norm``, the one whose attention has per-head q/k norms."""
+        return _Glm4MoeWithQKNorm if getattr(self.config.hf_config, "use_qk_norm", False) else type(self)
 
     @classmethod
     def make_mlp(cls, args: ModelArgs, i: int, tp: TP, dtype: torch.dtype) -> nn.Module:

@@ -6,10 +6,13 @@ target's `mtp_weights`), run by the EAGLE proposer (`spec_decode.eagle`) like an
     h = x + attention(...) ; h = h + mlp(...)               # one decoder layer of the target's kind
     logits = lm_head(shared_head.norm(h))                    # h is also the next chained row's hidden
 
-The layer is built by the target's own class (`DecoderLayer` with its `make_attention` /
-`make_mlp`: latent attention and experts for DeepSeek-V3), its embedding and LM head are the
-target's (the checkpoint's ``embed_tokens`` / ``shared_head.head`` copies are not read). As
-vLLM does, a row at position 0 embeds nothing. Only the first MTP layer is used (chain drafting).
+The layer is built by the class the target's own layers are (`DecoderLayer` with its
+`make_attention` / `make_mlp`: latent attention and experts for DeepSeek-V3, q/k norms and
+experts for GLM-4.5), sharded over the target's tensor-parallel group. The embedding is the
+target's (the checkpoint's ``embed_tokens`` copy is not read: vLLM shares the target's too). The
+logits are ``shared_head.head``'s, as vLLM computes them: the target's LM head where the
+checkpoint's copy equals it (DeepSeek-V3 ships a copy), else the MTP layer's own. As vLLM does,
+a row at position 0 embeds nothing. Only the first MTP layer is used (chain drafting).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from torch import nn
 
 from portside.contract import ForwardContext, KVCacheSpec, LatentKVCacheSpec
 from portside.model.decoder import DecoderLayer
-from portside.model.layers import ReplicatedLinear, RMSNorm, default_weight_loader
+from portside.model.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, default_weight_loader
 
 __all__ = ["MTPHead"]
 
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-_TARGETS = ("embed_tokens.weight", "shared_head.head.weight")  # copies of the target's
+_EMBED = "embed_tokens.weight"  # a copy of the target's
+_HEAD = "shared_head.head.weight"
 
 
 class MTPHead(nn.Module):
@@ -46,7 +50,8 @@ class MTPHead(nn.Module):
         self.enorm, self.hnorm = RMSNorm(h, eps, dtype), RMSNorm(h, eps, dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, dtype)
         self.shared_head_norm = RMSNorm(h, eps, dtype)
-        self.layer = DecoderLayer(type(target), args, args.num_layers, target.tp, dtype)
+        self.layer = DecoderLayer(getattr(target, "layer_class", type(target)), args, args.num_layers, target.tp, dtype)
+        self.lm_head: ParallelLMHead | None = None  # shared_head.head where it is not the target's LM head
         self.latent = isinstance(target.kv_cache_spec(), LatentKVCacheSpec)
         self._load(target)
 
@@ -58,7 +63,10 @@ class MTPHead(nn.Module):
             if not name.startswith(prefix):
                 continue  # a later MTP layer (chain drafting reuses the first)
             rest = name.removeprefix(prefix)
-            if rest in _TARGETS:
+            if rest == _EMBED:
+                continue
+            if rest == _HEAD:
+                self._load_head(target, tensor)
                 continue
             if rest in _OWN:
                 parts = [(rest.replace("shared_head.norm", "shared_head_norm"), None, tensor)]
@@ -69,14 +77,33 @@ class MTPHead(nn.Module):
                 if pname not in params:
                     raise ValueError(f"MTP tensor {name!r} has no place in {target.config.architecture}'s MTP layer")
                 param = params[pname]
-                with torch.no_grad():
-                    getattr(param, "weight_loader", default_weight_loader)(param, part.to(param.dtype), shard)
+                try:
+                    with torch.no_grad():
+                        getattr(param, "weight_loader", default_weight_loader)(param, part.to(param.dtype), shard)
+                except (ValueError, RuntimeError, IndexError) as e:
+                    raise ValueError(f"the checkpoint's MTP tensor {name!r} {tuple(tensor.shape)} does not fit "
+                                     f"{target.config.architecture}'s MTP layer (hidden {target.config.hidden_size}): "
+                                     f"{e}") from None
                 loaded.add((pname, shard))
         expected = {(n, s) for n, p in self.named_parameters() for s in (getattr(p, "shard_ids", None) or [None])
-                    if not getattr(p, "optional", False)}
+                    if not getattr(p, "optional", False) and not n.startswith("lm_head.")}
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint's MTP layer {prefix}* is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _load_head(self, target: Any, tensor: torch.Tensor) -> None:
+        """``shared_head.head``: kept only where it is not the target's LM head (this rank's rows)."""
+        tp, args = target.tp, target.config
+        head = ParallelLMHead(args.vocab_size, args.hidden_size, tp.rank, tp.size, self.dtype, tp.comm)
+        try:
+            with torch.no_grad():
+                head.weight_loader(head.weight, tensor.to(head.weight.dtype))
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise ValueError(f"the checkpoint's MTP tensor shared_head.head.weight {tuple(tensor.shape)} does not fit "
+                             f"the target's LM head (vocabulary {args.vocab_size}, hidden {args.hidden_size}): {e}") from None
+        target_head = target.lm_head
+        if target_head.quant is not None or not torch.equal(head.weight, target_head.weight):
+            self.lm_head = head
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return dataclasses.replace(self._target[0].kv_cache_spec(), num_layers=1)
@@ -102,4 +129,6 @@ class MTPHead(nn.Module):
         return self.shared_head_norm(h), h
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(hidden).argmax(dim=-1)
         return cast(torch.Tensor, self._target[0].compute_logits(hidden).argmax(dim=-1))
