@@ -2,8 +2,9 @@
 
 Engine -> worker: `InitKVCache`, a `SchedulerOutput` (one per step, the only per-step message),
 `CollectiveRPC` (a call on every rank's model runner: weight updates, sleep), `Shutdown`.
-Worker -> engine: `WorkerReady` once its shard is loaded, then (rank 0 only) a
-`ModelRunnerOutput` per step, an `RPCReply` from every rank per `CollectiveRPC`, or a
+Worker -> engine: `WorkerReady` once its shard is loaded, then per step a
+`ModelRunnerOutput` from the output rank only (with a KV connector, a `KVStepReport` from each
+other rank too), an `RPCReply` from every rank per `CollectiveRPC`, or a
 `WorkerError` at any time.
 """
 
@@ -76,3 +77,12 @@ class RPCReply:
     result: Any = None
     error_type: str | None = None
     error: str = ""
+
+
+@dataclass(frozen=True)
+class KVStepReport:
+    """With a KV connector: a rank other than the output rank's report of a step, its connector
+    output (None: nothing), which the executor merges with the others' (`KVOutputAggregator`)."""
+
+    rank: int
+    kv_connector_output: Any = None

@@ -18,8 +18,7 @@ from portside.config import EngineConfig
 from portside.contract import Platform
 from portside.distributed.env import free_port, init_process_group
 from portside.distributed.messages import Shutdown, WorkerError, WorkerReady
-from portside.distributed.worker import Worker, destroy_process_group_quietly
-from portside.sched.output import ModelRunnerOutput
+from portside.distributed.worker import Worker, destroy_process_group_quietly, step_reply
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,7 @@ class RayWorker:
     def __init__(self) -> None:
         self.rank = -1
         self.output_rank = 0
+        self.config: EngineConfig | None = None
         self.worker: Worker | None = None
 
     def place(self) -> RankPlace:
@@ -66,6 +66,7 @@ class RayWorker:
     def start(self, setup: RankSetup) -> WorkerReady | WorkerError:
         """Join the process group and load this rank's shard."""
         self.rank, self.output_rank = setup.rank, setup.config.parallel.output_rank
+        self.config = setup.config
         try:
             share_cores(setup.platform, setup.ranks_on_node, setup.num_threads)
             init_process_group(setup.platform, setup.rank, setup.world_size, setup.init_method)
@@ -87,9 +88,9 @@ class RayWorker:
             reply = self.worker.handle(msg)
         except BaseException as e:
             return self._error(e)
-        if isinstance(reply, ModelRunnerOutput) and self.rank != self.output_rank:
-            return None  # the engine reads one rank's result
-        return reply
+        if self.config is None:
+            return reply
+        return step_reply(self.config, self.rank, reply)  # the engine reads one rank's result (and KV reports)
 
     def _error(self, e: BaseException) -> WorkerError:
         return WorkerError(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())

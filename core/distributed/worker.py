@@ -27,6 +27,7 @@ from portside.distributed.messages import (
     CollectiveRPC,
     InitKVCache,
     KVCacheReady,
+    KVStepReport,
     Shutdown,
     WorkerError,
     WorkerReady,
@@ -108,8 +109,8 @@ def run_pipe_worker(
     conn: Connection,
     environ: dict[str, str],
 ) -> None:
-    """Process entry point. Replies: `WorkerReady`, `KVCacheReady`, and per step a
-    `ModelRunnerOutput` from `config.parallel.output_rank` only; any exception is sent as a `WorkerError`, then the
+    """Process entry point. Replies: `WorkerReady`, `KVCacheReady`, and per step what
+    `step_reply` says; any exception is sent as a `WorkerError`, then the
     process exits with status 1. The engine stops it with `Shutdown` (or by closing the pipe).
     `environ` is the engine's environment when it started the worker: a fork of the fork server
     would otherwise see the server's, from when it started."""
@@ -130,10 +131,9 @@ def run_pipe_worker(
                 break
             if isinstance(msg, Shutdown):
                 break
-            reply = worker.handle(msg)
-            if isinstance(reply, ModelRunnerOutput) and rank != config.parallel.output_rank:
-                continue  # results come from the first rank of the last pipeline stage only
-            conn.send(reply)
+            reply = step_reply(config, rank, worker.handle(msg))
+            if reply is not None:
+                conn.send(reply)
     except BaseException as e:  # report, then die: the engine fails fast on this
         try:
             conn.send(WorkerError(rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -142,6 +142,15 @@ def run_pipe_worker(
         destroy_process_group_quietly()
         sys.exit(1)
     destroy_process_group_quietly()
+
+
+def step_reply(config: EngineConfig, rank: int, reply: Any) -> Any:
+    """What a rank sends back for a message's `reply`: a step's `ModelRunnerOutput` from the output
+    rank (the first rank of the last pipeline stage) only; with a KV connector every other rank
+    sends its connector's report (`KVStepReport`); None: nothing."""
+    if not isinstance(reply, ModelRunnerOutput) or rank == config.parallel.output_rank:
+        return reply
+    return KVStepReport(rank, reply.kv_connector_output) if config.kv_transfer is not None else None
 
 
 def name_process(name: str) -> None:
@@ -210,6 +219,8 @@ def run_launched_worker(platform: type[Platform], rank: int, world_size: int, lo
             reply = worker.handle(msg)
             if isinstance(msg, CollectiveRPC):  # rank 0 gathers every rank's reply
                 dist.all_gather_object(gathered, reply, group=group)
+            elif isinstance(reply, ModelRunnerOutput) and setup.config.kv_transfer is not None:
+                dist.all_gather_object(gathered, reply.kv_connector_output, group=group)  # rank 0 merges them
     finally:
         destroy_process_group_quietly()
 

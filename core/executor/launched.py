@@ -3,7 +3,8 @@ scheduler): every process is one rank, on one machine or many.
 
 Rank 0 runs the engine and its own shard in-process; it broadcasts each step's `SchedulerOutput`
 to the other ranks (``python -m portside.distributed.worker``) with `broadcast_object_list` over a
-gloo control group. A peer that dies makes rank 0's next collective fail (gloo notices the closed
+gloo control group (with a KV connector, the ranks' connector reports are gathered back after each
+step and merged: `portside.kv_transfer.ranks`). A peer that dies makes rank 0's next collective fail (gloo notices the closed
 connection; otherwise after PORTSIDE_DIST_TIMEOUT seconds), which is raised as a RuntimeError.
 """
 
@@ -27,6 +28,7 @@ from portside.distributed.worker import (
     limit_threads,
 )
 from portside.executor.base import Executor
+from portside.kv_transfer.ranks import KVOutputAggregator
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -45,6 +47,7 @@ class LaunchedExecutor(Executor):
             )
         self.world_size = tp
         self._closed = False
+        self._kv_outputs = KVOutputAggregator(tp) if config.kv_transfer is not None else None
         limit_threads(platform, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         init_process_group(platform, 0, tp, env.init_method)
         try:
@@ -71,7 +74,12 @@ class LaunchedExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         def step() -> ModelRunnerOutput:
             broadcast_message(scheduler_output, self._group)
-            return self.worker.handle(scheduler_output)
+            out = self.worker.handle(scheduler_output)
+            if self._kv_outputs is not None:  # every rank's KV connector report, merged
+                gathered: list[Any] = [None] * self.world_size
+                dist.all_gather_object(gathered, out.kv_connector_output, group=self._group)
+                out.kv_connector_output = self._kv_outputs.aggregate(gathered)
+            return out
 
         return self._guard(step)
 

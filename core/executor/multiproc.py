@@ -17,7 +17,8 @@ state (the async server runs the engine in a thread).
 Per step the engine pickles ONE `SchedulerOutput` to every rank's pipe and reads the
 `ModelRunnerOutput` from `ParallelConfig.output_rank` (rank 0 without pipeline parallelism, else
 the first rank of the last stage, which samples; every rank continues from its tokens, which the
-runner broadcasts).
+runner broadcasts). With a KV connector every other rank also answers each step with its
+connector's report (`KVStepReport`), merged into that output (`portside.kv_transfer.ranks`).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class MultiprocExecutor(WorkerExecutor):
         parallelism keeps several in flight: the output rank answers them in order, so the calls
         must be made in the order of the submits."""
         self._broadcast(scheduler_output)
-        return lambda: self._collect([self.output_rank], ModelRunnerOutput, "running a step")[self.output_rank]
+        ranks, kinds = self._step_replies
+        return lambda: self._merge_kv(self._collect(ranks, kinds, "running a step"), "running a step")
 
     def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         self._broadcast(CollectiveRPC(method, tuple(args), dict(kwargs or {})))
@@ -133,7 +135,7 @@ class MultiprocExecutor(WorkerExecutor):
             except (OSError, EOFError) as e:  # its pipe closed: it died
                 self._fail(f"rank {rank} could not be sent a message ({type(e).__name__}: {e})")
 
-    def _collect(self, ranks: Any, kind: type, doing: str) -> dict[int, Any]:
+    def _collect(self, ranks: Any, kind: type | tuple[type, ...], doing: str) -> dict[int, Any]:
         """One `kind` reply from each of `ranks`, watching every worker: a `WorkerError` or an
         exit from any rank, or no reply within WORKER_TIMEOUT_S, raises RuntimeError."""
         self._check()
@@ -143,7 +145,7 @@ class MultiprocExecutor(WorkerExecutor):
             self._interrupted(doing)
             raise
 
-    def _collect_replies(self, ranks: Any, kind: type, doing: str) -> dict[int, Any]:
+    def _collect_replies(self, ranks: Any, kind: type | tuple[type, ...], doing: str) -> dict[int, Any]:
         want = set(ranks)
         got: dict[int, Any] = {}
         deadline = time.monotonic() + WORKER_TIMEOUT_S
@@ -153,11 +155,14 @@ class MultiprocExecutor(WorkerExecutor):
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(no_reply(want - got.keys(), doing))
-            ready = wait([*self._conns, *sentinels], timeout=min(_POLL_S, left))
+            # only the pipes of ranks still to answer: a rank that answered may already have sent
+            # its reply to a later step (pipeline parallelism keeps several in flight)
+            waiting = [self._conns[r] for r in sorted(want - got.keys())]
+            ready = wait([*waiting, *sentinels], timeout=min(_POLL_S, left))
             for obj in ready:
                 if isinstance(obj, int):  # a sentinel: that process exited
                     rank = sentinels[obj]
-                    if not self._conns[rank].poll():  # nothing left to read: report the death
+                    if rank not in want or rank in got or not self._conns[rank].poll():  # report the death
                         self._fail(f"rank {rank} exited while {doing}")
                     continue
                 rank = index[id(obj)]

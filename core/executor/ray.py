@@ -8,7 +8,8 @@ tensor-parallel group stays on one node when it fits; the torch.distributed rend
 0's node.
 
 Per step the engine sends the `SchedulerOutput` to every actor and waits for all of them, reading
-the `ModelRunnerOutput` of `ParallelConfig.output_rank`. It only ever waits in `ray.wait` with a
+the `ModelRunnerOutput` of `ParallelConfig.output_rank` (with a KV connector, merged with every
+rank's connector report: `portside.kv_transfer.ranks`). It only ever waits in `ray.wait` with a
 timeout: an actor whose process dies (or whose node is lost) fails its pending call, a rank that
 raises replies with a `WorkerError`, and either becomes a `RuntimeError` naming the rank, its node
 and the cause; then every actor is killed and the placement group removed.
@@ -87,8 +88,9 @@ class RayExecutor(WorkerExecutor):
 
         def result() -> ModelRunnerOutput:
             self._check()
-            out = {self.output_rank: self._wait(calls, "running a step")[self.output_rank]}
-            return self._expect(out, ModelRunnerOutput, "running a step")[self.output_rank]
+            replies = self._wait(calls, "running a step")
+            ranks, kinds = self._step_replies
+            return self._merge_kv(self._expect({r: replies[r] for r in ranks}, kinds, "running a step"), "running a step")
 
         return result
 
@@ -204,7 +206,7 @@ class RayExecutor(WorkerExecutor):
         except exceptions.RayError as e:
             return _Died(rank, f"failed in Ray: {_first_line(e)}")
 
-    def _expect(self, replies: dict[int, Any], kind: type, doing: str) -> dict[int, Any]:
+    def _expect(self, replies: dict[int, Any], kind: type | tuple[type, ...], doing: str) -> dict[int, Any]:
         for rank, reply in replies.items():
             if not isinstance(reply, kind):
                 self._fail([protocol_error(rank, reply, doing)], [], {})

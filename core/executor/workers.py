@@ -19,8 +19,9 @@ from typing import Any, ClassVar, NoReturn
 
 from portside.config import EngineConfig
 from portside.contract import KVCacheSpec
-from portside.distributed.messages import WorkerError, WorkerReady
+from portside.distributed.messages import KVStepReport, WorkerError, WorkerReady
 from portside.executor.base import Executor
+from portside.kv_transfer.ranks import KVOutputAggregator
 from portside.sched.output import ModelRunnerOutput, SchedulerOutput
 
 # Longest wait for one reply (loading a shard, one step) while every worker is still alive.
@@ -43,6 +44,8 @@ class WorkerExecutor(Executor):
         # the rank whose output the engine reads: rank 0, or the first rank of the last pipeline stage
         self.output_rank = config.parallel.output_rank
         self._micro_batches = config.parallel.pipeline_micro_batches
+        # with a KV connector every rank reports its loads each step (`KVStepReport`): merged here
+        self._kv_outputs = KVOutputAggregator(self.world_size) if config.kv_transfer is not None else None
         self._error: RuntimeError | None = None
         self._logger = logging.getLogger(type(self).__module__)
 
@@ -62,7 +65,27 @@ class WorkerExecutor(Executor):
 
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Send a step to every rank now; the returned call waits for the output rank's reply."""
+        """Send a step to every rank now; the returned call waits for the output rank's reply
+        (and, with a KV connector, every rank's: `_step_replies`, `_merge_kv`)."""
+
+    @property
+    def _step_replies(self) -> tuple[list[int], tuple[type, ...]]:
+        """The ranks that reply to a step and the messages they send: the output rank's
+        `ModelRunnerOutput`, with a KV connector every other rank's `KVStepReport` too."""
+        if self._kv_outputs is None:
+            return [self.output_rank], (ModelRunnerOutput,)
+        return list(range(self.world_size)), (ModelRunnerOutput, KVStepReport)
+
+    def _merge_kv(self, replies: dict[int, Any], doing: str) -> ModelRunnerOutput:
+        """The output rank's `ModelRunnerOutput` of a step, its KV connector output replaced by
+        every rank's merged (`KVOutputAggregator`)."""
+        out = replies[self.output_rank]
+        if not isinstance(out, ModelRunnerOutput):
+            self._raise("worker failed", [protocol_error(self.output_rank, out, doing)])
+        if self._kv_outputs is not None:
+            out.kv_connector_output = self._kv_outputs.aggregate(
+                [replies[r].kv_connector_output for r in range(self.world_size)])
+        return out
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -57,7 +57,9 @@ connector used for swap preemption) and those `portside.kv_transfer.factory` lis
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,12 +100,34 @@ class KVConnectorOutput:
 
 @dataclass(frozen=True)
 class KVTransferInfo:
-    """What the scheduler half learns from the workers at start-up (`ModelRunner.kv_transfer_info`)."""
+    """What the scheduler half learns from the workers at start-up (`ModelRunner.kv_transfer_info`
+    of every rank, `combine`d).
+
+    Under tensor or pipeline parallelism each rank holds its part of every block (its KV heads,
+    its stage's layers) and stores that part itself, in files of its own: `shards` lists each
+    rank's (fingerprint, block bytes), by rank. A block is in a store only when every rank's part is."""
 
     block_bytes: int
-    """Bytes of one block in the neutral form, on one rank."""
+    """Bytes of one block in the neutral form, every rank's part together."""
     fingerprint: str
-    """Digest of the model and layout (`KVBlockLayout.fingerprint`): stored blocks with another one are never read."""
+    """Digest of the model and layout (`KVBlockLayout.fingerprint`): stored blocks with another one
+    are never read. With one rank, that rank's; with several, a digest of theirs."""
+    shards: tuple[tuple[str, int], ...] = ()
+    """Each rank's (fingerprint, block bytes), by rank; empty means one rank: ((fingerprint, block_bytes),)."""
+
+    @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """`shards`, or the one rank's part."""
+        return self.shards or ((self.fingerprint, self.block_bytes),)
+
+    @classmethod
+    def combine(cls, infos: Sequence[KVTransferInfo]) -> KVTransferInfo:
+        """The whole engine's info from every rank's, by rank."""
+        if len(infos) == 1:
+            return infos[0]
+        parts = tuple(p for info in infos for p in info.parts)
+        digest = hashlib.blake2b("|".join(fp for fp, _ in parts).encode(), digest_size=16).hexdigest()
+        return cls(sum(b for _, b in parts), digest, parts)
 
 
 class KVConnectorScheduler(ABC):

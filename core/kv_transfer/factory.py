@@ -8,6 +8,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from portside.kv_transfer.base import KVTransferInfo
+
 __all__ = ["CONNECTORS", "register_connector", "connector_class", "make_scheduler_connector"]
 
 # name -> (scheduler half, worker half)
@@ -35,8 +37,15 @@ def connector_class(name: str, half: str) -> Any:
 def make_scheduler_connector(config: Any, block_size: int, info: Callable[[], Any], sliding_window: int | None = None,
                              num_state_slots: int = 0) -> Any:
     """The scheduler half of `config.kv_transfer`'s connector (`config`: the `EngineConfig`), or
-    None without one. `info()` asks the workers for their `KVTransferInfo` (block bytes, fingerprint).
-    Refuses what the connectors cannot keep yet, naming it."""
+    None without one. `info()` asks the workers for their `KVTransferInfo` (block bytes,
+    fingerprint): one, or a list of every rank's, by rank (combined: `KVTransferInfo.combine`).
+    Refuses what the connectors cannot keep yet, naming it.
+
+    A sliding-window model (`sliding_window`) is kept like any other: its prefix cache enters every
+    full block in the cache, those that fell out of the window included (they are cached before
+    they are freed, and a freed block's KV stays intact until the pool hands it out again, when
+    `on_evict` saves it), a hit is a chain of cached blocks from the first, and a table's null
+    placeholders have no hash, so no connector ever saves or loads one."""
     kvt = config.kv_transfer
     if kvt is None:
         return None
@@ -45,7 +54,6 @@ def make_scheduler_connector(config: Any, block_size: int, info: Callable[[], An
         raise ValueError(f"{what} identify blocks by their prefix-cache hash; enable prefix caching")
     if num_state_slots:
         raise ValueError(f"{what}: a model with recurrent layers keeps state outside the KV blocks; not supported yet")
-    if sliding_window is not None:
-        raise ValueError(f"{what}: sliding-window models are not supported yet")
     cls = connector_class(kvt.connector, "scheduler")
-    return cls(kvt, block_size, info())
+    infos = info()
+    return cls(kvt, block_size, KVTransferInfo.combine(infos) if isinstance(infos, list) else infos)

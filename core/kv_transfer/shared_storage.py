@@ -11,7 +11,11 @@ computes the rest. Nothing is passed between the instances but the prompt: block
 prefix cache's content hash (`portside.kv_cache.hashing`; a text-only chain hashes the same in
 every process), in ``<dir>/portside-kv-<fingerprint>/`` (the model, dtype and neutral block
 layout: another model's blocks are never read), one checksummed file per block
-(`portside.kv_transfer.disk_format`, written under a temporary name and renamed).
+(`portside.kv_transfer.disk_format`, written under a temporary name and renamed). Under tensor or
+pipeline parallelism each rank writes and reads its own part of each block in its own folder (its
+fingerprint includes its tp and pp index), so producer and consumer need the same parallel
+layout; a block counts as there when every rank's file is, and a load as done when every rank's
+is, with the fewest good blocks any rank reported (`portside.kv_transfer.ranks`).
 
 A block that is missing, truncated, corrupt or another block's (a hash collision) stops its
 request's load there: the blocks before it are used, the rest recomputed, never wrong KV; a
@@ -65,7 +69,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
                              "are both KV connectors; an engine runs one: drop one of them")
         path = config.option("path")
         assert path, "resolve_disagg_flags requires it"
-        self.folder = disk_format.folder(path, info.fingerprint)
+        # one folder per rank (its part of every block: `KVTransferInfo.parts`)
+        self.folders = [disk_format.folder(path, fp) for fp, _ in info.parts]
         self.saves = config.role in ("producer", "both")
         self.loads_kv = config.role in ("consumer", "both")
         self._requests: dict[str, Request] = {}  # producer: requests seen, by id
@@ -78,8 +83,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
             ("saved_blocks", "loaded_blocks", "failed_load_blocks", "corrupt_blocks", "loads", "load_seconds", "load_bytes",
              "save_seconds", "save_bytes"), 0.0)
 
-    def _path(self, block_hash: int) -> str:
-        return disk_format.path_of(self.folder, block_hash)
+    def _stored(self, block_hash: int) -> bool:
+        """Every rank's file of the block is in the directory."""
+        return all(os.path.exists(disk_format.path_of(folder, block_hash)) for folder in self.folders)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if self.saves:
@@ -96,7 +102,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         hashes = self.kv.block_hashes(request, max_blocks)
         found: list[BlockRef] = []
         for i in range(start, max_blocks):
-            if hashes[i] in self._bad or not os.path.exists(self._path(hashes[i])):
+            if hashes[i] in self._bad or not self._stored(hashes[i]):
                 break
             found.append((-1, hashes[i], hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs])))
         if found:
@@ -135,7 +141,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
             blocks = self.kv.req_to_blocks.get(req_id, [])
             tokens = request.all_token_ids
             for i in range(start, min(upto, len(blocks))):
-                if blocks[i].block_id >= 0 and not os.path.exists(self._path(hashes[i])):
+                if blocks[i].block_id >= 0 and not self._stored(hashes[i]):
                     saves.append((blocks[i].block_id, hashes[i], hashes[i - 1] if i else None,
                                   tuple(tokens[i * bs : (i + 1) * bs])))
         return saves

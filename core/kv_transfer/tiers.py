@@ -21,6 +21,20 @@ least recently written evicted first. A file whose checksum or header does not m
 reported by the worker as a failed load: dropped, counted (`corrupt_blocks`), its tokens
 recomputed.
 
+Tensor and pipeline parallelism: the index, the host slot numbers and the ops are the same for
+every rank; each rank's worker half keeps its part of each block (its KV heads, its stage's
+layers) in its own host buffer, at the slot this half assigns, and in its own folder (its
+fingerprint includes the rank's tp and pp index: `KVTransferInfo.parts`). A block is on disk when
+every rank's file is; a restart indexes only those. `--kv-offload-cpu-bytes` and
+`--kv-offload-disk-bytes` count every rank's parts together (vLLM's rule for its offloading size).
+A load is finished when every rank's is, with the fewest good blocks any rank reported
+(`portside.kv_transfer.ranks`): a file damaged on one rank is recomputed from there on all.
+
+Sliding-window models: the prefix cache enters a request's blocks that fell out of the window
+before it frees them, so they are cached blocks like any other (their KV intact until the pool
+hands them out again, when they are saved here); a table's null placeholders have no hash and
+are never saved, and a load, like a prefix hit, is a chain from the first block.
+
 With KV events on (`--kv-events-config`, docs/kv_events.md) the tiers report their blocks too,
 beside the device cache's "GPU" ones: a block copied to the host tier is stored with medium
 "CPU" and removed from it when the host tier lets it go, likewise "DISK" for the disk tier (the
@@ -84,11 +98,13 @@ class TiersScheduler(KVConnectorScheduler):
         self.entries: dict[int, _Entry] = {}
         self.host_lru: OrderedDict[int, _Entry] = OrderedDict()  # hash -> entry, least recently used first
         self.disk_lru: OrderedDict[int, _Entry] = OrderedDict()
-        self.disk_dir: str | None = None
+        # the disk tier: one folder per rank (its part of every block), `KVTransferInfo.parts`
+        self.disk_dirs: list[str] = []
         self.num_disk_files = 0
+        self._file_bytes = sum(disk_format.file_bytes(bb, block_size) for _, bb in info.parts)  # a block, every rank's
         if config.disk_path is not None:
-            self.disk_dir = disk_format.folder(config.disk_path, info.fingerprint)
-            self.num_disk_files = config.disk_bytes // disk_format.file_bytes(info.block_bytes, block_size)
+            self.disk_dirs = [disk_format.folder(config.disk_path, fp) for fp, _ in info.parts]
+            self.num_disk_files = config.disk_bytes // self._file_bytes
             if self.num_disk_files < 1:
                 raise ValueError(f"--kv-offload-disk-bytes {config.disk_bytes} holds no KV block file; raise it")
         self.ops: list[Op] = []
@@ -99,7 +115,7 @@ class TiersScheduler(KVConnectorScheduler):
             ("host_hit_blocks", "disk_hit_blocks", "host_saved_blocks", "disk_saved_blocks", "swapped_out_blocks",
              "corrupt_blocks", "failed_load_blocks", "loads", "load_seconds", "load_bytes", "save_seconds", "save_bytes",
              "disk_evicted_blocks"), 0.0)
-        if self.disk_dir is not None:
+        if self.disk_dirs:
             self._rebuild_disk_index()
         self._announced = False  # the disk tier's blocks reported to KV events (`_events`)
         self._quiet = False  # a reset: no removals (the device cache reports AllBlocksCleared)
@@ -107,14 +123,24 @@ class TiersScheduler(KVConnectorScheduler):
     # ---- the index ---------------------------------------------------------------------------
 
     def _rebuild_disk_index(self) -> None:
-        """A restart: index the folder's files (oldest first); beyond capacity the oldest are deleted."""
-        assert self.disk_dir is not None
-        found, num_corrupt = disk_format.scan(self.disk_dir, self.info.fingerprint)
-        self.counters["corrupt_blocks"] += num_corrupt
-        excess = max(0, len(found) - self.num_disk_files)
-        for path, _, _, _ in found[:excess]:
-            disk_format.remove(path)
-        for _, block_hash, parent, tokens in found[excess:]:
+        """A restart: index the blocks whose file every rank's folder holds, with the same parent
+        and tokens (oldest first, by the first rank's files); the other files, and the oldest
+        beyond capacity, are deleted."""
+        scans = []
+        for folder, (fp, _) in zip(self.disk_dirs, self.info.parts, strict=True):
+            found, num_corrupt = disk_format.scan(folder, fp)
+            self.counters["corrupt_blocks"] += num_corrupt
+            scans.append(found)
+        keys = [{(h, parent, tokens) for _, h, parent, tokens in found} for found in scans]
+        whole = set.intersection(*keys)
+        kept = [f for f in scans[0] if (f[1], f[2], f[3]) in whole]
+        kept = kept[max(0, len(kept) - self.num_disk_files):]
+        keep = {(h, parent, tokens) for _, h, parent, tokens in kept}
+        for found in scans:
+            for path, h, parent, tokens in found:
+                if (h, parent, tokens) not in keep:
+                    disk_format.remove(path)
+        for _, block_hash, parent, tokens in kept:
             entry = _Entry(parent, tokens, on_disk=True)
             self.entries[block_hash] = entry
             self.disk_lru[block_hash] = entry
@@ -166,7 +192,7 @@ class TiersScheduler(KVConnectorScheduler):
         entry.host_slot = None
         if (events := self._events()) is not None:
             events.removed(block_hash, "CPU")
-        if self.disk_dir is not None and not entry.on_disk:
+        if self.disk_dirs and not entry.on_disk:
             self._spill(block_hash, entry, slot)
         if not entry.on_disk:
             del self.entries[block_hash]
@@ -293,7 +319,7 @@ class TiersScheduler(KVConnectorScheduler):
         bb = self.info.block_bytes
         return {**self.counters, "host_blocks": len(self.host_lru), "host_bytes": len(self.host_lru) * bb,
                 "host_capacity_bytes": self.num_host_slots * bb, "disk_blocks": len(self.disk_lru),
-                "disk_bytes": len(self.disk_lru) * disk_format.file_bytes(bb, self.block_size)}
+                "disk_bytes": len(self.disk_lru) * self._file_bytes}
 
     def check_integrity(self) -> None:
         """Every entry is in some tier; host slots are each used once or free."""
@@ -304,5 +330,5 @@ class TiersScheduler(KVConnectorScheduler):
             assert entry.host_slot is not None or entry.on_disk, block_hash
             assert (entry.host_slot is not None) == (block_hash in self.host_lru)
             assert entry.on_disk == (block_hash in self.disk_lru)
-        if self.disk_dir is not None:
-            assert os.path.isdir(self.disk_dir)
+        for folder in self.disk_dirs:
+            assert os.path.isdir(folder)

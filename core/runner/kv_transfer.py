@@ -4,6 +4,12 @@ The model runner builds one from `EngineConfig.kv_transfer` once its KV caches e
 (`make_kv_connector_worker`), and per step calls `start_step(meta)` before the forward,
 `finish_step(meta)` after it, and `take_output()` for the step's `ModelRunnerOutput`. Blocks move
 through the platform's `KVBlockIO` in the neutral layout (`portside.contract.kv_transfer`).
+
+Under tensor or pipeline parallelism every rank runs one over its part of each block (its KV
+heads, its stage's layers), at the same host slots and block hashes as the others, with a
+fingerprint of its own (the rank's tp and pp index are part of it), so its files are its own and
+a restart with the same parallel layout finds them; the executor merges the ranks' reports
+(`portside.kv_transfer.ranks`).
 """
 
 from __future__ import annotations
@@ -70,8 +76,6 @@ def _check_supported(config: Any, spec: Any) -> None:
         refused = f"an 8-bit KV cache (--kv-cache-dtype {config.cache.kv_cache_dtype})"
     elif config.speculative is not None and config.speculative.method != "ngram":
         refused = f"speculative decoding with a draft model or head ({config.speculative.method}: its KV shares the blocks)"
-    elif config.parallel.world_size > 1:
-        refused = "tensor or pipeline parallelism"
     if refused is not None:
         raise ValueError(f"KV connectors (--kv-offload-*, --preemption-mode swap) do not support {refused} yet")
 
@@ -90,8 +94,12 @@ class RunnerKVTransfer:
         _check_supported(config, spec)
         layout = platform.kv_block_layout(spec, block_size)
         io = platform.kv_block_io(backend, layout)
-        identity = (config.model.path, str(config.model.dtype), config.cache.kv_cache_dtype,
-                    f"tp{config.parallel.tensor_parallel_size}", f"pp{config.parallel.pipeline_parallel_size}")
+        par = config.parallel
+        tp = par.tensor_parallel_size
+        identity: tuple[str, ...] = (str(config.model.path), str(config.model.dtype), config.cache.kv_cache_dtype,
+                                     f"tp{tp}", f"pp{par.pipeline_parallel_size}")
+        if par.world_size > 1:  # this rank's part (its heads, its stage's layers): files of its own
+            identity += (f"tp-rank{rank % tp}", f"pp-rank{rank // tp}")
         self.worker = make_kv_connector_worker(config.kv_transfer, kv_caches, io, identity, rank)
 
     @property
