@@ -202,3 +202,36 @@ def test_pp2_host_tier_loads_each_stages_layers(tmp_path_factory):
     info = llm.engine.scheduler.kv_loads.connector.info
     assert sorted(b for _, b in info.parts) == [1024, 2048] and info.block_bytes == 3072  # 1 + 2 layers
     llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_shared_storage_each_rank_loads_its_own_files(tiny_llama, tp2_baseline, tmp_path):
+    """One TP=2 engine as producer and consumer of a directory: each rank writes its part of each
+    prompt block in its own folder; after a prefix-cache reset the blocks load back from there, and
+    a block damaged on rank 1 only stops the load at it (recomputed on both ranks)."""
+    from portside.kv_cache.hashing import hash_full_blocks
+
+    llm = _llm(tiny_llama, tensor_parallel_size=2, kv_connector="shared_storage", kv_role="both",
+               kv_connector_path=str(tmp_path))
+    engine = llm.engine
+    folders = engine.scheduler.kv_loads.connector.folders
+    assert len(folders) == 2 and folders[0] != folders[1]
+    for i in range(2):
+        out = llm.generate([{"prompt_token_ids": PROMPTS[i]}], GREEDY, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == tp2_baseline[i]
+    names = [sorted(p.name for p in Path(f).glob("*.kvb")) for f in folders]
+    assert len(names[0]) == 2 * (44 // 4) and names[0] == names[1]
+    engine.reset_prefix_cache()
+    third = hash_full_blocks(PROMPTS[1], 4, [])[2]
+    victim = Path(disk_format.path_of(folders[1], third))
+    victim.write_bytes(victim.read_bytes()[:-10])  # truncated on rank 1 only
+    loads = engine.scheduler.kv_loads
+    for i, expect_loaded in ((0, 40), (1, 2 * 4)):
+        before = loads.num_loaded_tokens
+        out = llm.generate([{"prompt_token_ids": PROMPTS[i]}], GREEDY, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == tp2_baseline[i]
+        assert loads.num_loaded_tokens - before == expect_loaded
+    stats = loads.connector.stats()
+    assert stats["corrupt_blocks"] == 1 and engine.executor._kv_outputs.num_partial == 0
+    engine.scheduler.check_integrity()
+    engine.shutdown()
