@@ -235,3 +235,50 @@ def test_tp2_shared_storage_each_rank_loads_its_own_files(tiny_llama, tp2_baseli
     assert stats["corrupt_blocks"] == 1 and engine.executor._kv_outputs.num_partial == 0
     engine.scheduler.check_integrity()
     engine.shutdown()
+
+
+LAUNCHED_RANK0 = """
+import json, sys
+from portside import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=64, block_size=4, num_kv_blocks=24,
+          kv_offload_cpu_bytes=1 << 20)
+greedy = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+tokens, cached = [], []
+for _ in range(2):
+    for p in json.loads(sys.argv[2]):
+        out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
+        tokens.append(list(out.outputs[0].token_ids))
+        cached.append(out.num_cached_tokens)
+print("RESULT", json.dumps([tokens, cached, llm.engine.stats().kv_transfer["host_hit_blocks"]]))
+llm.engine.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_tp2_launched_world_merges_the_ranks_loads(tiny_llama, tp2_baseline):
+    """A torchrun-style world (rank 0 the engine, rank 1 `python -m portside.distributed.worker`):
+    rank 1's connector reports come back over the gloo control group after each step."""
+    import json
+    import subprocess
+    import sys
+
+    from portside.distributed.env import free_port
+
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    worker = subprocess.Popen([sys.executable, "-m", "portside.distributed.worker", "--device", "cpu"],
+                              env={**base, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        engine = subprocess.run([sys.executable, "-c", LAUNCHED_RANK0, str(tiny_llama), json.dumps(PROMPTS),
+                                 str(MAX_TOKENS)], env={**base, "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True,
+                                text=True, timeout=300)
+        assert engine.returncode == 0, engine.stderr[-3000:]
+        assert worker.wait(timeout=30) == 0, worker.stdout.read()[-3000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    (line,) = [x for x in engine.stdout.splitlines() if x.startswith("RESULT ")]
+    tokens, cached, hits = json.loads(line.split(" ", 1)[1])
+    assert tokens == tp2_baseline
+    assert cached[len(PROMPTS):] == [40] * len(PROMPTS) and hits == 10 * len(PROMPTS)
