@@ -31,7 +31,7 @@ from portside.kv_transfer.shared_storage import resolve_disagg_flags
 from portside.model.eagle import EagleHeadConfig
 from portside.model.hybrid_layers import check_config_layer_types
 from portside.model.pipeline import pipeline_stages
-from portside.spec_decode.config import SpeculativeConfig
+from portside.spec_decode.config import HEAD_METHODS, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,14 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1 and config.speculative is not None and config.speculative.draft is not None:
             raise ValueError("draft-model speculative decoding with pipeline parallelism is not supported; use method "
                              "ngram or --pipeline-parallel-size 1")
+        spec = config.speculative
+        if self.pipeline_parallel_size > 1 and spec is not None and spec.method in HEAD_METHODS:
+            ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+            raise ValueError(f"speculative_config: method {spec.method!r} with pipeline parallelism (pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size}) is not supported: the head reads the target's embedding "
+                             "(first stage) and its hidden states (last stage) in one place; shard it with tensor "
+                             f"parallelism instead (--tensor-parallel-size {ranks} --pipeline-parallel-size 1) or use "
+                             "method 'ngram'")
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
