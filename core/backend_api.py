@@ -16,7 +16,7 @@ import portside.contract as _contract
 _ADDED = ("BackendOption", "BatchInvariantAttention", "check_backend_options", "EncoderAttention", "ENCODER_ATTENTION_FEATURES", "QuantWeight", "QuantParts", "pack_int4",
           "unpack_int4", "quantize_activation", "release_free_memory", "RecurrentKernels", "RecurrentMetadata",
           "StateSpec", "LatentAttention", "LatentKVCacheSpec", "reference_encoder_attention",
-          "KVBlockIO", "KVBlockLayout", "NEUTRAL_ELEMENT_ORDER")
+          "KVBlockIO", "KVBlockLayout", "NEUTRAL_ELEMENT_ORDER", "LATENT_ELEMENT_ORDER")
 __all__ = [name for name in _contract.__all__ if name not in _ADDED]
 
 # importable from the old module though not in its `__all__`

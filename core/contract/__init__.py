@@ -76,7 +76,7 @@ from portside.contract.kv_quant import (
     kv_row_bytes,
     quantize_kv,
 )
-from portside.contract.kv_transfer import NEUTRAL_ELEMENT_ORDER, KVBlockIO, KVBlockLayout
+from portside.contract.kv_transfer import LATENT_ELEMENT_ORDER, NEUTRAL_ELEMENT_ORDER, KVBlockIO, KVBlockLayout
 from portside.contract.latent import LatentAttention, LatentKVCacheSpec
 from portside.contract.memory import HUGE_PAGE, host_memory, host_zeros, release_free_memory
 from portside.contract.model_ops import (

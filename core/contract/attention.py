@@ -185,6 +185,34 @@ class AttentionBackend(LatentAttention, ABC):
         """Read back K and V ([len(slots), num_kv_heads, head_size]) at `slots`, dequantized to
         fp32 from an 8-bit cache. For tests and the conformance kit; not on the hot path."""
 
+    def read_stored_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows at `slots` exactly as the cache stores them, [len(slots), num_kv_heads, row]
+        in the cache's dtype: the model's values, an fp8 cache's float8 values, or an int8 cache's
+        `quantize_kv` rows (head_size int8 values, then the 4 bytes of the row's fp32 scale). The
+        KV connectors move these (`portside.contract.kv_transfer`), so a block saved and restored
+        is bit-exact. Default: `read_kv` cast back to the cache's dtype (exact for those values),
+        and for int8 core's layout (``[2, num_blocks, block_size, num_kv_heads, head_size + 4]``,
+        the reference's and the cpu backend's) read directly; a backend storing int8 otherwise
+        overrides this and `write_stored_kv` (the conformance kit checks both)."""
+        if kv_cache.dtype == torch.int8:
+            flat, s = _core_int8_rows(kv_cache, self.name), slots.long()
+            return flat[0, s], flat[1, s]
+        k, v = self.read_kv(kv_cache, slots)
+        return k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+
+    def write_stored_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store rows `read_stored_kv` returned ([len(slots), num_kv_heads, row] in the cache's
+        dtype) at `slots` unchanged: no quantization again. Default: `write_kv` (fed fp32 for an
+        fp8 cache: its values convert back exactly) and core's int8 layout written directly."""
+        if kv_cache.dtype == torch.int8:
+            flat, s = _core_int8_rows(kv_cache, self.name), slots.long()
+            flat[0, s] = key.to(torch.int8)
+            flat[1, s] = value.to(torch.int8)
+            return
+        if is_quantized_kv(kv_cache.dtype):
+            key, value = key.float(), value.float()
+        self.write_kv(kv_cache, key, value, slots)
+
     def cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype
     ) -> tuple[int, ...]:
@@ -306,3 +334,14 @@ class ForwardContext:
         if used.keys() <= self.backend.encoder_features:
             return self.backend.encoder_attention(q, k, v, md.query_start_loc, md.max_query_len, scale, **used)
         return reference_encoder_attention(q, k, v, md.query_start_loc, md.max_query_len, scale, **used)
+
+
+def _core_int8_rows(kv_cache: torch.Tensor, backend: str) -> torch.Tensor:
+    """An int8 cache in core's layout as [2, slots, num_kv_heads, head_size + 4] (a view)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise NotImplementedError(
+            f"attention backend {backend!r} stores its int8 KV cache as {tuple(kv_cache.shape)}, not core's "
+            "[2, num_blocks, block_size, num_kv_heads, head_size + 4]: it must override read_stored_kv and "
+            "write_stored_kv for the KV connectors (offload, swap, disaggregation) to move its blocks")
+    two, nb, bs, kvh, row = kv_cache.shape
+    return kv_cache.view(two, nb * bs, kvh, row)

@@ -48,6 +48,12 @@ class BatchInvariantAttention(AttentionBackend):
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.read_kv(kv_cache, slots)
 
+    def read_stored_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read_stored_kv(kv_cache, slots)
+
+    def write_stored_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        self.inner.write_stored_kv(kv_cache, key, value, slots)
+
     def supports(self, head_size: int, dtype: torch.dtype, block_size: int) -> str | None:
         return self.inner.supports(head_size, dtype, block_size)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from portside.contract import KVBlockIO, KVBlockLayout, LatentKVCacheSpec, is_quantized_kv
+from portside.contract import KVBlockIO, KVBlockLayout
 from portside.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVTransferInfo
 from portside.kv_transfer.config import KVTransferConfig
 from portside.kv_transfer.factory import connector_class
@@ -67,17 +67,18 @@ def make_kv_connector_worker(config: KVTransferConfig, kv_caches: list[torch.Ten
     return cls(config, kv_caches, io, io.layout.fingerprint(*identity), rank)
 
 
-def _check_supported(config: Any, spec: Any) -> None:
-    """Refuse, naming it, what the neutral block layout does not describe yet."""
-    refused = None
-    if isinstance(spec, LatentKVCacheSpec):
-        refused = "a model with latent attention (MLA)"
-    elif is_quantized_kv(spec.storage_dtype):
-        refused = f"an 8-bit KV cache (--kv-cache-dtype {config.cache.kv_cache_dtype})"
-    elif config.speculative is not None and config.speculative.method != "ngram":
-        refused = f"speculative decoding with a draft model or head ({config.speculative.method}: its KV shares the blocks)"
-    if refused is not None:
-        raise ValueError(f"KV connectors (--kv-offload-*, --preemption-mode swap) do not support {refused} yet")
+def extra_identity(config: Any) -> tuple[str, ...]:
+    """What else changes a block's bytes beyond the layout and the model's path, dtype, cache dtype
+    and parallel shape (`KVBlockLayout.fingerprint`): quantized weights, and a speculative draft
+    model or EAGLE/MTP head, whose layers' KV rides in the blocks."""
+    identity: tuple[str, ...] = ()
+    if config.model.quantization is not None:
+        identity += (f"quantization={config.model.quantization!r}",)
+    spec = config.speculative
+    if spec is not None and spec.method != "ngram":
+        draft = spec.draft
+        identity += (f"draft={spec.method}:{spec.model}" + (f":{draft.dtype}:{draft.quantization!r}" if draft else ""),)
+    return identity
 
 
 class RunnerKVTransfer:
@@ -87,12 +88,16 @@ class RunnerKVTransfer:
         self.worker: KVConnectorWorker | None = None
 
     def setup(self, config: Any, platform: Any, backend: Any, spec: Any, kv_caches: list[torch.Tensor],
-              block_size: int, rank: int) -> None:
-        """Build the worker half once the caches exist (`config`: the `EngineConfig`)."""
+              block_size: int, rank: int, draft: tuple[Any, list[torch.Tensor]] | None = None) -> None:
+        """Build the worker half once the caches exist (`config`: the `EngineConfig`). `draft`: a
+        speculative draft model's or EAGLE/MTP head's (`KVCacheSpec`, caches), which use the same
+        block ids: its layers ride in each block after the target's (`KVBlockLayout.draft`)."""
         if config.kv_transfer is None:
             return
-        _check_supported(config, spec)
         layout = platform.kv_block_layout(spec, block_size)
+        if draft is not None:
+            layout = layout.with_draft(platform.kv_block_layout(draft[0], block_size))
+            kv_caches = [*kv_caches, *draft[1]]
         io = platform.kv_block_io(backend, layout)
         par = config.parallel
         tp = par.tensor_parallel_size
@@ -100,6 +105,7 @@ class RunnerKVTransfer:
                                      f"tp{tp}", f"pp{par.pipeline_parallel_size}")
         if par.world_size > 1:  # this rank's part (its heads, its stage's layers): files of its own
             identity += (f"tp-rank{rank % tp}", f"pp-rank{rank // tp}")
+        identity += extra_identity(config)
         self.worker = make_kv_connector_worker(config.kv_transfer, kv_caches, io, identity, rank)
 
     @property

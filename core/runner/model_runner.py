@@ -291,15 +291,18 @@ class ModelRunner(RunnerWeights):
         self._allocate_kv(num_blocks)
         with self.platform.inference_mode():
             self.graph_runner.capture(self._dummy_decode_context)
-        if self.draft is not None:
-            self.draft.initialize_kv_cache(num_blocks)
 
     def _allocate_kv(self, num_blocks: int) -> None:
-        """The KV caches (and recurrent state slots) of `num_blocks` blocks, plus the scratch block."""
+        """The KV caches (a draft's too, in the same block ids, and recurrent state slots) of
+        `num_blocks` blocks, plus the scratch block."""
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_cache_spec(), num_blocks, self.block_size, self.device)
         self.scratch_block = num_blocks
+        draft = None
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks)
+            draft = (self.draft.kv_cache_spec(), self.draft.kv_caches)
         self.kv_transfer.setup(self.config, self.platform, self.attn_backend, self.kv_cache_spec(), self.kv_caches,
-                               self.block_size, self.rank)
+                               self.block_size, self.rank, draft)
         if self.state_spec is not None:
             self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device)
 

@@ -1,0 +1,169 @@
+"""KV tiers (docs/kv_tiers.md) for the block layouts beyond a plain K/V cache in the model's dtype:
+an 8-bit KV cache (int8 with its per-row scales, fp8), latent attention (MLA, a tiny
+DeepSeek-V2), and speculative decoding whose draft (an EAGLE head) keeps its KV in the target's
+block ids. Each engine with tiers gives the greedy tokens of the same engine without them; the
+blocks cross in the neutral layout (`portside.contract.kv_transfer`), stored rows and scales
+bit for bit (the conformance kit's `test_kv_block_layout_round_trips_8bit_blocks` checks the
+bytes), a draft's layers riding in the same blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from portside import LLM, SamplingParams
+from portside.testing.engine_parity import random_prompts
+from portside.testing.hf_oracle import hf_greedy
+
+MAX_TOKENS = 6
+PROMPTS = random_prompts(5, [44] * 6)  # 11 blocks of 4 each; the 24-block device cache keeps about two
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ROW_BYTES = {"int8": 16 + 4, "fp8_e4m3": 16}  # tiny llama: head_size 16; int8 rows carry an fp32 scale
+
+
+def _llm(path: Path, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 24)
+    return LLM(model=str(path), device="cpu", max_model_len=64, block_size=4, **kwargs)
+
+
+def _replay(llm: LLM, rounds: int = 2, prompts: list[list[int]] = PROMPTS) -> tuple[list[list[int]], list[int]]:
+    """Each prompt alone, round-robin: (token ids, cached tokens) per request."""
+    tokens, cached = [], []
+    for _ in range(rounds):
+        for p in prompts:
+            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
+            tokens.append(list(out.outputs[0].token_ids))
+            cached.append(out.num_cached_tokens)
+    return tokens, cached
+
+
+def _books(llm: LLM) -> dict[str, float]:
+    sched = llm.engine.scheduler
+    assert llm.engine.stats().num_used_blocks == 0
+    sched.check_integrity()
+    assert not sched.kv.external_holds
+    if sched.kv_loads.connector is not None:
+        sched.kv_loads.connector.check_integrity()
+    return llm.engine.stats().kv_transfer
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_cache_blocks_come_back_from_host_and_disk(tiny_llama, tmp_path, kv_cache_dtype):
+    """An 8-bit cache with a host tier of 30 blocks and a disk tier behind it, the prompts replayed
+    forward then backward: the backward round hits the device, then the host tier (the latest
+    evicted blocks), then the disk, and generates the tier-off engine's tokens; a new engine on
+    the same folder starts warm; a cache of another dtype never reads the files."""
+    block_bytes = 2 * 2 * 4 * 2 * ROW_BYTES[kv_cache_dtype]  # layers, K/V, tokens, KV heads, row
+    order = PROMPTS + PROMPTS[::-1]
+    baseline, cached = _replay(_llm(tiny_llama, kv_cache_dtype=kv_cache_dtype), rounds=1, prompts=order)
+    assert cached[len(PROMPTS) + 2:] == [0] * (len(PROMPTS) - 2)  # the device keeps the last two prompts only
+    tiers = dict(kv_cache_dtype=kv_cache_dtype, kv_offload_cpu_bytes=30 * block_bytes,
+                 kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=1 << 22)
+    llm = _llm(tiny_llama, **tiers)
+    assert llm.engine.scheduler.kv_loads.connector.num_host_slots == 30  # the block is what the layout says
+    tokens, cached = _replay(llm, rounds=1, prompts=order)
+    assert tokens == baseline
+    assert cached[len(PROMPTS):] == [40] * len(PROMPTS)
+    stats = _books(llm)
+    assert stats["host_hit_blocks"] > 0 and stats["disk_hit_blocks"] > 0 and stats["corrupt_blocks"] == 0
+    del llm
+
+    warm = _llm(tiny_llama, **tiers)
+    out = warm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == baseline[0] and out.num_cached_tokens == 40  # (from disk)
+    del warm
+    other = _llm(tiny_llama, **{**tiers, "kv_cache_dtype": "auto", "kv_offload_cpu_bytes": 1 << 20})
+    assert other.engine.scheduler.kv_loads.connector.entries == {}  # another fingerprint: another folder
+
+
+def test_swap_preemption_with_an_int8_cache(tiny_llama):
+    """Five 40-token prompts over 20 blocks of an int8 cache: preempted requests' blocks (values
+    and scales) swap to the host tier and back; the tokens are recompute mode's."""
+    prompts = random_prompts(7, [38, 35, 40, 33, 37])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for mode in ("recompute", "swap"):
+        llm = _llm(tiny_llama, num_kv_blocks=20, max_num_batched_tokens=16, preemption_mode=mode, swap_space=0.001,
+                   kv_cache_dtype="int8")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.stats().num_preemptions > 0
+        runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], _books(llm))
+    assert runs["swap"][0] == runs["recompute"][0]
+    assert runs["swap"][1]["swapped_out_blocks"] > 0
+    assert runs["swap"][1]["preemption_recomputed_tokens"] < runs["recompute"][1]["preemption_recomputed_tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory) -> Path:
+    from portside.testing.tiny_deepseek import make_tiny_deepseek
+
+    return make_tiny_deepseek(tmp_path_factory.mktemp("kv_tiers_deepseek"), "v2")
+
+
+def test_latent_attention_blocks_come_back_from_the_host_tier(tiny_deepseek):
+    """A tiny DeepSeek-V2 (MLA: one latent row per token and layer): with the host tier, round two
+    loads each prompt's latent rows and generates the tier-off tokens, which are transformers'."""
+    prompts = PROMPTS[:4]
+    baseline, cached = _replay(_llm(tiny_deepseek, num_kv_blocks=20), prompts=prompts)
+    assert cached[len(prompts):] == [0] * len(prompts)
+    llm = _llm(tiny_deepseek, num_kv_blocks=20, kv_offload_cpu_bytes=1 << 20)
+    tokens, cached = _replay(llm, prompts=prompts)
+    assert tokens == baseline
+    assert cached[len(prompts):] == [40] * len(prompts)
+    stats = _books(llm)
+    assert stats["host_hit_blocks"] == 10 * len(prompts)
+    width = 32 + 8  # kv_lora_rank + qk_rope_head_dim, fp32, 2 layers, 4 tokens
+    assert stats["load_bytes"] == 10 * len(prompts) * 2 * 4 * width * 4
+    for prompt, toks in zip(prompts[:2], tokens[:2], strict=True):
+        assert toks == hf_greedy(tiny_deepseek, prompt, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def eagle(tiny_llama, tmp_path_factory) -> Path:
+    """A random-weight EAGLE-1 head: its proposals (mostly rejected) depend on the K/V its layer
+    reads at every earlier position, the restored blocks' included."""
+    from portside.testing.eagle import make_eagle_head
+
+    return make_eagle_head(tiny_llama, tmp_path_factory.mktemp("kv_tiers_eagle") / "head", "eagle", seed=2)
+
+
+def _record_proposals(llm: LLM) -> list[dict[str, list[int]]]:
+    """Every step's proposals, as the engine's EAGLE proposer makes them (its `propose`, wrapped)."""
+    draft, log = llm.engine.executor.runner.draft, []
+    propose = draft.propose
+
+    def recorded(states):
+        out = propose(states)
+        log.append({rid: list(p) for rid, p in out.items()})
+        return out
+
+    draft.propose = recorded
+    return log
+
+
+def test_an_eagle_heads_kv_rides_in_the_blocks(tiny_llama, eagle):
+    """EAGLE speculative decoding with the host tier: round two loads each prompt's blocks, the
+    head's layer with the target's, and generates the target's greedy tokens; the head proposes
+    exactly what it proposes when the prefix stayed in a large device cache (its K/V came back)."""
+    spec = {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 3}
+    prompts = PROMPTS[:4]
+    resident = _llm(tiny_llama, num_kv_blocks=200, speculative_config=spec)
+    first, _ = _replay(resident, rounds=1, prompts=prompts)
+    want = _record_proposals(resident)
+    again, cached = _replay(resident, rounds=1, prompts=prompts)
+    assert cached == [40] * len(prompts) and again == first
+    assert sum(len(p) for step in want for p in step.values()) >= 4 * len(prompts)
+
+    llm = _llm(tiny_llama, speculative_config=spec, kv_offload_cpu_bytes=1 << 20)
+    assert llm.engine.scheduler.kv_loads.connector.num_host_slots == (1 << 20) // (2048 + 1024)  # head: 1 K/V layer
+    tokens, _ = _replay(llm, rounds=1, prompts=prompts)
+    got = _record_proposals(llm)
+    tokens2, cached = _replay(llm, rounds=1, prompts=prompts)
+    assert cached == [40] * len(prompts)
+    assert tokens == tokens2 == first
+    for prompt, toks in zip(prompts, tokens2, strict=True):
+        assert toks == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+    assert got == want
+    assert _books(llm)["host_hit_blocks"] == 10 * len(prompts)
