@@ -246,20 +246,41 @@ def test_unseeded_sampling_keeps_the_target_distribution(target, ps, tmp_path):
     assert_chi_square_fits(counts, exact)
 
 
+def _shift_last_draft_token(head: Path, by: int) -> Path:
+    """The head with its last draft token mapped `by` ids further (``d2t``), past the target's vocabulary."""
+    from safetensors.torch import load_file, save_file
+
+    f = head / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["d2t"][-1] += by
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return head
+
+
 def test_a_head_that_does_not_fit_exits_2_naming_the_mismatch(target, tmp_path, capsys):
     from portside.cli import main
 
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     cases = {
         "hidden": (make_eagle_head(target, tmp_path / "h", "eagle3", target_hidden_size=32, aux_layer_ids=AUX),
                    "head's hidden size (32) does not fit the target's (64)"),
         "vocab": (make_eagle_head(target, tmp_path / "v", "eagle", vocab_size=300), "vocabulary (300 tokens) is not the"),
+        "eagle hidden": (make_eagle_head(target, tmp_path / "eh", "eagle", hidden_size=32, intermediate_size=64),
+                         "eagle head's hidden size (32) does not fit the target's (64)"),
+        "eagle3 vocab": (make_eagle_head(target, tmp_path / "ev", "eagle3", vocab_size=300, draft_vocab=[3, 4],
+                                         aux_layer_ids=AUX), "eagle3 head's vocabulary (300 tokens) is not the target's"),
+        "eagle3 d2t": (_shift_last_draft_token(make_eagle_head(target, tmp_path / "ed", "eagle3", draft_vocab=[3, 4, 5],
+                                                               aux_layer_ids=AUX), vocab),
+                       f"d2t maps its draft vocabulary to token ids 3..{vocab + 5}, outside the target's vocabulary"),
+        "eagle3 layers": (make_eagle_head(target, tmp_path / "el", "eagle3", num_hidden_layers=2, aux_layer_ids=AUX),
+                          "has 2 layers; portside runs heads of one decoder layer"),
         "layers": (make_eagle_head(target, tmp_path / "l", "eagle3", aux_layer_ids=[1, 2, 7]),
                    "auxiliary layer ids [1, 2, 7] do not fit the target's 4 layers"),
         "default layers": (make_eagle_head(target, tmp_path / "d", "eagle3", draft_vocab=[3, 4]),
                            "auxiliary layer ids [2, 2, 1]"),  # vLLM's defaults fit 4 layers: this one loads
     }
     for name, (head, message) in cases.items():
-        method = "eagle" if name == "vocab" else "eagle3"
+        method = "eagle" if name in ("vocab", "eagle hidden") else "eagle3"
         spec = json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 2})
         rc = main(["generate", "hi", "--model", str(target), "--device", "cpu", "--max-tokens", "2",
                    "--speculative-config", spec])

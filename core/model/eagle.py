@@ -194,6 +194,13 @@ class EagleHead(nn.Module):
             self._target_embed = target.embed_input_ids
         if not self.eagle3:
             self._target_logits = target.compute_logits
+        if self.eagle3 and ("d2t", None) in loaded:
+            ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+            vocab = int(target.config.vocab_size)
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise ValueError(f"{self.cfg.path}: the eagle3 head's d2t maps its draft vocabulary to token ids "
+                                 f"{int(ids.min())}..{int(ids.max())}, outside the target's vocabulary (0..{vocab - 1}); "
+                                 "use a head trained for this target's tokenizer")
         expected = {(n, s) for n, p in self.named_parameters() for s in (getattr(p, "shard_ids", None) or [None])}
         expected |= {("d2t", None)} if self.eagle3 else set()
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
