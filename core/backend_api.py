@@ -15,6 +15,7 @@ import portside.contract as _contract
 # the names the old module had: the contract's, less those added with the split
 _ADDED = ("BackendOption", "BatchInvariantAttention", "check_backend_options", "EncoderAttention", "ENCODER_ATTENTION_FEATURES", "QuantWeight", "QuantParts", "pack_int4",
           "unpack_int4", "quantize_activation", "release_free_memory", "RecurrentKernels", "RecurrentMetadata",
+          "RECURRENT_KERNELS", "kernels_for",
           "StateSpec", "LatentAttention", "LatentKVCacheSpec", "reference_encoder_attention",
           "KVBlockIO", "KVBlockLayout", "NEUTRAL_ELEMENT_ORDER", "LATENT_ELEMENT_ORDER")
 __all__ = [name for name in _contract.__all__ if name not in _ADDED]

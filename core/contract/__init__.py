@@ -90,7 +90,7 @@ from portside.contract.model_ops import (
 )
 from portside.contract.options import BackendOption, check_backend_options
 from portside.contract.platform import Availability, DeviceInfo, Platform
-from portside.contract.recurrent import RecurrentKernels, RecurrentMetadata, StateSpec
+from portside.contract.recurrent import RECURRENT_KERNELS, RecurrentKernels, RecurrentMetadata, StateSpec, kernels_for
 from portside.contract.sampling import Sampler, TokenBitmask, apply_token_bitmask
 
 # every part's public names, in the order of the module map above

@@ -16,6 +16,15 @@ from the state in slot ``state_slots[i]`` when ``has_initial_state[i]`` (a later
 a restored prefix), else from zeros (the slot is then not read: it may hold a finished
 sequence's state), and leaves its state after its last token in that slot; no other slot is
 touched. Math is fp32 inside; outputs are in the input's dtype; states keep their tensors' dtype.
+
+Speculative decoding: a request that verifies proposals runs 1 + k tokens, of which only the
+accepted prefix belongs to the sequence, known after sampling. Such a request also leaves the
+state after each of its tokens but the last in the slots ``token_state_slots_cpu[i]`` (the state
+after its last token goes to its own slot, as always), and the runner copies the one of the
+accepted length into its slot (`portside.runner.recurrent`). A kernel override honours this
+only where its class lists it in `RecurrentKernels.token_state_kernels`; `kernels_for` gives
+every other override's steps with such requests to the reference, so a backend written before
+this field still serves speculative decoding correctly.
 The per-token inputs may be strided views of a fused projection (each token's row contiguous) and
 are left unchanged.
 """
@@ -24,12 +33,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from portside.ops import recurrent as ref
 
-__all__ = ["RecurrentKernels", "RecurrentMetadata", "StateSpec"]
+__all__ = ["RECURRENT_KERNELS", "RecurrentKernels", "RecurrentMetadata", "StateSpec", "kernels_for"]
+
+RECURRENT_KERNELS = ("causal_conv1d", "ssd_scan", "selective_scan", "gated_delta_rule")
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,15 @@ class RecurrentMetadata:
     """`has_initial_state` on the host."""
     num_decodes: int = 0
     """Requests [0, num_decodes) have one token each."""
+    token_state_slots_cpu: list[list[int]] = field(default_factory=list)
+    """Speculative decoding (empty: none this step): per request, the slots that receive its state
+    after each of its tokens but the last (``len`` = its tokens - 1), or ``[]`` for a request
+    whose intermediate states are not kept. Only requests after the decodes have any."""
+
+    @property
+    def keeps_token_states(self) -> bool:
+        """Whether some request of the step keeps its per-token states (`token_state_slots_cpu`)."""
+        return any(self.token_state_slots_cpu)
 
     @property
     def num_reqs(self) -> int:
@@ -87,6 +108,11 @@ class RecurrentKernels:
     `portside.ops.recurrent`, whose pure-torch functions are the defaults. A backend overrides
     those it has a faster kernel for; the conformance kit (`portside.testing.conformance`) tests
     each override against the reference."""
+
+    token_state_kernels: ClassVar[frozenset[str]] = frozenset()
+    """The kernels (names in `RECURRENT_KERNELS`) this class overrides that honour
+    `RecurrentMetadata.token_state_slots_cpu`; `kernels_for` runs the others' steps that keep
+    per-token states on the reference."""
 
     def causal_conv1d(
         self,
@@ -154,3 +180,17 @@ class RecurrentKernels:
         j reads key head j // (Hv // Hk)), g [T, Hv] (log decay), beta [T, Hv], state
         [slots, Hv, K, V] -> o [T, Hv, V]."""
         return ref.gated_delta_rule(q, k, v, g, beta, state, md, scale, use_qk_l2norm)
+
+
+_REFERENCE = RecurrentKernels()
+
+
+def kernels_for(ops: RecurrentKernels, md: RecurrentMetadata) -> RecurrentKernels:
+    """The kernels to run a step with: `ops`, unless the step keeps per-token states
+    (speculative decoding's verify rows) and `ops` overrides a recurrent kernel without listing it
+    in `token_state_kernels`: then core's reference, which honours them."""
+    if not md.keeps_token_states:
+        return ops
+    mro = type(ops).__mro__
+    overrides = {n for c in mro[: mro.index(RecurrentKernels)] for n in RECURRENT_KERNELS if n in vars(c)}
+    return ops if overrides <= type(ops).token_state_kernels else _REFERENCE

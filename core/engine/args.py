@@ -299,7 +299,9 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and pooler is not None:
             raise ValueError("speculative_config applies to text generation; task embed never decodes: drop one")
-        if spec is not None and spec.method == "mtp" and not int(hf.get("num_nextn_predict_layers") or 0):
+        # Qwen3-Next's config counts no MTP layers: its checkpoint's ``mtp.*`` tensors are looked for at load
+        if spec is not None and spec.method == "mtp" and not int(hf.get("num_nextn_predict_layers") or 0) \
+                and (hf.get("architectures") or [None])[0] != "Qwen3NextForCausalLM":
             raise ValueError(f"speculative_config: method 'mtp' needs multi-token-prediction layers in the checkpoint; "
                              f"{(hf.get('architectures') or ['this model'])[0]} has none (num_nextn_predict_layers); "
                              "use 'eagle3', 'eagle' or 'draft_model'")

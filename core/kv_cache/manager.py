@@ -174,13 +174,18 @@ class KVCacheManager:
     # ---- allocation --------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_state_tokens: int | None = None,
     ) -> list[int] | None:
         """Make the request's blocks cover `num_computed_tokens + len(new_computed_blocks) *
         block_size + num_new_tokens` tokens. `new_computed_blocks` (a prefix hit or fork, only
         for a request that holds no blocks yet and whose `num_computed_tokens` does not include
-        them) are shared first. Returns the ids of the newly allocated blocks, or None, changing
-        nothing, when the pool cannot supply them; cached free blocks are evicted LRU first."""
+        them) are shared first. `num_state_tokens`: of the new tokens, those after which the
+        recurrent layers' state is known to be the sequence's, where a checkpoint may be saved
+        (default all; fewer with a draft's lookahead slots; 0 in a step that verifies proposals,
+        whose state ends at the accepted length). Returns the ids of the newly allocated blocks,
+        or None, changing nothing, when the pool cannot supply them; cached free blocks are
+        evicted LRU first."""
         new_computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         assert not (new_computed and blocks), "computed blocks can only start a block table"
@@ -202,7 +207,8 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         if self.state is not None:
             start = request.num_computed_tokens + len(new_computed) * self.block_size
-            self.state.allocate(request.request_id, bool(new_computed), start, num_tokens)
+            end = num_tokens if num_state_tokens is None else start + num_state_tokens
+            self.state.allocate(request.request_id, bool(new_computed), start, end)
         if new_blocks:
             self.req_to_blocks.setdefault(request.request_id, []).extend(new_blocks)
         return [b.block_id for b in new_blocks]

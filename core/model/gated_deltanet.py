@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portside.contract import RecurrentMetadata
+from portside.contract import RecurrentMetadata, kernels_for
 from portside.model.decoder import TP
 from portside.model.layers import (
     ColumnParallelLinear,
@@ -183,11 +183,12 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(x)
         conv_state, ssm_state = state
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
-        qkv = self.ops.causal_conv1d(qkv, weight, None, conv_state, md, "silu")
+        ops = kernels_for(self.ops, md)
+        qkv = ops.causal_conv1d(qkv, weight, None, conv_state, md, "silu")
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk), v.reshape(T, self.hv, self.dv)
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay
         beta = torch.sigmoid(b.float())
-        o = self.ops.gated_delta_rule(q, k, v, g, beta, ssm_state, md, self.dk ** -0.5, use_qk_l2norm=True)
+        o = ops.gated_delta_rule(q, k, v, g, beta, ssm_state, md, self.dk ** -0.5, use_qk_l2norm=True)
         o = self.norm(o, z.reshape(T, self.hv, self.dv))  # [T, Hv, dv]
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from portside.contract import Communicator, ForwardContext, ModelOps, RecurrentMetadata, StateSpec
+from portside.contract import Communicator, ForwardContext, ModelOps, RecurrentMetadata, StateSpec, kernels_for
 from portside.model.args import ModelArgs
 from portside.model.decoder import TP, DecoderAttention, GatedMLP
 from portside.model.hybrid_decoder import HybridForCausalLM, HybridLayer, Rope
@@ -113,7 +113,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], md: RecurrentMetadata) -> torch.Tensor:
         b, c, u = self.in_proj(x).chunk(3, dim=-1)  # this rank's channels of each
-        y = self.ops.causal_conv1d(b * u, self.conv.weight, self.conv.bias, state[0], md, activation=None)
+        y = kernels_for(self.ops, md).causal_conv1d(b * u, self.conv.weight, self.conv.bias, state[0], md, activation=None)
         return self.out_proj(c * y)
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from portside.contract import RecurrentMetadata
+from portside.contract import RecurrentMetadata, kernels_for
 from portside.model.decoder import TP
 from portside.model.layers import ColumnParallelLinear, LinearBase, RMSNorm, RowParallelLinear, _copy, _divide, _param
 
@@ -125,13 +125,14 @@ class Mamba1Mixer(nn.Module):
     def forward(self, h: torch.Tensor, state: tuple[torch.Tensor, ...], md: RecurrentMetadata) -> torch.Tensor:
         conv_state, ssm_state = state
         x, z = self.in_proj(h).split([self.local, self.local], dim=-1)  # [T, I / tp] each
-        x = self.ops.causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, conv_state, md, "silu")
+        ops = kernels_for(self.ops, md)
+        x = ops.causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, conv_state, md, "silu")
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.N, self.N], dim=-1)  # whole on every rank
         if self.inner_norms:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         dt = self.dt_proj.matmul(dt)  # [T, I / tp]; its bias goes in the scan, before softplus
         A = -torch.exp(self.A_log.float())
-        y = self.ops.selective_scan(x, dt, A, B, C, ssm_state, md, D=self.D, z=z, dt_bias=self.dt_proj.bias,
+        y = ops.selective_scan(x, dt, A, B, C, ssm_state, md, D=self.D, z=z, dt_bias=self.dt_proj.bias,
                                     dt_softplus=True)
         return self.out_proj(y.to(h.dtype))
 

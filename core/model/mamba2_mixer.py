@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portside.contract import RecurrentMetadata
+from portside.contract import RecurrentMetadata, kernels_for
 from portside.model.decoder import TP
 from portside.model.layers import LinearBase, RowParallelLinear, _copy, _param
 
@@ -214,11 +214,12 @@ class Mamba2Mixer(nn.Module):
         if self.multipliers is not None:
             proj = proj * self.multipliers.to(proj.dtype)
         z, xbc, dt = proj.split([sh.inner, sh.conv_dim, sh.heads], dim=-1)
-        xbc = self.ops.causal_conv1d(xbc.contiguous(), self.conv1d.weight, self.conv1d.bias, state[0], md, "silu")
+        ops = kernels_for(self.ops, md)
+        xbc = ops.causal_conv1d(xbc.contiguous(), self.conv1d.weight, self.conv1d.bias, state[0], md, "silu")
         GN = sh.groups * sh.state_size
         xs, B, C = xbc.split([sh.inner, GN, GN], dim=-1)
         A = -torch.exp(self.A_log.float())
-        y = self.ops.ssd_scan(
+        y = ops.ssd_scan(
             xs.reshape(T, sh.heads, sh.head_dim), dt.contiguous(), A, B.reshape(T, sh.groups, sh.state_size),
             C.reshape(T, sh.groups, sh.state_size), state[1], md, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
             dt_limit=self.dt_limit,

@@ -139,7 +139,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
     norm = GemmaRMSNorm
     gdn_layout: ClassVar[str] = "qkvz"  # `GatedDeltaNet`
     always_renormalize: ClassVar[bool] = False  # the router renormalises its top-k whatever the config says
-    skipped_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)  # multi-token-prediction heads (not used)
+    skipped_prefixes: ClassVar[tuple[str, ...]] = ()  # checkpoint tensors not read
     model_module = Qwen3NextModel
 
     def __init__(
@@ -168,6 +168,8 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
             self.ordinals.append(counts[kind])
             counts[kind] += 1
         self.num_linear_layers, self.num_attention_layers = counts
+        # the multi-token-prediction layer's tensors (``mtp.*``), for method "mtp" (`spec_decode.qwen3_next_mtp`)
+        self.mtp_weights: dict[str, torch.Tensor] = {}
 
     @classmethod
     def make_mlp(cls, args: ModelArgs, i: int, tp: TP, dtype: torch.dtype) -> nn.Module:
@@ -212,7 +214,15 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
                 attn.kv_scaled = enabled and bool(torch.any((attn.k_scale != 1) | (attn.v_scale != 1)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
-        return super().load_weights((name, t) for name, t in weights if not name.startswith(self.skipped_prefixes))
+        """The decoder's, with the MTP layer's tensors set aside (`mtp_weights`, last stage only)."""
+        def kept() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                if name.startswith("mtp."):
+                    if self.stage.is_last:
+                        self.mtp_weights[name] = t
+                elif not (self.skipped_prefixes and name.startswith(self.skipped_prefixes)):
+                    yield name, t
+        return super().load_weights(kept())
 
     # the model cut at its attention calls (`PiecewiseModel`) does not describe a hybrid: the
     # runner runs models with recurrent state eagerly
@@ -234,7 +244,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     """Qwen3.5's text model (dense): the linear layers' projections kept apart in the checkpoint."""
 
     gdn_layout = "split"
-    skipped_prefixes = ("mtp.", "model.visual.")
+    skipped_prefixes = ("model.visual.",)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

@@ -18,6 +18,10 @@ form with no per-token Python loop:
   between chunks;
 - `causal_conv1d`: one `F.conv1d` per request.
 
+A request that keeps its per-token states (speculative decoding's verify rows,
+`RecurrentMetadata.token_state_slots_cpu`) runs as one-token pieces chained through its kept
+slots (`_prefills`): at most 1 + k tokens, so a short loop.
+
 Decays are summed in log space per segment (`_segsum`), so a factor exp(sum of a_r, s < r <= t)
 never comes from the difference of two long prefix sums. Math is fp32 throughout.
 """
@@ -51,10 +55,24 @@ SELECTIVE_CHUNK = 16
 
 
 def _prefills(md: RecurrentMetadata):
-    """(first token, end token, slot, has initial state) per request after the decodes."""
-    qsl = md.query_start_loc_cpu
+    """(first token, end token, slot read, has initial state, slot written) per request after the
+    decodes. A request that keeps its per-token states (`RecurrentMetadata.token_state_slots_cpu`,
+    speculative decoding's verify rows) comes as one-token pieces chained through those slots:
+    piece j reads the state piece j - 1 left and writes its own slot, the last its request's."""
+    qsl, kept = md.query_start_loc_cpu, md.token_state_slots_cpu
     for i in range(_num_decodes(md), len(qsl) - 1):
-        yield qsl[i], qsl[i + 1], md.state_slots_cpu[i], md.has_initial_state_cpu[i]
+        a, b, slot, init = qsl[i], qsl[i + 1], md.state_slots_cpu[i], md.has_initial_state_cpu[i]
+        steps = kept[i] if i < len(kept) else []
+        if not steps:
+            yield a, b, slot, init, slot
+            continue
+        if len(steps) != b - a - 1:
+            raise ValueError(f"RecurrentMetadata: request {i} has {b - a} tokens but {len(steps)} token state slots "
+                             f"(expected {b - a - 1}: one after each token but the last)")  # fmt: skip
+        src = slot
+        for j, dst in enumerate([*steps, slot]):
+            yield a + j, a + j + 1, src, init or j > 0, dst
+            src = dst
 
 
 def _num_decodes(md: RecurrentMetadata) -> int:
@@ -141,14 +159,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out[lo:hi] = (F.silu(y) if activation == "silu" else y).to(x.dtype)
         if K > 1:
             conv_state.index_copy_(0, slots, u[:, :, 1:].to(conv_state.dtype))
-    for a, b, slot, init in _prefills(md):
+    for a, b, slot, init, dst in _prefills(md):
         u = torch.cat([_initial(conv_state, slot, init), x[a:b].float().t()], dim=1)  # [C, K - 1 + L]
         y = F.conv1d(u.unsqueeze(0), w.unsqueeze(1), b32, groups=x.shape[1])[0]
         if activation == "silu":
             y = F.silu(y)
         out[a:b] = y.t().to(x.dtype)
         if K > 1:
-            conv_state[slot] = u[:, u.shape[1] - (K - 1):].to(conv_state.dtype)
+            conv_state[dst] = u[:, u.shape[1] - (K - 1):].to(conv_state.dtype)
     return out
 
 
@@ -176,11 +194,11 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         out = torch.linalg.vecdot(h, Cd.unsqueeze(-2))  # [n, H, P]
         y[lo:hi] = (out if D32 is None else out + D32 * xd).to(x.dtype)
         ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    for a, b, slot, init in _prefills(md):
+    for a, b, slot, init, dst in _prefills(md):
         xr = x[a:b].float()
         out, h = _ssd_chunked(xr, dts[a:b], A32, B[a:b].float(), C[a:b].float(), _initial(ssm_state, slot, init))
         y[a:b] = (out if D32 is None else out + D32 * xr).to(x.dtype)
-        ssm_state[slot] = h.to(ssm_state.dtype)
+        ssm_state[dst] = h.to(ssm_state.dtype)
     return y
 
 
@@ -236,10 +254,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         h.mul_(torch.exp(dts[lo:hi, :, None] * A32)).addcmul_((dts[lo:hi] * xf[lo:hi])[:, :, None], B[lo:hi].float()[:, None, :])
         outs.append((lo, hi, torch.linalg.vecdot(h, C[lo:hi].float().unsqueeze(-2))))
         ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    for a, b, slot, init in _prefills(md):
+    for a, b, slot, init, dst in _prefills(md):
         out, h = _selective_chunked(xf[a:b], dts[a:b], A32, B[a:b].float(), C[a:b].float(), _initial(ssm_state, slot, init))
         outs.append((a, b, out))
-        ssm_state[slot] = h.to(ssm_state.dtype)
+        ssm_state[dst] = h.to(ssm_state.dtype)
     for a, b, out in outs:
         if D is not None:
             out = out + D.float() * xf[a:b]
@@ -301,10 +319,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         S.addcmul_(kf[lo:hi].unsqueeze(-1), ((vf[lo:hi] - kv_mem) * bf[lo:hi, :, None]).unsqueeze(-2))
         o[lo:hi] = (qf[lo:hi].unsqueeze(-2) @ S).squeeze(-2).to(v.dtype)
         state.index_copy_(0, slots, S.to(state.dtype))
-    for a, b, slot, init in _prefills(md):
+    for a, b, slot, init, dst in _prefills(md):
         out, S = _gdr_chunked(qf[a:b], kf[a:b], vf[a:b], gf[a:b], bf[a:b], _initial(state, slot, init))
         o[a:b] = out.to(v.dtype)
-        state[slot] = S.to(state.dtype)
+        state[dst] = S.to(state.dtype)
     return o
 
 

@@ -102,6 +102,7 @@ class ModelRunner(RunnerWeights):
         # a hybrid model's recurrent layers: their per-sequence states (allocated with the KV cache)
         self.state_spec = state_spec_of(self.model)
         self.states: RecurrentStates | None = None
+        self._step_md: Any = None  # the step's RecurrentMetadata (verify rows are committed after sampling)
         self._setup_graph_runners()
         self.sampler = platform.sampler(config)
         self.sampler.logprobs_mode = config.model.logprobs_mode
@@ -204,10 +205,12 @@ class ModelRunner(RunnerWeights):
     def _setup_spec_decode(self) -> None:
         """Speculative decoding: one proposer, prompt lookup or a draft model."""
         config = self.config
-        if config.speculative is not None and self.state_spec is not None:
-            raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture}: its "
-                             f"{self.state_spec.kind} layers keep a recurrent state that rejected proposals would "
-                             "corrupt; drop --speculative-config")
+        if config.speculative is not None and self.state_spec is not None and self.pp_size > 1:
+            # an earlier stage learns the accepted count a step late, after its states moved on
+            raise ValueError(f"speculative decoding with pipeline parallelism is not supported for "
+                             f"{self.model.config.architecture}: its {self.state_spec.kind} layers keep a recurrent "
+                             "state that each stage must roll back to the accepted proposals in the same step; drop "
+                             "--speculative-config or --pipeline-parallel-size")
         self.ngram: NgramProposer | None = None
         self.draft: DraftModelProposer | EagleProposer | None = None
         if config.speculative is not None and config.speculative.method == "draft_model":
@@ -230,6 +233,16 @@ class ModelRunner(RunnerWeights):
     def kv_cache_spec(self) -> KVCacheSpec:
         spec = self.model.kv_cache_spec()
         return spec if self.kv_cache_dtype == spec.dtype else dataclasses.replace(spec, cache_dtype=self.kv_cache_dtype)
+
+    @property
+    def num_spare_state_slots(self) -> int:
+        """Slots for the per-token states of a step's verify rows (speculative decoding with
+        recurrent layers: `runner.recurrent`): k per request, at most one per token of a step."""
+        spec = self.config.speculative
+        if self.state_spec is None or spec is None:
+            return 0
+        sched = self.config.scheduler
+        return min(sched.max_num_seqs * spec.num_speculative_tokens, sched.max_num_batched_tokens)
 
     @property
     def num_state_slots(self) -> int:
@@ -266,10 +279,11 @@ class ModelRunner(RunnerWeights):
         """The recurrent layers' state slots, in bytes; refused when they alone exceed the budget."""
         if self.state_spec is None:
             return 0
-        need = (self.num_state_slots + 1) * self.state_spec.bytes_per_slot
+        need = (self.num_state_slots + 1 + self.num_spare_state_slots) * self.state_spec.bytes_per_slot
         if need > budget:
+            spare = f" and {self.num_spare_state_slots} speculative positions" if self.num_spare_state_slots else ""
             raise ValueError(
-                f"the recurrent state of {self.num_state_slots} sequences ({self.state_spec.num_layers} "
+                f"the recurrent state of {self.num_state_slots} sequences{spare} ({self.state_spec.num_layers} "
                 f"{self.state_spec.kind} layers, {self.state_spec.bytes_per_slot / 2**20:.2f} MiB each) needs "
                 f"{need / 2**20:.0f} MiB, more than the KV cache's {budget / 2**20:.0f} MiB; lower --max-num-seqs "
                 "or raise --kv-cache-memory")
@@ -304,7 +318,7 @@ class ModelRunner(RunnerWeights):
         self.kv_transfer.setup(self.config, self.platform, self.attn_backend, self.kv_cache_spec(), self.kv_caches,
                                self.block_size, self.rank, draft)
         if self.state_spec is not None:
-            self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device)
+            self.states = RecurrentStates(self.state_spec, self.num_state_slots, self.device, self.num_spare_state_slots)
 
     def _dummy_decode_context(self, num_decodes: int) -> ForwardContext:
         ctx = dummy_decode_context(self.attn_backend, self.kv_caches, self.scratch_block, self.block_size, self.device,
@@ -335,8 +349,12 @@ class ModelRunner(RunnerWeights):
         with self.platform.inference_mode():
             if self.states is not None:
                 self.states.copy(so.state_copies_before)
-            hidden = self._forward(batch)
+            hidden = self._forward(batch, so)
             out = self._handoff(hidden, batch, so)
+            if self.states is not None and self._step_md is not None and self._step_md.keeps_token_states:
+                # verify rows: each slot back to the state after the accepted proposals
+                self.states.commit(self._step_md, [len(out.sampled_token_ids.get(rid) or [1]) - 1
+                                                   for rid in batch.req_ids])
             if isinstance(self.draft, EagleProposer):  # the head reads the target's hidden states of the step
                 self.draft.observe(so, batch, hidden, out.sampled_token_ids)
             if self.states is not None:
@@ -375,26 +393,30 @@ class ModelRunner(RunnerWeights):
             return self._merge_images(batch)
         return None
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+    def _forward(self, batch: BatchInputs, so: SchedulerOutput) -> torch.Tensor:
         """This stage's hidden states [T, hidden] (sent on to the next stage, if any)."""
         metadata = self.attn_backend.prepare(batch.metadata)
         ctx = ForwardContext(self.attn_backend, self.kv_caches, metadata, inputs_embeds=self._stage_input(batch),
                              token_type_ids=batch.token_type_ids)
         if self.states is not None:
-            ctx.state_caches, ctx.recurrent = self.states.tensors, self._recurrent_metadata(batch)
+            self._step_md = self._recurrent_metadata(batch, so)
+            ctx.state_caches, ctx.recurrent = self.states.tensors, self._step_md
         runner = self.eager_runner if batch.mm_rows and self.pp_rank == 0 else self.graph_runner
         hidden = runner(batch.input_ids, batch.positions, ctx)
         if not self.is_last_stage:
             self.comm.send(hidden, dst=self.rank + self.config.parallel.tensor_parallel_size)
         return hidden
 
-    def _recurrent_metadata(self, batch: BatchInputs) -> Any:
-        """The step's `RecurrentMetadata`: each request's state slot, and whether it continues a state."""
+    def _recurrent_metadata(self, batch: BatchInputs, so: SchedulerOutput) -> Any:
+        """The step's `RecurrentMetadata`: each request's state slot, whether it continues a state,
+        and the proposals it verifies (their per-token states are kept until `commit`)."""
         assert self.states is not None
         states = [self.requests[rid] for rid in batch.req_ids]
         md = batch.metadata
+        spec = so.scheduled_spec_decode_tokens
+        verified = [len(spec.get(rid, ())) for rid in batch.req_ids] if spec else None
         return self.states.metadata([s.state_slot for s in states], [s.num_computed_tokens > 0 for s in states],
-                                    md.query_start_loc, md.query_start_loc_cpu, md.num_decode_tokens)
+                                    md.query_start_loc, md.query_start_loc_cpu, md.num_decode_tokens, verified)
 
     def _handoff(self, hidden: torch.Tensor, batch: BatchInputs, so: SchedulerOutput) -> ModelRunnerOutput:
         """The step's output: on the last stage the pooled vectors, or the sampled tokens with

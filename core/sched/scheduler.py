@@ -197,8 +197,9 @@ class Scheduler:
                     i += 1
                     continue
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            state_end = 0 if request.num_computed_tokens + num_new > request.num_tokens else num_new  # verifies: unknown
             waits = False
-            while self.kv.allocate_slots(request, num_new + lookahead) is None:
+            while self.kv.allocate_slots(request, num_new + lookahead, num_state_tokens=state_end) is None:
                 candidates = [r for r in self.running if r.request_id not in self._in_flight]
                 if candidates == [request] and self._in_flight:
                     waits = True  # only batches in flight hold blocks to spare: wait for them, not preempt itself
@@ -254,7 +255,7 @@ class Scheduler:
                 if num_new == 0:
                     return
             lookahead = self._lookahead(request, num_computed + num_new)
-            if self.kv.allocate_slots(request, num_new + lookahead, new_computed_blocks=computed_blocks) is None:
+            if self.kv.allocate_slots(request, num_new + lookahead, computed_blocks, num_new) is None:
                 # with a window the pool may be sized below max_model_len: a long prefix hit plus
                 # a chunk can then need more blocks than there are. With nothing running, nothing
                 # will ever free any: start over without the hit (a chunk alone always fits)
@@ -262,7 +263,8 @@ class Scheduler:
                     return
                 computed_blocks, num_computed = [], 0
                 num_new = self._num_new_tokens(request, num_computed, budget)
-                if num_new is None or self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new)) is None:
+                lookahead = 0 if num_new is None else self._lookahead(request, num_new)
+                if num_new is None or self.kv.allocate_slots(request, num_new + lookahead, None, num_new) is None:
                     return
             self.waiting.remove(request)
             self.running.append(request)

@@ -30,6 +30,7 @@ from portside.contract import KVCacheSpec, Platform
 from portside.model.registry import load_model
 from portside.runner.inputs import CachedRequestState
 from portside.runner.kv_cache import allocate_kv_caches, check_attention_features, dummy_decode_context
+from portside.runner.recurrent import state_spec_of
 from portside.spec_decode.rows import pack_rows, proposal_room
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class DraftModelProposer:
         if self.model.config.vocab_size != target_vocab_size:  # a .gguf's vocabulary is only known once loaded
             raise ValueError(f"speculative_config: the draft model's vocabulary ({self.model.config.vocab_size} tokens) "
                              f"is not the target's ({target_vocab_size}); a draft must share the target's tokenizer")
+        if state_spec_of(self.model) is not None:  # its states would need the target's roll back, per draft step
+            raise ValueError(f"speculative_config: the draft model {self.model.config.architecture} has recurrent "
+                             "layers, which a draft model may not have; use a draft with attention layers only")
         check_attention_features(self.model, platform, attn_backend)
         self.graph_runner = platform.graph_runner(self.model, draft_config)
         self.kv_caches: list[torch.Tensor] = []

@@ -30,9 +30,11 @@ import torch
 from portside.contract import EagerGraphRunner, ForwardContext, KVCacheSpec, Platform
 from portside.model.decoder import TP, DecoderForCausalLM
 from portside.model.eagle import EagleHead, EagleHeadConfig
+from portside.model.qwen3_next import Qwen3NextForCausalLM
 from portside.runner.inputs import BatchInputs, CachedRequestState
 from portside.runner.kv_cache import allocate_kv_caches
 from portside.spec_decode.mtp import MTPHead
+from portside.spec_decode.qwen3_next_mtp import Qwen3NextMTPHead
 from portside.spec_decode.rows import pack_rows, proposal_room
 
 if TYPE_CHECKING:
@@ -85,13 +87,14 @@ class EagleProposer:
         self.max_model_len = config.model.max_model_len
         self.requests = requests  # the runner's: a request's current state (a preempted one comes back anew)
         self.aux_runner: AuxGraphRunner | None = None
-        self.head: EagleHead | MTPHead
+        self.head: EagleHead | MTPHead | Qwen3NextMTPHead
         if spec.method == "mtp":  # the target's own MTP layer
             if config.model.quantization is not None:
                 raise ValueError("speculative_config: method 'mtp' with a quantized checkpoint is not supported yet")
+            qwen3_next = isinstance(target, Qwen3NextForCausalLM)  # ``mtp.*``, else ``model.layers.{L}.*``
             with torch.device(device):
-                self.head = MTPHead(target)
-            where = f"the checkpoint's MTP layer (layer {target.config.num_layers})"
+                self.head = Qwen3NextMTPHead(target) if qwen3_next else MTPHead(target)
+            where = "the checkpoint's MTP layer " + ("(mtp.layers.0)" if qwen3_next else f"(layer {target.config.num_layers})")
         else:
             cfg: EagleHeadConfig = spec.head
             if cfg.method == "eagle3" and type(target).forward is not DecoderForCausalLM.forward:
