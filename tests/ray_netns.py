@@ -162,6 +162,29 @@ def case_pipeline(model: Path) -> dict[str, Any]:
     return out
 
 
+def case_kv_tiers(model: Path) -> dict[str, Any]:
+    """TP 2 on Ray with the KV host tier, a device cache too small for six 44-token prompts replayed
+    twice: each actor's connector report comes back with the step and is merged."""
+    from portside import LLM, SamplingParams
+    from portside.testing.engine_parity import random_prompts
+
+    prompts = random_prompts(5, [44] * 6)
+    llm = LLM(model=str(model), tensor_parallel_size=2, distributed_executor_backend="ray", device="cpu",
+              max_model_len=64, block_size=4, num_kv_blocks=24, kv_offload_cpu_bytes=1 << 20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out: dict[str, Any] = {"prompts": prompts, "tokens": [], "cached": []}
+    for _ in range(2):
+        for p in prompts:
+            o = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
+            out["tokens"].append(list(o.outputs[0].token_ids))
+            out["cached"].append(o.num_cached_tokens)
+    out["host_hit_blocks"] = llm.engine.stats().kv_transfer["host_hit_blocks"]
+    out["partial"] = llm.engine.executor._kv_outputs.num_partial
+    llm.engine.shutdown()
+    out["left_after_shutdown"] = wait_gone(descendants(os.getpid()))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Two Ray nodes (two raylets on loopback, one CPU each): ranks on both; one node lost
 # --------------------------------------------------------------------------------------------
@@ -334,5 +357,6 @@ def serve_on(head: subprocess.Popen[bytes], model: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     print("NETNS", os.readlink("/proc/self/ns/net"), flush=True)
     case, model_dir = sys.argv[1], Path(sys.argv[2])
-    result = {"engine": case_engine, "pipeline": case_pipeline, "nodes": case_nodes, "serve": case_serve}[case](model_dir)
+    result = {"engine": case_engine, "pipeline": case_pipeline, "kv_tiers": case_kv_tiers, "nodes": case_nodes,
+              "serve": case_serve}[case](model_dir)
     print("RESULT", json.dumps(result), flush=True)

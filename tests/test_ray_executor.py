@@ -151,6 +151,20 @@ def test_pipeline_parallel_on_ray_equals_transformers(tiny_llama: Path, tmp_path
 
 @pytest.mark.slow
 @needs_netns
+def test_kv_host_tier_on_ray_merges_every_actors_loads(tiny_llama: Path, tmp_path: Path) -> None:
+    """TP 2 on Ray actors with the KV host tier: replayed prompts load 10 of their 11 blocks back
+    on both ranks, greedy tokens equal transformers' and the first round's."""
+    r = run_case("kv_tiers", tiny_llama, tmp_path)
+    n = len(r["prompts"])
+    assert r["tokens"][n:] == r["tokens"][:n]
+    for prompt, tokens in zip(r["prompts"], r["tokens"][:n], strict=True):
+        assert tokens == hf_greedy(tiny_llama, prompt, 6)
+    assert r["cached"][n:] == [40] * n and r["host_hit_blocks"] == 10 * n and r["partial"] == 0
+    assert r["left_after_shutdown"] == []
+
+
+@pytest.mark.slow
+@needs_netns
 def test_ranks_on_two_nodes_and_a_lost_node(tiny_llama: Path, tmp_path: Path) -> None:
     """Two Ray nodes of one CPU each (two raylets on loopback, `ray.cluster_utils.Cluster`): the
     ranks land on both and still give transformers' tokens; removing one node (its raylet and
