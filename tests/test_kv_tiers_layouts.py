@@ -167,3 +167,50 @@ def test_an_eagle_heads_kv_rides_in_the_blocks(tiny_llama, eagle):
         assert toks == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
     assert got == want
     assert _books(llm)["host_hit_blocks"] == 10 * len(prompts)
+
+
+@pytest.mark.parametrize("model, kwargs", [("llama", {"kv_cache_dtype": "int8"}), ("deepseek", {})],
+                         ids=["int8", "mla"])
+def test_shared_storage_producer_to_consumer(tiny_llama, tiny_deepseek, tmp_path, model, kwargs):
+    """Disaggregated prefill and decode (the shared-storage connector) with an int8 cache and with
+    latent attention: the consumer loads the producer's blocks and generates one engine's tokens;
+    a consumer whose cache is another dtype finds no files of its layout and computes them."""
+    path = tiny_llama if model == "llama" else tiny_deepseek
+    store = str(tmp_path / "kv")
+    prompts = PROMPTS[:2]
+    alone = _replay(_llm(path, **kwargs), rounds=1, prompts=prompts)[0]
+    producer = _llm(path, kv_connector="shared_storage", kv_role="producer", kv_connector_path=store, **kwargs)
+    assert _replay(producer, rounds=1, prompts=prompts)[0] == alone
+    del producer
+    consumer = _llm(path, kv_connector="shared_storage", kv_role="consumer", kv_connector_path=store, **kwargs)
+    tokens, cached = _replay(consumer, rounds=1, prompts=prompts)
+    assert tokens == alone and cached == [40] * len(prompts)
+    assert consumer.engine.scheduler.kv_loads.num_loaded_tokens == 40 * len(prompts)
+    del consumer
+    if model == "llama":
+        other = _llm(path, kv_connector="shared_storage", kv_role="consumer", kv_connector_path=store)
+        assert _replay(other, rounds=1, prompts=prompts[:1])[1] == [0]
+        assert other.engine.scheduler.kv_loads.num_loaded_tokens == 0
+
+
+def _drafts(llm: LLM) -> tuple[int, int]:
+    """(proposed, accepted) tokens since start."""
+    s = llm.engine.stats().spec_decode
+    return s.num_draft_tokens, s.num_accepted_tokens
+
+
+def test_a_draft_models_layers_ride_in_the_blocks(tiny_llama):
+    """A draft model (the tiny llama drafting for itself) with the host tier: each block carries
+    the draft's two layers after the target's, and round two loads them and generates the
+    target's greedy tokens (the draft proposes and is accepted)."""
+    spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}
+    prompts = PROMPTS[:4]
+    llm = _llm(tiny_llama, speculative_config=spec, kv_offload_cpu_bytes=1 << 20)
+    assert llm.engine.scheduler.kv_loads.connector.num_host_slots == (1 << 20) // (2 * 2048)
+    tokens, cached = _replay(llm, prompts=prompts)
+    assert cached[len(prompts):] == [40] * len(prompts)
+    assert tokens[: len(prompts)] == tokens[len(prompts):]
+    for prompt, toks in zip(prompts, tokens[: len(prompts)], strict=True):
+        assert toks == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+    assert _drafts(llm)[1] > 0
+    assert _books(llm)["host_hit_blocks"] == 10 * len(prompts)
