@@ -154,3 +154,24 @@ def test_lora_through_triton_kernels(triton_plugin, tiny_gqa_model: Path, tmp_pa
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                  do_sample=False, eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
         assert out.outputs[0].token_ids == gen[0, len(prompt):].tolist(), f"{lora.lora_name}, prompt of {len(prompt)} tokens"
+
+
+def test_speculative_decoding_on_a_hybrid_through_triton_kernels(triton_plugin, tmp_path: Path) -> None:
+    """Qwen3-Next (Gated DeltaNet) with prompt lookup: prefills and decodes on the Triton recurrent
+    kernels, verify steps (which keep each token's state) on core's reference (`kernels_for`);
+    greedy tokens equal transformers', with proposals accepted and rejected."""
+    from test_spec_decode_hybrid import NGRAM, QWEN3_NEXT, _echo_prompts
+
+    from portside import LLM, SamplingParams
+    from portside.testing.tiny_hybrid import make_tiny_hybrid
+
+    path = make_tiny_hybrid(tmp_path / "qnext", "Qwen3NextConfig", "Qwen3NextForCausalLM", init_std=0.05, **QWEN3_NEXT)
+    prompts = _echo_prompts(path, 0)[:2]
+    llm = LLM(model=str(path), device="triton-interp", max_model_len=128, block_size=16,
+              speculative_config=dict(NGRAM, num_speculative_tokens=3))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
+    s = llm.engine.stats().spec_decode
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens, s

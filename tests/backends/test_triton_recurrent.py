@@ -200,3 +200,18 @@ def test_model_ops_use_the_kernels() -> None:
     for name in ("causal_conv1d", "ssd_scan", "selective_scan", "gated_delta_rule"):
         assert getattr(TritonModelOps, name) is getattr(kern.TritonRecurrentOps, name), name
     assert math.isinf(kern.ssd_scan.__defaults__[-1][1])  # the contract's default dt_limit
+
+
+def test_verify_steps_run_on_the_reference() -> None:
+    """Speculative decoding's verify rows keep each token's state (`token_state_slots_cpu`), which
+    these kernels do not write: `kernels_for` gives such steps to core's reference, others to them."""
+    from portside.contract import RecurrentKernels, kernels_for
+
+    qsl = [0, 1, 4]
+    md = RecurrentMetadata(state_slots=torch.tensor([0, 1]), has_initial_state=torch.tensor([True, True]),
+                           query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_start_loc_cpu=qsl,
+                           state_slots_cpu=[0, 1], has_initial_state_cpu=[True, True], num_decodes=1)
+    ops = TritonModelOps()
+    assert kernels_for(ops, md) is ops
+    md.token_state_slots_cpu = [[], [2, 3]]
+    assert type(kernels_for(ops, md)) is RecurrentKernels
