@@ -169,13 +169,17 @@ def test_an_eagle_heads_kv_rides_in_the_blocks(tiny_llama, eagle):
     assert _books(llm)["host_hit_blocks"] == 10 * len(prompts)
 
 
-@pytest.mark.parametrize("model, kwargs", [("llama", {"kv_cache_dtype": "int8"}), ("deepseek", {})],
-                         ids=["int8", "mla"])
-def test_shared_storage_producer_to_consumer(tiny_llama, tiny_deepseek, tmp_path, model, kwargs):
-    """Disaggregated prefill and decode (the shared-storage connector) with an int8 cache and with
-    latent attention: the consumer loads the producer's blocks and generates one engine's tokens;
-    a consumer whose cache is another dtype finds no files of its layout and computes them."""
-    path = tiny_llama if model == "llama" else tiny_deepseek
+@pytest.mark.parametrize("model, kwargs", [("llama", {"kv_cache_dtype": "int8"}), ("deepseek", {}), ("llama", None)],
+                         ids=["int8", "mla", "eagle"])
+def test_shared_storage_producer_to_consumer(request, tiny_llama, tmp_path, model, kwargs):
+    """Disaggregated prefill and decode (the shared-storage connector) with an int8 cache, with
+    latent attention and with an EAGLE head: the consumer loads the producer's blocks and generates
+    one engine's tokens; a consumer whose cache is another dtype finds no files of its layout and
+    computes them."""
+    path = tiny_llama if model == "llama" else request.getfixturevalue("tiny_deepseek")
+    if kwargs is None:
+        eagle = request.getfixturevalue("eagle")
+        kwargs = {"speculative_config": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 3}}
     store = str(tmp_path / "kv")
     prompts = PROMPTS[:2]
     alone = _replay(_llm(path, **kwargs), rounds=1, prompts=prompts)[0]
@@ -187,7 +191,7 @@ def test_shared_storage_producer_to_consumer(tiny_llama, tiny_deepseek, tmp_path
     assert tokens == alone and cached == [40] * len(prompts)
     assert consumer.engine.scheduler.kv_loads.num_loaded_tokens == 40 * len(prompts)
     del consumer
-    if model == "llama":
+    if "kv_cache_dtype" in kwargs:
         other = _llm(path, kv_connector="shared_storage", kv_role="consumer", kv_connector_path=store)
         assert _replay(other, rounds=1, prompts=prompts[:1])[1] == [0]
         assert other.engine.scheduler.kv_loads.num_loaded_tokens == 0

@@ -140,7 +140,8 @@ class AttentionBackend(LatentAttention, ABC):
     on write, and `read_kv` returns fp32 values. The layout (scales included) is the backend's,
     but its bytes per (token, KV head) row must be `kv_row_bytes` (core sizes the pool by it);
     `quantize_kv` / `dequantize_kv` are the reference formats, which an implementation must match
-    within `portside.testing.tolerances`.
+    within `portside.testing.tolerances`. The KV connectors move the rows as stored
+    (`read_stored_kv` / `write_stored_kv`): a backend with its own int8 layout overrides both.
 
     Latent attention (MLA, DeepSeek-V2/V3): the `LatentAttention` methods (`latent_cache_shape`,
     `write_latent`, `read_latent`, `latent_attention`), inherited with core's reference as their
