@@ -274,9 +274,11 @@ RECURRENT_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 
 
 def recurrent_metadata(lengths: list[int], slots: list[int], has_initial_state: list[bool],
-                       device: torch.device | str = "cpu") -> RecurrentMetadata:
+                       device: torch.device | str = "cpu", token_state_slots: list[list[int]] | None = None
+                       ) -> RecurrentMetadata:
     """A step's `RecurrentMetadata`: request i has lengths[i] tokens, state slot slots[i]; the
-    leading one-token requests are its decodes (decodes must come first, as the runner orders)."""
+    leading one-token requests are its decodes (decodes must come first, as the runner orders).
+    `token_state_slots`: speculative verify rows' slots for their per-token states."""
     qsl = [0]
     for n in lengths:
         qsl.append(qsl[-1] + n)
@@ -289,6 +291,7 @@ def recurrent_metadata(lengths: list[int], slots: list[int], has_initial_state: 
         state_slots_cpu=list(slots),
         has_initial_state_cpu=list(has_initial_state),
         num_decodes=num_decodes,
+        token_state_slots_cpu=[list(k) for k in token_state_slots or []],
     )
 
 

@@ -7,8 +7,12 @@ dtype and (reduced-precision models) in fp32.
 Each shape runs three steps: decodes alone (with and without an initial state), prefill chunks
 alone (one token long to past 128 tokens, not multiples of a chunk), and decodes followed by
 prefill chunks, the last with its inputs as strided views of one fused projection, as models
-pass them. Slots are scattered in a pool; the slots no request holds must be left as they were,
-the inputs unchanged. A platform that overrides nothing runs the references themselves and passes.
+pass them. A fourth step holds speculative decoding's verify rows, which keep each token's state
+in slots of their own (`RecurrentMetadata.token_state_slots_cpu`); it runs through
+`kernels_for`, as models call the kernels, so an override that does not declare it
+(`token_state_kernels`) is checked on the reference. Slots are scattered in a pool; the slots no
+request holds must be left as they were, the inputs unchanged. A platform that overrides nothing
+runs the references themselves and passes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portside.contract import ModelOps, Platform
+from portside.contract import ModelOps, Platform, kernels_for
 from portside.ops import recurrent as ref
 from portside.testing.conformance.cases import (
     RECURRENT_TOLERANCES,
@@ -38,7 +42,9 @@ STEPS = {
     "decodes": ((1, 1, 1, 1), (True, False, True, True), (3, 0, 11, 5)),
     "prefills": ((150, 64, 7, 129, 2), (False, True, True, True, False), (3, 0, 5, 7, 10)),
     "mixed": ((1, 1, 1, 300, 3, 65), (True, False, True, True, False, True), (6, 3, 0, 5, 1, 11)),
+    "verify": ((1, 1, 4, 30, 2), (True, True, True, True, True), (6, 3, 0, 5, 1)),
 }
+KEPT = {"verify": [[], [], [8, 9, 2], [], [4]]}  # the verify rows' per-token state slots
 STRIDED = "mixed"  # this step's inputs are views of one fused tensor
 CONV_SHAPES = ((256, 4), (96, 3), (64, 2))  # (channels, kernel width)
 SSD_SHAPES = ((4, 1, 64, 128), (8, 2, 32, 64))  # (heads, groups, head dim, state size)
@@ -106,10 +112,13 @@ def _run(ops: ModelOps, kernel: str, platform: type[Platform], dtype: torch.dtyp
     dev_params = [None if t is None else t.to(device, copy=True) for t in params]
     originals = [t.clone() for t in dev_tokens + dev_params if t is not None]
     dev_pools = [p.to(device, copy=True) for p in pools]
-    got = call(ops, dev_tokens, dev_params, dev_pools, recurrent_metadata(list(lengths), list(slots), list(init), device))
+    kept = KEPT.get(step)
+    md = recurrent_metadata(list(lengths), list(slots), list(init), device, kept)
+    got = call(kernels_for(ops, md), dev_tokens, dev_params, dev_pools, md)
     platform.synchronize()  # a lazy device (XLA) runs the step once, not again for every slot read below
     ref_pools = [p.to(torch.float32, copy=True) for p in pools]
-    want = call(None, [t.float() for t in tokens], params, ref_pools, recurrent_metadata(list(lengths), list(slots), list(init)))
+    want = call(None, [t.float() for t in tokens], params, ref_pools,
+                recurrent_metadata(list(lengths), list(slots), list(init), "cpu", kept))
     where = f"{type(ops).__name__}.{kernel} ({what}, step {step!r}: lengths {list(lengths)}, {dtype})"
     if got.shape != want.shape or got.dtype != dtype or got.device.type != device.type:
         contract_failure("recurrent", f"{where} returned {tuple(got.shape)} {got.dtype} on {got.device}; expected "
@@ -119,7 +128,7 @@ def _run(ops: ModelOps, kernel: str, platform: type[Platform], dtype: torch.dtyp
         if pool.dtype != before.dtype or pool.shape != before.shape:
             contract_failure("recurrent", f"{where} changed state tensor {n}'s dtype or shape")
         for slot in range(POOL + 1):
-            if slot in slots:
+            if slot in slots or any(slot in k for k in kept or []):
                 _compare(pool[slot], want_pool[slot], dtype, f"{where} state tensor {n}, slot {slot}")
             elif not torch.equal(pool[slot].cpu(), before[slot]):
                 contract_failure("recurrent", f"{where} wrote state tensor {n}'s slot {slot}, which no request holds")
