@@ -30,7 +30,8 @@ The scheduler calls, per step (`portside.sched.kv_loads` drives the waiting side
 3. `build_connector_meta(scheduler_output)` at the end of `Scheduler.schedule`: everything decided
    since the last call. Return None when there is nothing to do; return a metadata (even an
    empty one) while loads are in flight, so that the runner is stepped and can report them.
-4. The worker's `KVConnectorOutput` comes back through `update_connector_output`. A request in
+4. The worker's `KVConnectorOutput` comes back through `update_connector_output` (under tensor or
+   pipeline parallelism every rank's, merged by the executor: `portside.kv_transfer.ranks`). A request in
    `finished_loading` has its loaded blocks entered in the prefix cache and is admitted through
    the normal path (a prefix hit); `failed_loading[req_id] = k` means only its first `k` loaded
    blocks are good: the rest are freed and recomputed, never used.
