@@ -310,3 +310,15 @@ def test_ngram_mamba_hybrid(name: str, tmp_path: Path) -> None:
     assert _generate(llm, prompts) == [hf_greedy(path, p, N) for p in prompts]
     _assert_partial_acceptance(llm)
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.slow  # two worker processes
+def test_ngram_qwen3_next_tensor_parallel(qnext, qprompts, qwant) -> None:
+    """Two ranks: each commits its heads' states to the accepted length (the sampled tokens are every rank's)."""
+    llm = LLM(model=str(qnext), device="cpu", max_model_len=128, block_size=4, tensor_parallel_size=2,
+              speculative_config=dict(NGRAM, num_speculative_tokens=3))
+    try:
+        assert _generate(llm, qprompts) == qwant
+        _assert_partial_acceptance(llm)
+    finally:
+        llm.engine.shutdown()
