@@ -4,7 +4,9 @@ DeepSeek-V2), and speculative decoding whose draft (an EAGLE head) keeps its KV 
 block ids. Each engine with tiers gives the greedy tokens of the same engine without them; the
 blocks cross in the neutral layout (`portside.contract.kv_transfer`), stored rows and scales
 bit for bit (the conformance kit's `test_kv_block_layout_round_trips_8bit_blocks` checks the
-bytes), a draft's layers riding in the same blocks.
+bytes), a draft's layers riding in the same blocks: an EAGLE head or an MTP layer proposes after a
+tier restore exactly what it proposes from a resident prefix (without its layers in the blocks it
+does not). The shared-storage connector (disaggregated prefill) moves the same blocks.
 """
 
 from __future__ import annotations
@@ -143,30 +145,50 @@ def _record_proposals(llm: LLM) -> list[dict[str, list[int]]]:
     return log
 
 
-def test_an_eagle_heads_kv_rides_in_the_blocks(tiny_llama, eagle):
-    """EAGLE speculative decoding with the host tier: round two loads each prompt's blocks, the
-    head's layer with the target's, and generates the target's greedy tokens; the head proposes
-    exactly what it proposes when the prefix stayed in a large device cache (its K/V came back)."""
-    spec = {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 3}
+def _proposals_after_a_tier_restore_equal_a_resident_prefix(target: Path, spec: dict, block_bytes: int) -> None:
+    """Round two of four prompts with a draft that proposes from its own K/V: a large device cache
+    keeps the prefixes (the reference), a 24-block one with the host tier loads them back, the
+    draft's layer's blocks (`block_bytes` each with the target's) with them. The tokens are the
+    target's greedy ones and the draft proposes exactly the same tokens in both."""
     prompts = PROMPTS[:4]
-    resident = _llm(tiny_llama, num_kv_blocks=200, speculative_config=spec)
+    resident = _llm(target, num_kv_blocks=200, speculative_config=spec)
     first, _ = _replay(resident, rounds=1, prompts=prompts)
     want = _record_proposals(resident)
     again, cached = _replay(resident, rounds=1, prompts=prompts)
     assert cached == [40] * len(prompts) and again == first
     assert sum(len(p) for step in want for p in step.values()) >= 4 * len(prompts)
 
-    llm = _llm(tiny_llama, speculative_config=spec, kv_offload_cpu_bytes=1 << 20)
-    assert llm.engine.scheduler.kv_loads.connector.num_host_slots == (1 << 20) // (2048 + 1024)  # head: 1 K/V layer
+    llm = _llm(target, speculative_config=spec, kv_offload_cpu_bytes=1 << 20)
+    assert llm.engine.scheduler.kv_loads.connector.num_host_slots == (1 << 20) // block_bytes
     tokens, _ = _replay(llm, rounds=1, prompts=prompts)
     got = _record_proposals(llm)
     tokens2, cached = _replay(llm, rounds=1, prompts=prompts)
     assert cached == [40] * len(prompts)
     assert tokens == tokens2 == first
     for prompt, toks in zip(prompts, tokens2, strict=True):
-        assert toks == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+        assert toks == hf_greedy(target, prompt, MAX_TOKENS)
     assert got == want
     assert _books(llm)["host_hit_blocks"] == 10 * len(prompts)
+
+
+def test_an_eagle_heads_kv_rides_in_the_blocks(tiny_llama, eagle):
+    """EAGLE: the head's one K/V layer (1 KiB a block) rides after the target's two (2 KiB)."""
+    spec = {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 3}
+    _proposals_after_a_tier_restore_equal_a_resident_prefix(tiny_llama, spec, 2048 + 1024)
+
+
+@pytest.mark.slow  # a DeepSeek-V3 with experts, transformers' greedy of four prompts: 18 s on 2 cores
+def test_an_mtp_layers_latent_kv_rides_in_the_blocks(tmp_path):
+    """DeepSeek-V3 with its MTP layer (method "mtp"): latent blocks, the MTP layer's latent rows
+    riding after the target's two layers'."""
+    from portside.testing.eagle import add_mtp_layer
+    from portside.testing.tiny_deepseek import make_tiny_deepseek
+
+    overrides = dict(seed=6, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                     topk_group=1, norm_topk_prob=True)  # (the MTP layer has experts, as V3's)
+    path = add_mtp_layer(make_tiny_deepseek(tmp_path / "v3", "v3", num_nextn_predict_layers=1, **overrides))
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    _proposals_after_a_tier_restore_equal_a_resident_prefix(path, spec, 3 * 4 * (32 + 8) * 4)
 
 
 @pytest.mark.parametrize("model, kwargs", [("llama", {"kv_cache_dtype": "int8"}), ("deepseek", {}), ("llama", None)],
