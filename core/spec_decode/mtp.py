@@ -102,7 +102,11 @@ class MTPHead(nn.Module):
             raise ValueError(f"the checkpoint's MTP tensor shared_head.head.weight {tuple(tensor.shape)} does not fit "
                              f"the target's LM head (vocabulary {args.vocab_size}, hidden {args.hidden_size}): {e}") from None
         target_head = target.lm_head
-        if target_head.quant is not None or not torch.equal(head.weight, target_head.weight):
+        differs = torch.tensor([float(target_head.quant is not None or not torch.equal(head.weight, target_head.weight))],
+                               device=head.weight.device)
+        if tp.size > 1:  # every rank decides alike (their proposals must agree)
+            differs = tp.comm.all_reduce(differs)
+        if bool(differs.item()):
             self.lm_head = head
 
     def kv_cache_spec(self) -> KVCacheSpec:
