@@ -18,9 +18,9 @@ form with no per-token Python loop:
   between chunks;
 - `causal_conv1d`: one `F.conv1d` per request.
 
-A request that keeps its per-token states (speculative decoding's verify rows,
-`RecurrentMetadata.token_state_slots_cpu`) runs as one-token pieces chained through its kept
-slots (`_prefills`): at most 1 + k tokens, so a short loop.
+Speculative decoding's verify rows (requests that keep their per-token states,
+`RecurrentMetadata.token_state_slots_cpu`) advance like decodes, one position at a time batched
+over them (`_verify_steps`: at most 1 + k positions), storing each position's state.
 
 Decays are summed in log space per segment (`_segsum`), so a factor exp(sum of a_r, s < r <= t)
 never comes from the difference of two long prefix sums. Math is fp32 throughout.
@@ -54,25 +54,47 @@ SELECTIVE_CHUNK = 16
 # ---- batch helpers ------------------------------------------------------------------------------
 
 
+def _kept(md: RecurrentMetadata, i: int) -> list[int]:
+    """Request i's slots for its per-token states (`RecurrentMetadata.token_state_slots_cpu`), or []."""
+    kept = md.token_state_slots_cpu
+    return kept[i] if i < len(kept) else []
+
+
 def _prefills(md: RecurrentMetadata):
-    """(first token, end token, slot read, has initial state, slot written) per request after the
-    decodes. A request that keeps its per-token states (`RecurrentMetadata.token_state_slots_cpu`,
-    speculative decoding's verify rows) comes as one-token pieces chained through those slots:
-    piece j reads the state piece j - 1 left and writes its own slot, the last its request's."""
-    qsl, kept = md.query_start_loc_cpu, md.token_state_slots_cpu
+    """(first token, end token, slot, has initial state) per request after the decodes, less the
+    verify rows (`_verify_steps`)."""
+    qsl = md.query_start_loc_cpu
     for i in range(_num_decodes(md), len(qsl) - 1):
-        a, b, slot, init = qsl[i], qsl[i + 1], md.state_slots_cpu[i], md.has_initial_state_cpu[i]
-        steps = kept[i] if i < len(kept) else []
-        if not steps:
-            yield a, b, slot, init, slot
-            continue
-        if len(steps) != b - a - 1:
-            raise ValueError(f"RecurrentMetadata: request {i} has {b - a} tokens but {len(steps)} token state slots "
-                             f"(expected {b - a - 1}: one after each token but the last)")  # fmt: skip
-        src = slot
-        for j, dst in enumerate([*steps, slot]):
-            yield a + j, a + j + 1, src, init or j > 0, dst
-            src = dst
+        if not _kept(md, i):
+            yield qsl[i], qsl[i + 1], md.state_slots_cpu[i], md.has_initial_state_cpu[i]
+
+
+def _verify_steps(state: torch.Tensor, md: RecurrentMetadata):
+    """Speculative decoding's verify rows (requests that keep their per-token states), position
+    by position and batched over them like decodes: for position j, (token rows [n] on the
+    state's device, their states before that token as a new fp32 tensor [n, *shape]). The caller
+    advances the states in place by one token; the generator then stores them in each row's
+    slot for token j (`token_state_slots_cpu`, or its own slot after its last token)."""
+    qsl, reqs = md.query_start_loc_cpu, []
+    for i in range(_num_decodes(md), len(qsl) - 1):
+        kept, n = _kept(md, i), qsl[i + 1] - qsl[i]
+        if kept and len(kept) != n - 1:
+            raise ValueError(f"RecurrentMetadata: request {i} has {n} tokens but {len(kept)} token state slots "
+                             f"(expected {n - 1}: one after each token but the last)")  # fmt: skip
+        if kept:
+            reqs.append((qsl[i], n, [*kept, md.state_slots_cpu[i]], md.has_initial_state_cpu[i]))
+    if not reqs:
+        return
+    dev = state.device
+    states = torch.stack([_initial(state, dsts[-1], init) for _, _, dsts, init in reqs])
+    for j in range(max(n for _, n, _, _ in reqs)):
+        live = [r for r, (_, n, _, _) in enumerate(reqs) if n > j]
+        at = torch.tensor(live, dtype=torch.int64, device=dev)
+        h = states.index_select(0, at)
+        yield torch.tensor([reqs[r][0] + j for r in live], dtype=torch.int64, device=dev), h
+        states.index_copy_(0, at, h)
+        dst = torch.tensor([reqs[r][2][j] for r in live], dtype=torch.int64, device=dev)
+        state.index_copy_(0, dst, h.to(state.dtype))
 
 
 def _num_decodes(md: RecurrentMetadata) -> int:
@@ -153,20 +175,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty_like(x)
     w = weight.float()
     b32 = None if bias is None else bias.float()
-    for lo, hi, slots, prev in _decode_groups(conv_state, md):  # prev [n, C, K - 1]
-        u = torch.cat([prev, x[lo:hi].float().unsqueeze(-1)], dim=2)  # [n, C, K]
+
+    def step(prev: torch.Tensor, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prev [n, C, K - 1], xt [n, C] -> (output [n, C] in x's dtype, u [n, C, K])."""
+        u = torch.cat([prev, xt.float().unsqueeze(-1)], dim=2)
         y = (u * w).sum(-1) if b32 is None else (u * w).sum(-1) + b32
-        out[lo:hi] = (F.silu(y) if activation == "silu" else y).to(x.dtype)
+        return (F.silu(y) if activation == "silu" else y).to(x.dtype), u
+
+    for lo, hi, slots, prev in _decode_groups(conv_state, md):  # prev [n, C, K - 1]
+        out[lo:hi], u = step(prev, x[lo:hi])
         if K > 1:
             conv_state.index_copy_(0, slots, u[:, :, 1:].to(conv_state.dtype))
-    for a, b, slot, init, dst in _prefills(md):
+    for rows, prev in _verify_steps(conv_state, md):
+        y, u = step(prev, x.index_select(0, rows))
+        out.index_copy_(0, rows, y)
+        prev.copy_(u[:, :, 1:])
+    for a, b, slot, init in _prefills(md):
         u = torch.cat([_initial(conv_state, slot, init), x[a:b].float().t()], dim=1)  # [C, K - 1 + L]
         y = F.conv1d(u.unsqueeze(0), w.unsqueeze(1), b32, groups=x.shape[1])[0]
         if activation == "silu":
             y = F.silu(y)
         out[a:b] = y.t().to(x.dtype)
         if K > 1:
-            conv_state[dst] = u[:, u.shape[1] - (K - 1):].to(conv_state.dtype)
+            conv_state[slot] = u[:, u.shape[1] - (K - 1):].to(conv_state.dtype)
     return out
 
 
@@ -187,18 +218,25 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     dts = _dt(dt, dt_bias, dt_softplus, dt_limit)  # [T, H]
     A32 = A.float()
     D32 = None if D is None else D.float()[:, None]
-    for lo, hi, slots, h in _decode_groups(ssm_state, md):  # h [n, H, P, N]
-        xd, dtd = x[lo:hi].float(), dts[lo:hi]
-        Bd, Cd = B[lo:hi].float().repeat_interleave(rep, dim=1), C[lo:hi].float().repeat_interleave(rep, dim=1)
+
+    def step(h: torch.Tensor, idx: slice | torch.Tensor) -> torch.Tensor:
+        """One token of each of h's rows (h [n, H, P, N], advanced in place) -> y [n, H, P]."""
+        xd, dtd = x[idx].float(), dts[idx]
+        Bd, Cd = B[idx].float().repeat_interleave(rep, dim=1), C[idx].float().repeat_interleave(rep, dim=1)
         h.mul_(torch.exp(dtd * A32)[..., None, None]).addcmul_((dtd[..., None] * xd).unsqueeze(-1), Bd.unsqueeze(-2))
-        out = torch.linalg.vecdot(h, Cd.unsqueeze(-2))  # [n, H, P]
-        y[lo:hi] = (out if D32 is None else out + D32 * xd).to(x.dtype)
+        out = torch.linalg.vecdot(h, Cd.unsqueeze(-2))
+        return (out if D32 is None else out + D32 * xd).to(x.dtype)
+
+    for lo, hi, slots, h in _decode_groups(ssm_state, md):  # h [n, H, P, N]
+        y[lo:hi] = step(h, slice(lo, hi))
         ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    for a, b, slot, init, dst in _prefills(md):
+    for rows, h in _verify_steps(ssm_state, md):
+        y.index_copy_(0, rows, step(h, rows))
+    for a, b, slot, init in _prefills(md):
         xr = x[a:b].float()
         out, h = _ssd_chunked(xr, dts[a:b], A32, B[a:b].float(), C[a:b].float(), _initial(ssm_state, slot, init))
         y[a:b] = (out if D32 is None else out + D32 * xr).to(x.dtype)
-        ssm_state[dst] = h.to(ssm_state.dtype)
+        ssm_state[slot] = h.to(ssm_state.dtype)
     return y
 
 
@@ -250,20 +288,30 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     A32 = A.float()
     xf = x.float()
     outs: list[tuple[int, int, torch.Tensor]] = []
+
+    def step(h: torch.Tensor, idx: slice | torch.Tensor) -> torch.Tensor:
+        """One token of each of h's rows (h [n, Dm, N], advanced in place) -> y [n, Dm] (fp32, D and gate to add)."""
+        h.mul_(torch.exp(dts[idx][:, :, None] * A32)).addcmul_((dts[idx] * xf[idx])[:, :, None], B[idx].float()[:, None, :])
+        return torch.linalg.vecdot(h, C[idx].float().unsqueeze(-2))
+
+    def finish(out: torch.Tensor, idx: slice | torch.Tensor) -> torch.Tensor:
+        if D is not None:
+            out = out + D.float() * xf[idx]
+        if z is not None:
+            out = out * F.silu(z[idx].float())
+        return out.to(x.dtype)
+
     for lo, hi, slots, h in _decode_groups(ssm_state, md):  # h [n, Dm, N]
-        h.mul_(torch.exp(dts[lo:hi, :, None] * A32)).addcmul_((dts[lo:hi] * xf[lo:hi])[:, :, None], B[lo:hi].float()[:, None, :])
-        outs.append((lo, hi, torch.linalg.vecdot(h, C[lo:hi].float().unsqueeze(-2))))
+        outs.append((lo, hi, step(h, slice(lo, hi))))
         ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    for a, b, slot, init, dst in _prefills(md):
+    for rows, h in _verify_steps(ssm_state, md):
+        y.index_copy_(0, rows, finish(step(h, rows), rows))
+    for a, b, slot, init in _prefills(md):
         out, h = _selective_chunked(xf[a:b], dts[a:b], A32, B[a:b].float(), C[a:b].float(), _initial(ssm_state, slot, init))
         outs.append((a, b, out))
-        ssm_state[dst] = h.to(ssm_state.dtype)
+        ssm_state[slot] = h.to(ssm_state.dtype)
     for a, b, out in outs:
-        if D is not None:
-            out = out + D.float() * xf[a:b]
-        if z is not None:
-            out = out * F.silu(z[a:b].float())
-        y[a:b] = out.to(x.dtype)
+        y[a:b] = finish(out, slice(a, b))
     return y
 
 
@@ -313,16 +361,23 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     kf = kf.repeat_interleave(rep, dim=1)
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+    def step(S: torch.Tensor, idx: slice | torch.Tensor) -> torch.Tensor:
+        """One token of each of S's rows (S [n, Hv, K, V], advanced in place) -> o [n, Hv, V]."""
+        S.mul_(torch.exp(gf[idx])[..., None, None])
+        kv_mem = (kf[idx].unsqueeze(-2) @ S).squeeze(-2)  # [n, Hv, V]
+        S.addcmul_(kf[idx].unsqueeze(-1), ((vf[idx] - kv_mem) * bf[idx][:, :, None]).unsqueeze(-2))
+        return (qf[idx].unsqueeze(-2) @ S).squeeze(-2).to(v.dtype)
+
     for lo, hi, slots, S in _decode_groups(state, md):  # S [n, Hv, K, V]
-        S.mul_(torch.exp(gf[lo:hi])[..., None, None])
-        kv_mem = (kf[lo:hi].unsqueeze(-2) @ S).squeeze(-2)  # [n, Hv, V]
-        S.addcmul_(kf[lo:hi].unsqueeze(-1), ((vf[lo:hi] - kv_mem) * bf[lo:hi, :, None]).unsqueeze(-2))
-        o[lo:hi] = (qf[lo:hi].unsqueeze(-2) @ S).squeeze(-2).to(v.dtype)
+        o[lo:hi] = step(S, slice(lo, hi))
         state.index_copy_(0, slots, S.to(state.dtype))
-    for a, b, slot, init, dst in _prefills(md):
+    for rows, S in _verify_steps(state, md):
+        o.index_copy_(0, rows, step(S, rows))
+    for a, b, slot, init in _prefills(md):
         out, S = _gdr_chunked(qf[a:b], kf[a:b], vf[a:b], gf[a:b], bf[a:b], _initial(state, slot, init))
         o[a:b] = out.to(v.dtype)
-        state[dst] = S.to(state.dtype)
+        state[slot] = S.to(state.dtype)
     return o
 
 
