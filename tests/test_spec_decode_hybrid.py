@@ -8,7 +8,8 @@ the state after each verified token is kept, the accepted length's committed).
   from ``mtp.*`` in the checkpoint: random weights, and a layer distilled to the target's
   successor table), batched and alone, with chunked prefill, preemption and a prefix-cache hit;
   proposals are accepted, some only in part (the roll back exercised); a scripted proposer
-  rejects at every depth; Bamba (Mamba-2) and Jamba (Mamba-1) with ngram; a draft model;
+  rejects at every depth; Bamba (Mamba-2), Jamba (Mamba-1) and LFM2 (short convolutions) with
+  ngram; a draft model; two tensor-parallel ranks;
 - refusals: a Qwen3-Next checkpoint without ``mtp.*`` (exit 2), an MTP tensor missing, a draft
   model with recurrent layers.
 
@@ -296,10 +297,16 @@ MAMBA = {
         hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
         num_experts=4, num_experts_per_tok=2, mamba_d_state=8)),
+    # short convolutions (causal_conv1d alone) and attention
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, block_multiple_of=16, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        conv_L_cache=3)),
 }
 
 
-@pytest.mark.parametrize("name", ["bamba", pytest.param("jamba", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["bamba", pytest.param("jamba", marks=pytest.mark.slow),
+                                  pytest.param("lfm2", marks=pytest.mark.slow)])
 def test_ngram_mamba_hybrid(name: str, tmp_path: Path) -> None:
     config_class, arch, kwargs = MAMBA[name]
     path = make_tiny_hybrid(tmp_path / name, config_class, arch, init_std=0.05,
