@@ -7,6 +7,7 @@ the state after each verified token is kept, the accepted length's committed).
 - greedy tokens equal transformers' with ngram (k = 2, 3) and Qwen3-Next's own MTP layer (read
   from ``mtp.*`` in the checkpoint: random weights, and a layer distilled to the target's
   successor table), batched and alone, with chunked prefill, preemption and a prefix-cache hit;
+  the MTP layer's proposals equal an independent reference (transformers' own decoder layer);
   proposals are accepted, some only in part (the roll back exercised); a scripted proposer
   rejects at every depth; Bamba (Mamba-2), Jamba (Mamba-1) and LFM2 (short convolutions) with
   ngram; a draft model; two tensor-parallel ranks;
@@ -235,6 +236,64 @@ def test_mtp_layer_of_qwen3_next(qnext, qprompts, qwant, successors, tmp_path, k
     _assert_partial_acceptance(llm)
     assert llm.engine.stats().spec_decode.num_accepted_tokens_per_pos[k - 1] > 0
     assert_all_blocks_free(llm)
+
+
+class RefMTP:
+    """An independent reference of the MTP layer's proposals over a whole sequence, no cache:
+    transformers' target for the hidden states, the layer as transformers' own decoder layer
+    (`mtp_twin`), fc and the two pre-fc norms in plain torch."""
+
+    def __init__(self, path: Path, twin: Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.twin = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+        w = load_file(str(path / "model.safetensors"))
+        self.fc, self.ne, self.nh = (w[f"mtp.{n}.weight"] for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden"))
+        self.eps = self.target.config.rms_norm_eps
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # zero-centred RMSNorm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + w)
+
+    @torch.no_grad()
+    def proposals(self, seq: list[int], k: int) -> list[int]:
+        """Row i: the target's hidden state at position i and token i + 1, at position i."""
+        hid = self.target.model(torch.tensor([seq[:-1]])).last_hidden_state[0]
+        tokens, drafted = list(seq[1:]), []
+        for _ in range(k):
+            x = torch.cat([self._norm(self.target.model.embed_tokens(torch.tensor(tokens)), self.ne),
+                           self._norm(hid, self.nh)], -1) @ self.fc.T
+            o = self.twin.model(inputs_embeds=x[None], position_ids=torch.arange(len(tokens))[None],
+                                use_cache=False).last_hidden_state[0]
+            drafted.append(int(self.twin.lm_head(o[-1]).argmax()))
+            tokens, hid = tokens + [drafted[-1]], torch.cat([hid, o[-1:]])
+        return drafted
+
+
+def test_mtp_proposals_equal_an_independent_reference(qnext, qprompts, qwant, tmp_path, monkeypatch) -> None:
+    """A random-weight MTP layer (attention and experts at work), chunked prompts: every checked
+    proposal equals `RefMTP`'s (the layer's paged KV, kept rows, catch-up and chaining exact)."""
+    from portside.spec_decode.eagle import EagleProposer
+    from portside.testing.qwen3_next_mtp import mtp_twin
+
+    path = add_qwen3_next_mtp(shutil.copytree(qnext, tmp_path / "m"), seed=2)
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = EagleProposer.propose
+
+    def spy(self: EagleProposer, states: list[Any]) -> dict[str, list[int]]:
+        out = propose(self, states)
+        seen.extend((s.prompt_token_ids + s.output_token_ids, out[s.req_id]) for s in states if s.req_id in out)
+        return out
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    llm = LLM(model=str(path), device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert _generate(llm, qprompts[:3]) == qwant[:3]
+    ref = RefMTP(path, mtp_twin(path, tmp_path / "twin"))
+    assert len(seen) > 10
+    for seq, drafted in seen[:: max(1, len(seen) // 8)]:
+        assert drafted == ref.proposals(seq, len(drafted)), f"sequence of {len(seq)} tokens"
 
 
 def test_mtp_random_layer_and_refusals(qnext, qprompts, qwant, tmp_path) -> None:

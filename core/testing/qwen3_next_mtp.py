@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_qwen3_next_mtp"]
+__all__ = ["add_qwen3_next_mtp", "mtp_twin"]
 
 
 def add_qwen3_next_mtp(model: str | os.PathLike, *, seed: int = 0, noise: float = 0.05,
@@ -61,3 +61,25 @@ def add_qwen3_next_mtp(model: str | os.PathLike, *, seed: int = 0, noise: float 
                 v.zero_()
     save_file({**tensors, **{k: v.contiguous() for k, v in extra.items()}}, str(f), metadata={"format": "pt"})
     return model
+
+
+def mtp_twin(model: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """A one-layer Qwen3-Next folder at `path` whose decoder layer is `model`'s MTP layer (its
+    ``mtp.layers.0.*``), final norm ``mtp.norm`` and embedding and LM head the target's: run by
+    transformers on ``inputs_embeds`` = ``mtp.fc``'s output, it is an independent reference of
+    the MTP layer (the layer's attention over the positions given, no cache)."""
+    from safetensors.torch import load_file, save_file
+
+    model, path = Path(model), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(num_hidden_layers=1, layer_types=["full_attention"],
+               mlp_only_layers=[0] if 0 in (cfg.get("mlp_only_layers") or []) else [])
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = load_file(str(model / "model.safetensors"))
+    twin = {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"], "lm_head.weight": tensors["lm_head.weight"],
+            "model.norm.weight": tensors["mtp.norm.weight"]}
+    twin.update({"model.layers.0." + k.removeprefix("mtp.layers.0."): v for k, v in tensors.items()
+                 if k.startswith("mtp.layers.0.")})
+    save_file({k: v.contiguous() for k, v in twin.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
