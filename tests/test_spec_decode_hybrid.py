@@ -238,6 +238,18 @@ def test_mtp_layer_of_qwen3_next(qnext, qprompts, qwant, successors, tmp_path, k
     assert_all_blocks_free(llm)
 
 
+def test_mtp_chunked_and_preempted(qnext, qprompts, qwant, successors, tmp_path) -> None:
+    """The distilled MTP layer with a 10-token budget and a pool that forces preemption: a
+    resumed request's MTP rows restart from its recomputed hidden states; tokens stay the target's."""
+    path = add_qwen3_next_mtp(shutil.copytree(qnext, tmp_path / "m"), successors=successors)
+    llm = LLM(model=str(path), device="cpu", max_model_len=96, block_size=4, max_num_batched_tokens=10,
+              num_kv_blocks=24, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert _generate(llm, qprompts) == qwant
+    assert llm.engine.stats().num_preemptions > 0
+    _assert_partial_acceptance(llm)
+    assert_all_blocks_free(llm)
+
+
 class RefMTP:
     """An independent reference of the MTP layer's proposals over a whole sequence, no cache:
     transformers' target for the hidden states, the layer as transformers' own decoder layer
