@@ -240,3 +240,46 @@ def test_a_draft_models_layers_ride_in_the_blocks(tiny_llama):
         assert toks == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
     assert _drafts(llm)[1] > 0
     assert _books(llm)["host_hit_blocks"] == 10 * len(prompts)
+
+
+def test_the_fingerprint_follows_what_changes_the_bytes():
+    """Pure Python: the default K/V layout digests as it did before 8-bit, latent and draft
+    layouts existed (its stored blocks stay readable); the cache dtype, a draft's layers, and the
+    draft's identity (`extra_identity`: which head, which draft model and dtype) each change it."""
+    import dataclasses
+
+    import torch
+
+    from portside.contract import KVBlockLayout, KVCacheSpec, LatentKVCacheSpec
+    from portside.runner.kv_transfer import extra_identity
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    ident = ("model", "torch.float32", "auto", "tp1", "pp1")
+    plain = KVBlockLayout.from_spec(spec, 4)
+    assert plain.fingerprint(*ident) == "ebdb1e842f89ea261a847c339c02828c"  # as before: old files stay valid
+    int8 = KVBlockLayout.from_spec(dataclasses.replace(spec, cache_dtype=torch.int8), 4)
+    fp8 = KVBlockLayout.from_spec(dataclasses.replace(spec, cache_dtype=torch.float8_e4m3fn), 4)
+    assert int8.row_scale == "float32" and int8.layer_shapes[0] == (2, 4, 2, 20) and int8.block_bytes == 640
+    assert fp8.row_scale is None and fp8.block_bytes == 512
+    latent = KVBlockLayout.from_spec(LatentKVCacheSpec(2, 1, 40, torch.float32, latent_dim=32), 4)
+    assert latent.latent and latent.layer_shapes == ((4, 40),) * 2 and latent.block_bytes == 2 * 4 * 40 * 4
+    head = KVBlockLayout.from_spec(dataclasses.replace(spec, num_layers=1), 4)
+    drafted = plain.with_draft(head)
+    assert drafted.block_bytes == 2048 + 1024 and [len(p.layer_shapes) for p in drafted.parts()] == [2, 1]
+    prints = {x.fingerprint(*ident) for x in (plain, int8, fp8, latent, drafted)}
+    assert len(prints) == 5
+
+    from portside.spec_decode.config import SpeculativeConfig
+
+    class Config:  # the fields extra_identity reads
+        model = type("M", (), {"quantization": None})()
+        speculative = None
+
+    assert extra_identity(Config()) == ()
+    ids = set()
+    for method, model in (("eagle", "/heads/a"), ("eagle", "/heads/b"), ("mtp", None)):
+        Config.speculative = SpeculativeConfig(method=method, num_speculative_tokens=2, model=model)
+        ids.add(drafted.fingerprint(*ident, *extra_identity(Config())))
+    Config.speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert extra_identity(Config()) == ()  # prompt lookup keeps no KV of its own
+    assert len(ids) == 3
