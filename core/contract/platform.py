@@ -303,13 +303,16 @@ class Platform(ABC):
     @classmethod
     def kv_block_layout(cls, spec: KVCacheSpec, block_size: int) -> KVBlockLayout:
         """How a KV block leaving the device is laid out (`portside.contract.kv_transfer`): the
-        neutral form, built from the spec. A platform overrides it only to refuse a spec."""
+        neutral form, built from the spec (K/V, an 8-bit cache's stored rows, or latent rows;
+        core adds a speculative draft's layers with `KVBlockLayout.with_draft`). A platform
+        overrides it only to refuse a spec."""
         return KVBlockLayout.from_spec(spec, block_size)
 
     @classmethod
     def kv_block_io(cls, backend: AttentionBackend, layout: KVBlockLayout) -> KVBlockIO:
         """What copies whole blocks between `backend`'s caches and the neutral form. Default:
-        through the backend's `read_kv` / `write_kv`; a faster one must produce the same bytes."""
+        through the backend's `read_stored_kv` / `write_stored_kv` (by default its `read_kv` /
+        `write_kv`) and `read_latent` / `write_latent`; a faster one must produce the same bytes."""
         return KVBlockIO(backend, layout)
 
     # ---- description ---------------------------------------------------------------------------
