@@ -188,17 +188,7 @@ class EngineArgs:
         self._check_vllm_flags()
         if self.pipeline_parallel_size > 1 and hf.get("num_hidden_layers"):  # the split fails here, not in a worker
             pipeline_stages(int(hf["num_hidden_layers"]), self.pipeline_parallel_size, config.parallel.pipeline_layers)
-        if self.pipeline_parallel_size > 1 and config.speculative is not None and config.speculative.draft is not None:
-            raise ValueError("draft-model speculative decoding with pipeline parallelism is not supported; use method "
-                             "ngram or --pipeline-parallel-size 1")
-        spec = config.speculative
-        if self.pipeline_parallel_size > 1 and spec is not None and spec.method in HEAD_METHODS:
-            ranks = self.tensor_parallel_size * self.pipeline_parallel_size
-            raise ValueError(f"speculative_config: method {spec.method!r} with pipeline parallelism (pipeline_parallel_size "
-                             f"{self.pipeline_parallel_size}) is not supported: the head reads the target's embedding "
-                             "(first stage) and its hidden states (last stage) in one place; shard it with tensor "
-                             f"parallelism instead (--tensor-parallel-size {ranks} --pipeline-parallel-size 1) or use "
-                             "method 'ngram'")
+        self._check_pipeline_speculative(config.speculative)
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}) "
@@ -206,6 +196,21 @@ class EngineArgs:
             )
         check_backend_options(platform, config.platform_options)  # before the platform reads them
         return platform.check_and_update_config(config)
+
+    def _check_pipeline_speculative(self, spec: Any) -> None:
+        """Speculative decoding that pipeline parallelism cannot run is refused here, naming the fix."""
+        if self.pipeline_parallel_size <= 1 or spec is None:
+            return
+        if spec.draft is not None:
+            raise ValueError("draft-model speculative decoding with pipeline parallelism is not supported; use method "
+                             "ngram or --pipeline-parallel-size 1")
+        if spec.method in HEAD_METHODS:
+            ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+            raise ValueError(f"speculative_config: method {spec.method!r} with pipeline parallelism (pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size}) is not supported: the head reads the target's embedding "
+                             "(first stage) and its hidden states (last stage) in one place; shard it with tensor "
+                             f"parallelism instead (--tensor-parallel-size {ranks} --pipeline-parallel-size 1) or use "
+                             "method 'ngram'")
 
     def _disagg(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
         """(connector, role, options) of the disaggregation flags (`resolve_disagg_flags`), or none."""
