@@ -12,7 +12,7 @@ the state after each verified token is kept, the accepted length's committed).
   rejects at every depth; Bamba (Mamba-2), Jamba (Mamba-1) and LFM2 (short convolutions) with
   ngram; a draft model; two tensor-parallel ranks;
 - refusals: a Qwen3-Next checkpoint without ``mtp.*`` (exit 2), an MTP tensor missing, a draft
-  model with recurrent layers.
+  model with recurrent layers, pipeline parallelism (exit 2).
 
 The tiny models are drawn narrower than the hybrid parity tests' (init std 0.05): their greedy
 tokens then follow the last token often enough that earlier text predicts later text.
@@ -330,6 +330,19 @@ def test_mtp_random_layer_and_refusals(qnext, qprompts, qwant, tmp_path) -> None
     with pytest.raises(ValueError, match=r"MTP layer mtp\.\* is missing 1 tensors.*pre_fc_norm_hidden"):
         LLM(model=str(path), device="cpu", max_model_len=64, speculative_config={"method": "mtp",
                                                                                  "num_speculative_tokens": 2})
+
+
+def test_pipeline_parallelism_refused_at_engine_build(qnext) -> None:
+    """Refused before any worker starts, naming the fix (the CLI exits 2)."""
+    from portside.cli import main
+
+    with pytest.raises(ValueError, match="speculative decoding with pipeline parallelism is not supported for "
+                                         "Qwen3NextForCausalLM.*--tensor-parallel-size"):
+        LLM(model=str(qnext), device="cpu", max_model_len=64, pipeline_parallel_size=2,
+            speculative_config=dict(NGRAM, num_speculative_tokens=2))
+    spec = json.dumps(dict(NGRAM, num_speculative_tokens=2))
+    assert main(["generate", "hi", "--model", str(qnext), "--device", "cpu", "--pipeline-parallel-size", "2",
+                 "--speculative-config", spec]) == 2
 
 
 def test_draft_model_on_a_hybrid_target_and_a_hybrid_draft_refused(qnext, qprompts, qwant, tmp_path) -> None:

@@ -304,6 +304,11 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and pooler is not None:
             raise ValueError("speculative_config applies to text generation; task embed never decodes: drop one")
+        if spec is not None and self.pipeline_parallel_size > 1 and _has_recurrent_layers(hf):
+            raise ValueError(f"speculative decoding with pipeline parallelism is not supported for "
+                             f"{hf['architectures'][0]}: its recurrent layers' state must roll back to the accepted "
+                             "proposals on every stage in the same step; drop --speculative-config or use "
+                             "--tensor-parallel-size instead of --pipeline-parallel-size")
         # Qwen3-Next's config counts no MTP layers: its checkpoint's ``mtp.*`` tensors are looked for at load
         if spec is not None and spec.method == "mtp" and not int(hf.get("num_nextn_predict_layers") or 0) \
                 and (hf.get("architectures") or [None])[0] != "Qwen3NextForCausalLM":
@@ -410,6 +415,17 @@ def _local_model_path(model: str) -> str:
 
         return str(resolve_model_path(model))
     return model
+
+
+def _has_recurrent_layers(hf: dict[str, Any]) -> bool:
+    """Whether the checkpoint's architecture is a hybrid with recurrent layers (its class says so)."""
+    from portside.model.registry import model_class
+
+    try:
+        cls = model_class((hf.get("architectures") or [""])[0])
+    except ValueError:
+        return False
+    return bool(getattr(cls, "has_recurrent_state", False))
 
 
 def _read_hf_config(path: str) -> dict[str, Any]:
