@@ -8,10 +8,11 @@ format and every instruction-set path this CPU runs, against
     the kernel rounds x per block to int8, at most half a step (scale / 2) per value, so
     |y - x W^T| <= sum_k |W[n, k]| scale(t, k) / 2 (plus the fp32 sums above).
 
-Shapes are random-ish: N odd (the decode kernel's leftover row), K not a multiple of 256 where the
-format allows it (Q8_0 and Q4_0 have blocks of 32; GGUF rows are whole blocks), an odd number of
-32-blocks (the VNNI kernel's single last block), T = 1 (decode), 3, 5..9 (token rows 4 at a time
-and a remainder) and 17; fp32 and bf16 activations, with a bias.
+Shapes are random-ish: N odd (the decode kernel's leftover rows after passes of 4 and 2) and N
+over a chunk of 32 rows (the several-token path), K not a multiple of 256 where the format allows
+it (Q8_0 and Q4_0 have blocks of 32; GGUF rows are whole blocks), an odd number of 32-blocks (the
+VNNI kernel's single last block; Q4_0's 4-block pass, then a pair), T = 1 (decode), 3, 5..9 (token
+rows 4 at a time and a remainder), 17 and 40; fp32 and bf16 activations, with a bias.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ gguf = pytest.importorskip("gguf")
 
 ISAS = gguf_dot.isas()
 FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-SHAPES = {32: ((33, 96), (7, 800)), 256: ((33, 768), (5, 256))}  # (N, K) per weight block size
-ROWS = (1, 3, 5, 6, 7, 8, 9, 17)
+# (N, K) per weight block size; N 70: more than a chunk of the several-token path (32 rows), and
+# (like 7 and 33) not a multiple of the 4 rows per decode pass; K 224: 7 blocks of 32 (Q4_0's
+# 4-block VNNI pass, then a pair, then one)
+SHAPES = {32: ((33, 96), (7, 800), (70, 224)), 256: ((33, 768), (5, 256), (70, 512))}
+ROWS = (1, 3, 5, 6, 7, 8, 9, 17, 40)
 EPS = torch.finfo(torch.float32).eps
 # where each format keeps its fp16 super-scales (d, and Q4_K/Q5_K's dmin), to set them to sizes
 # giving O(1) outputs on random code bytes (all codes, the extreme ones included)

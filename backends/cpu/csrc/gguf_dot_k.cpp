@@ -250,6 +250,7 @@ struct Avx2IQ4_XS {
 
 template <bool Q5>
 struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vpdpwssd by their scales
+  static constexpr int DECODE_ROWS = 4;  // (gguf_dot.h's decode_rows)
   template <int NR, int R>
   static void rows(const Ctx& c, int64_t n, int64_t t) {
     constexpr int64_t BB = Q5 ? 176 : 144, QS = Q5 ? 48 : 16;
@@ -305,6 +306,7 @@ struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vp
 
 struct VnniQ6_K {  // two quarters (64 codes) per zmm: maddubs of the unsigned codes, each int16 pair's
                    // -32 offset added (Ctx::ps: lanes then hold true signed dots), vpdpwssd by the scales
+  static constexpr int DECODE_ROWS = 4;  // (gguf_dot.h's decode_rows)
   template <int NR, int R>
   static void rows(const Ctx& c, int64_t n, int64_t t) {
     const int64_t S = c.K / 256;

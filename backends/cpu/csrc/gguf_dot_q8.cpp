@@ -114,8 +114,36 @@ inline __m512 two_scales(const uint8_t* b0, const uint8_t* b1) {
   return _mm512_cvtph_ps(h);
 }
 
+#ifdef PORTSIDE_GD_VBMI
+
+// Q4_0, four blocks at 18-byte steps from one row pointer: the vpermb index of the zmm of blocks
+// 2p and 2p + 1 (byte j: code byte j % 16 of block 2p + j / 32, past its 2-byte scale; indices from
+// 64 read the second source, the 8 bytes after the first 64).
+inline __m512i q4_index(int p) {
+  alignas(64) uint8_t v[64];
+  for (int j = 0; j < 64; ++j) v[j] = uint8_t(18 * (2 * p + j / 32) + 2 + j % 16);
+  return _mm512_load_si512(v);
+}
+
+// Per 16-bit word: 4 for the second 16 bytes of each 32 (the high nibbles), else 0.
+inline __m512i q4_shifts() {
+  alignas(64) uint16_t v[32];
+  for (int w = 0; w < 32; ++w) v[w] = uint16_t((2 * w) % 32 >= 16 ? 4 : 0);
+  return _mm512_load_si512(v);
+}
+
+// vpermw index: the four blocks' fp16 scales (words 0, 9, 18, 27), each 8 times.
+inline __m512i q4_scale_index() {
+  alignas(64) uint16_t v[32];
+  for (int w = 0; w < 32; ++w) v[w] = uint16_t(9 * (w / 8));
+  return _mm512_load_si512(v);
+}
+
+#endif  // PORTSIDE_GD_VBMI
+
 template <bool Q4>
 struct VnniQ8Q4 {
+  static constexpr int DECODE_ROWS = Q4 ? 4 : 2;  // (gguf_dot.h's decode_rows)
   template <int NR, int R>
   static void rows(const Ctx& c, int64_t n, int64_t t) {
     constexpr int64_t BB = Q4 ? 18 : 34;
@@ -126,6 +154,37 @@ struct VnniQ8Q4 {
     for (int i = 0; i < NR; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps(), tail[i][r] = 0.f;
     int64_t b = 0;
+#ifdef PORTSIDE_GD_VBMI
+    if constexpr (Q4) {  // four blocks (72 bytes) per pass: one load (and 8 bytes more, masked) per row;
+                         // vpermb puts each block's 16 code bytes twice in a 32-byte half, vpsrlvw
+                         // shifts the second copy's words by 4 (the high nibbles)
+      const __m512i i0 = q4_index(0), i1 = q4_index(1), sh = q4_shifts(), is = q4_scale_index();
+      for (; b + 4 <= B; b += 4) {
+        prefetch<NR, R>(c, n, b * BB, 4 * BB);
+        __m512i wv[2][NR];
+        __m512 dw[2][NR];
+        for (int i = 0; i < NR; ++i) {
+          const uint8_t* blk = c.w + (n + i) * c.rb + b * BB;
+          const __m512i a = _mm512_loadu_si512(blk), e = _mm512_maskz_loadu_epi8(0xFF, blk + 64);
+          wv[0][i] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(i0, a), sh), m4);
+          wv[1][i] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutex2var_epi8(a, i1, e), sh), m4);
+          const __m512i h = _mm512_permutexvar_epi16(is, a);  // the 4 fp16 scales, each 8 times
+          dw[0][i] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+          dw[1][i] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        }
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < 2; ++p) {
+            const __m512i xv = _mm512_loadu_si512(c.xq + (t + r) * c.K + (b + 2 * p) * 32);
+            const __m512i bias = _mm512_loadu_si512(c.lb + (t + r) * K4 + (b + 2 * p) * 8);
+            const __m512 dx = _mm512_loadu_ps(c.xdl + (t + r) * K4 + (b + 2 * p) * 8);
+            for (int i = 0; i < NR; ++i) {
+              const __m512i s = _mm512_dpbusd_epi32(bias, wv[p][i], xv);
+              acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[p][i], dx), _mm512_cvtepi32_ps(s), acc[i][r]);
+            }
+          }
+      }
+    }
+#endif
     for (; b + 2 <= B; b += 2) {
       prefetch<NR, R>(c, n, b * BB, 2 * BB);
       __m512i wv[NR];
