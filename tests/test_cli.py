@@ -50,13 +50,18 @@ def test_unavailable_device_exits_2_naming_devices_and_reasons(tiny_llama):
 
 
 @pytest.mark.slow
-def test_unknown_device_and_missing_model_exit_2(tmp_path):
+def test_unknown_device_and_missing_model_exit_2(tmp_path, capsys):
     proc = portside("generate", "hello", "--device", "no-such-device", "--model", str(tmp_path))
     assert proc.returncode == 2 and "no platform named 'no-such-device'" in proc.stderr
-    proc = portside("generate", "hello", "--device", "cpu", "--model", str(tmp_path / "missing"))
-    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
-    proc = portside("generate", "hello", "--max-tokens", "many")
-    assert proc.returncode == 2 and "invalid int value" in proc.stderr
+    # the same entry point in this process (a subprocess each costs ~10 s of imports on CI's 2 cores)
+    from portside.cli import main
+
+    assert main(["generate", "hello", "--device", "cpu", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as usage:  # argparse's own exit
+        main(["generate", "hello", "--max-tokens", "many"])
+    assert usage.value.code == 2 and "invalid int value" in capsys.readouterr().err
 
 
 def test_bad_sampling_value_exits_2(tiny_llama):
@@ -88,14 +93,24 @@ def test_default_model_answers_paris():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags,sequences", [((), 1), (("-n", "3"), 3), (("--max-num-seqs", "5"), 5)])
-def test_generate_sizes_its_kv_cache_for_its_prompt(tiny_llama, flags, sequences):
+def test_generate_sizes_its_kv_cache_for_its_prompt(tiny_llama, flags, sequences, caplog):
     """One prompt's n samples: `--max-num-seqs` defaults to -n, so the KV cache is the runner's cap
     for that many sequences (twice their full length), not a server's budget (the default model's
     4 GiB cost a first answer ~10 s of CPU)."""
+    import logging
     import re
 
-    proc = portside("--log-level", "INFO", "generate", "hello", "--raw", "--model", str(tiny_llama), "--device", "cpu",
-                    "--max-model-len", "256", "--block-size", "16", "--max-tokens", "2", *flags)
-    assert proc.returncode == 0, proc.stderr
-    blocks = int(re.search(r"KV cache: (\d+) blocks of 16 tokens", proc.stderr).group(1))
+    argv = ["--log-level", "INFO", "generate", "hello", "--raw", "--model", str(tiny_llama), "--device", "cpu",
+            "--max-model-len", "256", "--block-size", "16", "--max-tokens", "2", *flags]
+    if flags == ("-n", "3"):  # as a user runs it
+        proc = portside(*argv)
+        assert proc.returncode == 0, proc.stderr
+        log = proc.stderr
+    else:  # the same entry point in this process (a subprocess costs ~10 s of imports on CI's 2 cores)
+        from portside.cli import main
+
+        caplog.set_level(logging.INFO)
+        assert main(argv) == 0
+        log = caplog.text
+    blocks = int(re.search(r"KV cache: (\d+) blocks of 16 tokens", log).group(1))
     assert blocks == 2 * sequences * (256 // 16)
