@@ -37,10 +37,14 @@
 //     Q4_K/Q5_K with maddubs then vpdpwssd by the sub-block scales; Q6_K the same with each int16
 //     pair's -32 offset added first (`Ctx::ps`); IQ4_XS with vpdpbusd on its values + 128 and the
 //     bias preloaded as Q8_0's.
+//   (with AVX-512 VBMI, Q4_0 takes four blocks per pass: vpermb spreads their code bytes, vpermw
+//   their scales; Q4_K/Q5_K's 6-bit scales and minimums are unpacked in a register.)
 // Decode rows prefetch the weight rows they read next (`prefetch` in gguf_dot.h).
-// Rows: one token row (decode) streams the packed weight rows once, two side by side, output
-// rows split across threads (at::parallel_for); several token rows share each decoded weight
-// block, 4 at a time (a 5..8-row step reads each weight row once from memory, then from L1).
+// Rows: one token row (decode) streams the packed weight rows once, 2 or 4 side by side (the
+// kernel's DECODE_ROWS), output rows split across threads (at::parallel_for); several token rows:
+// per thread, chunks of 32 weight rows (in L2) against all token rows, 4 token rows by 2 or 4
+// weight rows per pass (PREFILL_ROWS), so each decoded weight block serves 4 tokens and the
+// activations of those 4 stay in L1.
 
 #include "gguf_dot.h"
 

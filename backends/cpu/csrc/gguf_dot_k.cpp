@@ -248,6 +248,17 @@ struct Avx2IQ4_XS {
 
 #ifdef PORTSIDE_GD_VNNI
 
+// k_scales in a register: the 8 scales (bytes 0..7), then the 8 minimums (8..15), from one 16-byte
+// load at s12 (the 4 bytes past the 12 are the block's own: its codes follow).
+inline __m128i k_scales_v(const uint8_t* s12) {
+  const __m128i v = load128(s12);
+  const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // u0 u2 u1 u2
+  const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // u0 u0 u1 u1
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                   _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
+}
+
 template <bool Q5>
 struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vpdpwssd by their scales
   static constexpr int DECODE_ROWS = 4;  // (gguf_dot.h's decode_rows)
@@ -269,9 +280,8 @@ struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vp
       prefetch<NR, R>(c, n, s * BB, BB);
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = c.w + (n + i) * c.rb + s * BB;
-        alignas(16) uint8_t sc[8], mn[8];
-        k_scales(blk + 4, sc, mn);
-        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+        const __m128i ks = k_scales_v(blk + 4);
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(ks));
         __m512i isum[R];
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
         __m512i hb = _mm512_setzero_si512();
@@ -289,7 +299,8 @@ struct VnniQ45_K {  // a pair of sub-blocks (64 codes) per zmm: maddubs, then vp
             isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(nib, xv), scv);
           }
         }
-        const __m256i mp = pairs16(mn);
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_srli_si128(ks, 8));
+        const __m256i mp = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));  // (pairs16)
         const float d = h2f(blk), dmin = h2f(blk + 2);
         for (int r = 0; r < R; ++r) {
           const float dx = c.xd[(t + r) * S + s];
