@@ -311,3 +311,23 @@ def test_the_host_index_never_reuses_a_slot_being_loaded_from():
     assert [op[:2] for op in tiers.build_connector_meta(None).ops] == [("save", 2)]
     assert hashes[2] in tiers.entries and len(tiers.entries) == 2
     tiers.check_integrity()
+
+
+def test_sleep_lets_go_of_the_tier_and_wake_up_serves_identical_tokens(tiny_llama, baseline):
+    """Sleep drops the KV cache: the connector's worker (which holds the caches and the host
+    buffer) is stopped and let go of, the index is reset, and the worker built on wake-up serves the
+    same greedy tokens (the first replay recomputes: nothing stored before sleep is loaded)."""
+    llm = _llm(tiny_llama, kv_offload_cpu_bytes=1 << 20)
+    _replay(llm, rounds=1)
+    runner = llm.engine.executor.runner
+    old = runner.kv_transfer.worker
+    assert old is not None and old._thread.is_alive()
+    llm.sleep(1)
+    assert runner.kv_transfer.worker is None and not old._thread.is_alive()
+    llm.wake_up()
+    assert runner.kv_transfer.worker is not None and runner.kv_transfer.worker is not old
+    tokens, cached = _replay(llm)
+    assert tokens == baseline
+    assert cached[: len(PROMPTS)] == [0] * len(PROMPTS)  # nothing from before sleep came back
+    assert any(cached[len(PROMPTS):])  # the new worker's host tier serves the second replay
+    _check_books(llm)

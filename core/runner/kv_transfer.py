@@ -92,6 +92,7 @@ class RunnerKVTransfer:
         """Build the worker half once the caches exist (`config`: the `EngineConfig`). `draft`: a
         speculative draft model's or EAGLE/MTP head's (`KVCacheSpec`, caches), which use the same
         block ids: its layers ride in each block after the target's (`KVBlockLayout.draft`)."""
+        self.release()  # a wake-up after sleep builds a new one
         if config.kv_transfer is None:
             return
         layout = platform.kv_block_layout(spec, block_size)
@@ -126,3 +127,8 @@ class RunnerKVTransfer:
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+
+    def release(self) -> None:
+        """Stop the worker and let go of it, with the caches and host buffer it holds (sleep)."""
+        self.shutdown()
+        self.worker = None

@@ -198,6 +198,7 @@ class RunnerWeights:
         if not self._kv_asleep:
             self._num_blocks = self.scratch_block  # type: ignore[attr-defined]
             self.kv_caches, self.states = [], None
+            self.kv_transfer.release()  # type: ignore[attr-defined]  # it holds the caches and the host tier
             self._kv_asleep = True
         if not self._weights_asleep:
             self._offloaded = self.platform.offload_weights(self.model, keep=level == 1)
