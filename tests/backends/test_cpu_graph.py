@@ -77,9 +77,11 @@ def _runner(llm: LLM):
 def test_greedy_parity_with_transformers(request, model_path, mode):
     """Attention through the Python (torch) backend; for qwen2 in the compiled modes, through the
     default one, on the engine of the tests below: the torch backend inside a compiled graph is
-    the llama case's, qwen2's qkv biases are compiled in either way (one engine fewer per mode)."""
+    the llama case's, qwen2's qkv biases are compiled in either way (one engine fewer per mode).
+    OpenVINO keeps attention out of its segments (the platform's backend runs between them, as in
+    eager mode, which tests both backends): both models on the default's engine (one fewer)."""
     compiled_qwen2 = mode != "eager" and request.node.callspec.params["model_path"] == "qwen2"
-    llm = _engine(model_path, mode, attention="auto" if compiled_qwen2 else "torch")
+    llm = _engine(model_path, mode, attention="auto" if compiled_qwen2 or mode == "openvino" else "torch")
     assert _runner(llm).name == mode
     prompts = _prompts(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -128,7 +130,7 @@ def test_inductor_decode_steps_attend_in_cpp(model_path, monkeypatch):
 def test_openvino_really_executes(tiny_llama):
     """Every step goes through compiled OpenVINO models: the runner counts its inferences, and
     each segment is an OpenVINO CompiledModel on the CPU device with a dynamic token axis."""
-    llm = _engine(tiny_llama, "openvino")
+    llm = _engine(tiny_llama, "openvino", attention="auto")  # the parity tests' engine
     runner = _runner(llm)
     import openvino as ov
 
