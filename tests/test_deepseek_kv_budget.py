@@ -5,11 +5,9 @@ several times the tokens the same model would with full multi-head K and V. Real
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
+from portside.cli import main
 from portside.contract import KVCacheSpec, LatentKVCacheSpec
 from portside.engine.kv_report import CacheReport, cache_report
 from portside.testing.tiny_deepseek import write_deepseek_v2_lite_config
@@ -36,24 +34,26 @@ def test_v2_lite_shaped_latent_cache_holds_over_5x_the_tokens(tmp_path):
     assert unpadded / mla.bytes_per_token >= 5
 
 
-def test_portside_devices_reports_the_latent_cache(tmp_path):
+def test_portside_devices_reports_the_latent_cache(tmp_path, capsys):
+    """`portside devices --model` through the CLI's entry point in this process (test_cli runs
+    `portside devices` as a subprocess; another interpreter here cost ~10 s of imports on CI)."""
     path = write_deepseek_v2_lite_config(tmp_path / "v2")
-    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), "--max-model-len", "4096",
-                          "--kv-cache-memory", str(BUDGET)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    code = main(["devices", "--model", str(path), "--max-model-len", "4096", "--kv-cache-memory", str(BUDGET)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
     tokens = BUDGET // (LAYERS * (LATENT + ROPE) * 2)
     assert "latent attention (MLA): 27 layers, one row of 512 latent + 64 rotary values per token, 30.4 KiB per token" \
-        in out.stdout, out.stdout
-    assert f"hold {tokens} tokens" in out.stdout, out.stdout
-    assert f"hold {BUDGET // (SEQ * LAYERS * (LATENT + ROPE) * 2)} sequences of 4096 tokens" in out.stdout
+        in out.out, out.out
+    assert f"hold {tokens} tokens" in out.out, out.out
+    assert f"hold {BUDGET // (SEQ * LAYERS * (LATENT + ROPE) * 2)} sequences of 4096 tokens" in out.out
 
 
-def test_portside_devices_refuses_an_8bit_latent_cache(tmp_path):
+def test_portside_devices_refuses_an_8bit_latent_cache(tmp_path, capsys):
     path = write_deepseek_v2_lite_config(tmp_path / "v2")
-    out = subprocess.run([sys.executable, "-m", "portside.cli", "devices", "--model", str(path), "--kv-cache-dtype",
-                          "fp8"], capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    assert "multi-head latent attention (MLA)" in out.stderr and "--kv-cache-dtype auto" in out.stderr
+    code = main(["devices", "--model", str(path), "--kv-cache-dtype", "fp8"])
+    out = capsys.readouterr()
+    assert code == 2, (out.out, out.err)
+    assert "multi-head latent attention (MLA)" in out.err and "--kv-cache-dtype auto" in out.err
 
 
 def test_v3_shaped_latent_cache(tmp_path):
