@@ -331,3 +331,26 @@ def test_sleep_lets_go_of_the_tier_and_wake_up_serves_identical_tokens(tiny_llam
     assert cached[: len(PROMPTS)] == [0] * len(PROMPTS)  # nothing from before sleep came back
     assert any(cached[len(PROMPTS):])  # the new worker's host tier serves the second replay
     _check_books(llm)
+
+
+def test_after_a_weight_update_no_block_reaches_the_disk(tiny_llama, baseline, tmp_path):
+    """RL: KV computed with updated weights must never be stored where a server restarted on the
+    checkpoint would load it. The update drops what the tiers hold (files removed) and closes the
+    disk tier; a new engine on the checkpoint and the same folder starts cold, with its tokens."""
+    from safetensors.torch import load_file
+
+    disk = dict(kv_offload_cpu_bytes=8 * 2048, kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    first = _llm(tiny_llama, **disk)
+    _replay(first, rounds=1)
+    weights = load_file(str(tiny_llama / "model.safetensors"))
+    first.update_weights([(name, t * 1.25) for name, t in weights.items() if name.endswith("mlp.up_proj.weight")])
+    updated, _ = _replay(first, rounds=2)
+    assert updated[: len(PROMPTS)] != baseline[: len(PROMPTS)]  # the update changed the model
+    _check_books(first)
+    first.engine.shutdown()
+    del first
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.startswith("portside-kv-")]
+    assert not list(folder.glob("*.kvb"))
+    second = _llm(tiny_llama, **disk)
+    tokens, cached = _replay(second, rounds=1)
+    assert tokens == baseline[: len(PROMPTS)] and cached == [0] * len(PROMPTS)

@@ -147,3 +147,4 @@ class EngineRL:
     def _updated(self) -> None:
         self._weights_undefined = False
         self.reset_prefix_cache()
+        self.scheduler.kv_loads.weights_changed()  # e.g. the disk tier stops: restarts load the checkpoint's KV

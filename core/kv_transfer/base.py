@@ -171,6 +171,10 @@ class KVConnectorScheduler(ABC):
     def reset(self) -> None:
         """The prefix cache was reset (new weights): nothing stored so far may be loaded again."""
 
+    def weights_changed(self) -> None:
+        """The model's weights were updated in place (RL; `reset` has run): KV computed from now on
+        belongs to weights no checkpoint holds. Default: nothing."""
+
     def stats(self) -> dict[str, Any]:
         """Counters for metrics (names without prefix; values numbers)."""
         return {}

@@ -312,6 +312,11 @@ class TiersScheduler(KVConnectorScheduler):
         for hashes in self.inflight.values():  # their loads are discarded (`KVLoads`): pins are moot
             hashes.clear()
 
+    def weights_changed(self) -> None:
+        """From now on no block reaches the disk tier: a server restarted on the checkpoint would
+        load KV computed with the updated weights (the files stored before were removed by `reset`)."""
+        self.disk_dirs = []
+
     def has_pending_work(self) -> bool:
         return bool(self.ops)
 

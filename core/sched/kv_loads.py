@@ -155,6 +155,11 @@ class KVLoads:
         assert self.connector is not None
         self.connector.reset()
 
+    def weights_changed(self) -> None:
+        """The weights were updated in place (after the prefix cache's reset): tell the connector."""
+        if self.connector is not None:
+            self.connector.weights_changed()
+
     def _release(self, req_id: str) -> None:
         self.loads.pop(req_id, None)
         self.kv.pool.free_blocks(reversed(self.kv.external_holds.pop(req_id, [])))
