@@ -11,7 +11,8 @@ a test dependency), so nothing is downloaded:
   offline when ``TIKTOKEN_ENCODINGS_BASE`` points at it;
 - `make_harmony_tokenizer(path)`: a Hugging Face tokenizer folder (tokenizer.json through
   transformers' `TikTokenConverter`), the same token ids as ``openai_harmony``'s encoding;
-- `harmony_tokenizer_dir()`: that folder, built once per process (a test session) and reused.
+- `harmony_tokenizer_dir()`: that folder, built once under the temporary folder and reused by
+  later processes.
 """
 
 from __future__ import annotations
@@ -123,10 +124,26 @@ def make_harmony_tokenizer(path: str | os.PathLike) -> Any:
 
 @functools.cache
 def harmony_tokenizer_dir() -> Path:
-    """The o200k_harmony tokenizer folder, built once per process (a test session) under the
-    temporary folder; copy its files next to a model's config."""
-    path = Path(tempfile.mkdtemp(prefix="portside-harmony-tok-"))
-    make_harmony_tokenizer(path)
+    """The o200k_harmony tokenizer folder, built once under the temporary folder and shared by the
+    processes that ask for it (pytest-xdist's workers, later test runs): named by a digest of this
+    module, the o200k ranks and the transformers and tokenizers versions, so a change to any of them
+    builds a new one; a build goes to a private folder renamed into place whole. Copy its files next
+    to a model's config."""
+    import tokenizers
+    import transformers
+
+    key = hashlib.sha256(b"\0".join([Path(__file__).read_bytes(), O200K_SHA256.encode(),
+                                       transformers.__version__.encode(), tokenizers.__version__.encode()]))
+    path = Path(tempfile.gettempdir()) / f"portside-harmony-tok-{key.hexdigest()[:16]}"
+    if not (path / "tokenizer.json").is_file():
+        build = Path(tempfile.mkdtemp(prefix=f"{path.name}.build-", dir=path.parent))
+        make_harmony_tokenizer(build)
+        try:
+            build.rename(path)
+        except OSError:  # another process put its (identical) build there first, or something else is there
+            if not (path / "tokenizer.json").is_file():
+                return build
+            shutil.rmtree(build, ignore_errors=True)
     return path
 
 
