@@ -147,6 +147,29 @@ def assert_bf16_greedy_parity(hf, prompt: list[int], tokens: list[int], margin: 
     return exact
 
 
+_BF16_INDUCTOR: dict[str, LLM] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_bf16_inductor_engines():
+    yield
+    for llm in _BF16_INDUCTOR.values():
+        llm.shutdown()
+    _BF16_INDUCTOR.clear()
+
+
+def _bf16_inductor_engine(variant: Path) -> LLM:
+    """The variant's bf16 engine in inductor mode with the fused step off (batch-1 decodes in the
+    graphs), built on first use and shared by the two bf16 inductor cases below: compiling one
+    takes 10-30 s on CI's 2 cores. The batched case's steps have several rows (its linears in the
+    graphs' few-rows AMX kernel or oneDNN), which the fused step never takes."""
+    if str(variant) not in _BF16_INDUCTOR:
+        _BF16_INDUCTOR[str(variant)] = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512,
+                                           block_size=8, platform_options={"cpu_fused_decode": "off",
+                                                                           "cpu_graph": "inductor"})
+    return _BF16_INDUCTOR[str(variant)]
+
+
 @pytest.mark.parametrize("fused", ["on", "off", pytest.param("off-inductor", marks=pytest.mark.slow)])
 def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
     """A bf16 model (bf16 KV cache) through the engine: every batch-1 decode runs in the fused step
@@ -168,8 +191,11 @@ def test_bf16_engine_greedy_parity(variant, fused, monkeypatch):
     monkeypatch.setattr(attention, "_decode", refuse)
     monkeypatch.setattr(FusedDecoder, "__call__", counting)
     mode = "inductor" if fused.endswith("inductor") else "eager"
-    llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
-              platform_options={"cpu_fused_decode": fused.removesuffix("-inductor"), "cpu_graph": mode})
+    if mode == "inductor":  # built here, with the patches above in place; the batched test below reuses it
+        llm = _bf16_inductor_engine(variant)
+    else:
+        llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
+                  platform_options={"cpu_fused_decode": fused, "cpu_graph": mode})
     runner = llm.engine.executor.runner
     assert runner.attn_backend.name == "native-paged"
     assert (runner.graph_runner._fused is not None) == (fused == "on")
@@ -193,8 +219,11 @@ def test_bf16_batched_engine_greedy_parity_amx_linears(variant, mode):
     from portside.backends.cpu.eager_linears import AMX_MAX_ROWS, amx_unavailable_reason
 
     amx = amx_unavailable_reason() is None
-    llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
-              platform_options={"cpu_graph": mode})
+    if mode == "inductor":
+        llm = _bf16_inductor_engine(variant)
+    else:
+        llm = LLM(model=str(variant), device="cpu", dtype="bfloat16", max_model_len=512, block_size=8,
+                  platform_options={"cpu_graph": mode})
     runner = llm.engine.executor.runner.graph_runner
     assert (runner._few_rows == AMX_MAX_ROWS if amx else runner._few_rows == 0) if mode == "inductor" else runner._amx == amx
     prompts = [*BF16_PROMPTS, [7, 8, 9, 10], list(range(200, 260))]
