@@ -29,6 +29,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_cut_by_grammar: int = 0  # proposals a grammar refused before verification
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -43,6 +44,7 @@ class SpecDecodeStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_draft_tokens_cut_by_grammar += other.num_draft_tokens_cut_by_grammar
         per_pos = self.num_accepted_tokens_per_pos
         per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
         for i, n in enumerate(other.num_accepted_tokens_per_pos):

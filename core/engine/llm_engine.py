@@ -293,13 +293,13 @@ class LLMEngine(EngineRL):
         return outputs
 
     def _grammar_bitmask(self, so: Any) -> Any:
-        """Start filling the masks of the constrained requests that sample this step (it runs
-        while the model computes; the sampler waits for it)."""
+        """Start filling the masks of the constrained requests that sample this step, one per
+        position they sample (it runs while the model computes; the sampler waits for it)."""
         rows = []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             if req.structured is not None and req.num_computed_tokens + n >= req.num_tokens:
-                rows.append((rid, req.structured))
+                rows.append((rid, req.structured, so.scheduled_spec_decode_tokens.get(rid, [])))
         return self.structured.grammar_bitmask(rows) if rows else None
 
     def has_unfinished_requests(self) -> bool:

@@ -453,12 +453,12 @@ class ModelRunner(RunnerWeights):
                           len(self.requests[rid].prompt_token_ids)) for i, rid in enumerate(batch.req_ids)]
 
     def _propose(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Speculative decoding: the next proposals of each request that sampled this step (none
-        under a grammar, whose masks follow only the tokens actually accepted)."""
+        """Speculative decoding: the next proposals of each request that sampled this step (under
+        a grammar the scheduler keeps the prefix the grammar allows, and masks each verified
+        position with the grammar's state after the proposals before it)."""
         if (self.ngram is None and self.draft is None) or not self.is_last_stage:
             return {}
-        states = [self.requests[rid] for rid, new in sampled.items()
-                  if new and self.requests[rid].sampling_params.structured_outputs is None and self.backoff.allows(rid)]
+        states = [self.requests[rid] for rid, new in sampled.items() if new and self.backoff.allows(rid)]
         if self.draft is not None:
             return self.draft.propose(states)
         assert self.ngram is not None

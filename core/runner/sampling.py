@@ -74,10 +74,11 @@ class SamplingHandoff:
         if so.grammar is None:
             return None
         index, row = {}, 0
-        for rid, spec in zip(batch.sampled_req_ids, batch.spec):  # a constrained request has no proposals
+        for rid, spec in zip(batch.sampled_req_ids, batch.spec):  # a row per verified position
             index[rid] = row
             row += 1 + len(spec)
-        rows = torch.tensor([index[rid] for rid in so.grammar.req_ids], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([index[rid] + j for rid, n in zip(so.grammar.req_ids, so.grammar.num_rows) for j in range(n)],
+                            dtype=torch.int64, device=self.device)
         return TokenBitmask(rows=rows, bitmask=so.grammar.get().to(self.device))
 
     def metadata(self, states: list[CachedRequestState], spec: list[list[int]]) -> SamplingMetadata:

@@ -400,7 +400,8 @@ class Scheduler:
         if not proposals or request.num_computed_tokens != request.num_tokens - 1:
             return []
         room = min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)
-        return proposals[: max(0, min(room, self.num_spec_tokens))]
+        kept = proposals[: max(0, min(room, self.num_spec_tokens))]  # under a grammar: the prefix it allows
+        return kept if request.structured is None else request.structured.valid_drafts(kept, self.spec_stats)
 
     def _record_spec(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         if request.spec_stats is None:

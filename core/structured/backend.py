@@ -3,7 +3,8 @@
 A backend turns `StructuredOutputsParams` into a `CompiledGrammar` (ValueError naming the
 problem when the constraint is invalid or can never match); each sequence gets its own
 `Matcher` from it, which fills that sequence's row of the packed token bitmask (int32 words, bit
-t of the row = token t allowed) and accepts the tokens sampled under it.
+t of the row = token t allowed), accepts the tokens sampled under it, and rolls back tokens it
+accepted (a refused token leaves it as it was).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class Matcher(Protocol):
 
     def error(self) -> str | None:
         """Why the matcher failed (a resource limit, an unexpected token), or None."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding advances through the
+        proposals to build each verified position's mask, then rolls back). A backend's matcher
+        without it is never speculated (`StructuredState.can_speculate`)."""
 
 
 class CompiledGrammar(Protocol):

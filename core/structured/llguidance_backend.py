@@ -5,7 +5,7 @@ runs away on a pathological grammar: the matcher errors instead)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -19,14 +19,28 @@ from portside.structured.params import StructuredOutputsParams
 class LLGuidanceMatcher:
     m: llguidance.LLMatcher
     spelled: dict[int, list[int]]  # added token -> ordinary tokens of its text
+    consumed: list[int] = field(default_factory=list)  # llguidance tokens each accepted token took
 
     def accept_token(self, token_id: int) -> bool:
         # llguidance counts every added token (Qwen's <tool_call>, <think>) as special: a mask that
         # reaches one through its text allows it, then consuming it fails. Feed its text instead.
-        alt = self.spelled.get(token_id)
-        if alt is not None and self.m.validate_tokens([token_id]) == 0:
-            return self.m.consume_tokens(alt)
-        return self.m.consume_token(token_id)
+        # A refused token is checked first, not consumed: the matcher stays usable (speculation
+        # probes proposals the grammar may refuse).
+        ids = [token_id]
+        if self.m.validate_tokens(ids) != 1:
+            ids = self.spelled.get(token_id) or []
+            if not ids or self.m.validate_tokens(ids) != len(ids):
+                return False
+        ok = self.m.consume_tokens(ids)
+        if ok:
+            self.consumed.append(len(ids))
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            n = sum(self.consumed[-num_tokens:])
+            del self.consumed[-num_tokens:]
+            self.m.rollback(n)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         v = bitmask[row]  # a contiguous int32 row of a CPU tensor

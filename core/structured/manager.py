@@ -72,6 +72,35 @@ class StructuredState:
             return True
         return self.matcher.is_terminated()
 
+    @property
+    def can_speculate(self) -> bool:
+        """Proposals are verified under the grammar only outside reasoning, with a matcher that
+        rolls back (a backend without `rollback` is never speculated)."""
+        return not self.in_reasoning and not self.may_open and callable(getattr(self.matcher, "rollback", None))
+
+    def valid_drafts(self, tokens: list[int], stats: Any = None) -> list[int]:
+        """The longest prefix of `tokens` (proposals) the grammar allows from here, cut at the
+        first refused one or where the output completes; the matcher is left as it was. The
+        tokens cut are counted in `stats.num_draft_tokens_cut_by_grammar` (a SpecDecodeStats)."""
+        n = 0
+        if tokens and self.can_speculate:
+            while n < len(tokens) and not self.matcher.is_terminated() and self.matcher.accept_token(tokens[n]):
+                n += 1
+            self.matcher.rollback(n)
+        if stats is not None:
+            stats.num_draft_tokens_cut_by_grammar += len(tokens) - n
+        return tokens[:n]
+
+    def fill_draft_rows(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row + 1 .. row + len(drafts): the mask after each proposal in turn (row `row`, the
+        one before them, is filled with the others'). Rows after a proposal the grammar refuses
+        stay all-allowed: verification stops at that proposal, which its own mask refuses."""
+        n = 0
+        while n < len(drafts) and self.matcher.accept_token(drafts[n]):
+            n += 1
+            self.matcher.fill_bitmask(bitmask, row + n)
+        self.matcher.rollback(n)
+
 
 def _set_bit(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     b = token_id % 32
@@ -80,9 +109,11 @@ def _set_bit(bitmask: torch.Tensor, row: int, token_id: int) -> None:
 
 @dataclass
 class GrammarBitmask:
-    """The packed masks of one step: row i ([ceil(V / 32)] int32) belongs to `req_ids[i]`."""
+    """The packed masks of one step ([rows, ceil(V / 32)] int32): `num_rows[i]` consecutive rows
+    belong to `req_ids[i]`, one per position it samples (1 + its proposals under speculation)."""
 
     req_ids: list[str]
+    num_rows: list[int]
     _future: Future[torch.Tensor] | None = None
     _bitmask: torch.Tensor | None = field(default=None)
 
@@ -94,7 +125,7 @@ class GrammarBitmask:
         return self._bitmask
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"req_ids": self.req_ids, "_future": None, "_bitmask": self.get()}
+        return {"req_ids": self.req_ids, "num_rows": self.num_rows, "_future": None, "_bitmask": self.get()}
 
 
 class StructuredOutputManager:
@@ -177,32 +208,40 @@ class StructuredOutputManager:
             state.may_open = not state.in_reasoning and self.reasoning.start_token_id not in prompt_token_ids
         return state
 
-    def grammar_bitmask(self, rows: list[tuple[str, StructuredState]]) -> GrammarBitmask | None:
-        """Start filling the masks of the sequences that sample this step under a grammar."""
-        rows = [(rid, s) for rid, s in rows if s.wants_mask]
+    def grammar_bitmask(self, rows: list[tuple[str, StructuredState, list[int]]]) -> GrammarBitmask | None:
+        """Start filling the masks of the sequences that sample this step under a grammar: each
+        row is (request id, state, the proposals it verifies this step)."""
+        rows = [r for r in rows if r[1].wants_mask]
         if not rows:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portside-grammar")
-        states = [s for _, s in rows]
-        return GrammarBitmask([rid for rid, _ in rows], self._pool.submit(self._fill, states))
+        items = [(s, d) for _, s, d in rows]
+        return GrammarBitmask([r[0] for r in rows], [1 + len(d) for _, _, d in rows], self._pool.submit(self._fill, items))
 
-    def _fill(self, states: list[StructuredState]) -> torch.Tensor:
-        bitmask = allocate_bitmask(len(states), self.vocab_size)
+    def _fill(self, items: list[tuple[StructuredState, list[int]]]) -> torch.Tensor:
+        starts = [0]
+        for _, drafts in items:
+            starts.append(starts[-1] + 1 + len(drafts))
+        bitmask = allocate_bitmask(starts[-1], self.vocab_size)
+        states = [s for s, _ in items]
         fill_batch = getattr(self.backend, "fill_batch", None)
         if fill_batch is not None and len(states) > 1:
-            fill_batch([(s.matcher, i) for i, s in enumerate(states)], bitmask)
+            fill_batch([(s.matcher, r) for s, r in zip(states, starts)], bitmask)
         else:
-            for i, s in enumerate(states):
-                s.matcher.fill_bitmask(bitmask, i)
-        for i, s in enumerate(states):
-            s.allow_reasoning_start(bitmask, i)
-        for i in (~(bitmask != 0).any(dim=1)).nonzero().flatten().tolist():
+            for s, r in zip(states, starts):
+                s.matcher.fill_bitmask(bitmask, r)
+        for (s, drafts), r in zip(items, starts):
+            s.allow_reasoning_start(bitmask, r)
+            if drafts:
+                s.fill_draft_rows(bitmask, r, drafts)
+        owner = [i for i, (_, drafts) in enumerate(items) for _ in range(1 + len(drafts))]
+        for row in (~(bitmask != 0).any(dim=1)).nonzero().flatten().tolist():
             # a matcher that failed (a resource limit) allows nothing: let that sequence end
             logger.warning("structured output: no token is allowed (%s); ending the sequence",
-                           states[i].matcher.error() or "grammar exhausted")
+                           states[owner[row]].matcher.error() or "grammar exhausted")
             for eos in self.eos_token_ids[:1]:
-                _set_bit(bitmask, i, eos)
+                _set_bit(bitmask, row, eos)
         return bitmask
 
     def shutdown(self) -> None:

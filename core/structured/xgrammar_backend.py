@@ -36,6 +36,10 @@ class XGrammarMatcher:
     def error(self) -> str | None:
         return None
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.m.rollback(num_tokens)
+
 
 @dataclass
 class XGrammarGrammar:
