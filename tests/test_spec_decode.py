@@ -59,6 +59,34 @@ def assert_all_blocks_free(llm: LLM) -> None:
     llm.engine.scheduler.check_integrity()
 
 
+def structured_run(llm: LLM, plain: LLM, ps: list[list[int]], regex: str, n: int = 48,
+                   **sampling) -> tuple[int, int, int]:
+    """Each prompt under `regex`, batched with the same prompt unconstrained (greedy unless
+    `sampling` says otherwise): both requests' tokens equal the run without speculation, each
+    constrained output matches the regex (or, cut by max_tokens, a prefix of a match), every block
+    is freed. Returns the proposals verified, accepted and cut by the grammar before verification."""
+    import re
+
+    from portside import StructuredOutputsParams
+
+    sampling = {"temperature": 0.0} | sampling
+    under = SamplingParams(max_tokens=n, structured_outputs=StructuredOutputsParams(regex=regex), **sampling)
+    free = SamplingParams(max_tokens=n, ignore_eos=True, **sampling)
+    reqs = [{"prompt_token_ids": p} for p in ps for _ in (0, 1)]
+    params = [under, free] * len(ps)
+    before = llm.engine.stats().spec_decode
+    counts = before.num_draft_tokens, before.num_accepted_tokens, before.num_draft_tokens_cut_by_grammar
+    got = [o.outputs[0] for o in llm.generate(reqs, params, use_tqdm=False)]
+    want = [o.outputs[0] for o in plain.generate(reqs, params, use_tqdm=False)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g in got[::2]:
+        assert g.finish_reason == "stop" and re.fullmatch(regex, g.text), g
+    assert_all_blocks_free(llm)
+    after = llm.engine.stats().spec_decode
+    return (after.num_draft_tokens - counts[0], after.num_accepted_tokens - counts[1],
+            after.num_draft_tokens_cut_by_grammar - counts[2])
+
+
 class ScriptedProposer:
     """Proposes `continuation(tokens)`'s next k tokens, with every `wrong_at`-th proposal
     position (1-based, cycling through the steps) replaced by a wrong token."""
@@ -293,17 +321,45 @@ def test_embed_task_refuses_speculation(model):
         make_llm(model, task="embed")
 
 
-def test_structured_output_requests_are_not_speculated(model, llm, plain):
-    from portside import StructuredOutputsParams
+def test_structured_output_requests_are_speculated_under_the_grammar(model, plain):
+    """ngram proposals (k = 3) of a request under a regex: the grammar's mask after each proposal
+    masks its verify row, proposals the grammar refuses are cut before verification, and the
+    tokens equal the run without speculation, batched with an unconstrained request; seeded
+    sampling too."""
+    spec = NGRAM | {"num_speculative_tokens": 3}
+    llm = make_llm(model, speculative_config=spec)
+    ps = prompts(llm, lengths=(5, 13))
+    proposed, accepted, cut = structured_run(llm, plain, ps, "[ab ]{20,40}")
+    assert proposed > 0 and accepted > 0 and cut > 0, (proposed, accepted, cut)
+    proposed, accepted, cut = structured_run(llm, plain, ps, "(the |a |dog ){4,10}", temperature=0.9, seed=7)
+    assert proposed > 0 and accepted > 0, (proposed, accepted, cut)
 
-    p = prompts(llm)[0]
-    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,12}"))
-    before = llm.engine.stats().spec_decode.num_drafts
-    (g,) = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
-    (w,) = plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
-    assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    assert llm.engine.stats().spec_decode.num_drafts == before
-    assert_all_blocks_free(llm)
+
+def test_a_matcher_without_rollback_is_not_speculated(model, plain):
+    """A grammar backend whose matchers cannot roll back (a plugin's): its requests are never
+    speculated, and still give the tokens of the run without speculation."""
+    llm = make_llm(model, speculative_config=NGRAM | {"num_speculative_tokens": 3})
+    backend = llm.engine.structured.backend
+    compile_ = backend.compile
+
+    class NoRollback:  # delegates to the real matcher, without `rollback`
+        def __init__(self, m):
+            self.m = m
+            self.accept_token, self.fill_bitmask = m.accept_token, m.fill_bitmask
+            self.is_terminated, self.error = m.is_terminated, m.error
+
+    class Grammar:
+        def __init__(self, g):
+            self.g = g
+
+        def matcher(self):
+            return NoRollback(self.g.matcher())
+
+    backend.compile = lambda params: Grammar(compile_(params))
+    proposed, accepted, cut = structured_run(llm, plain, prompts(llm, lengths=(5,)), "[ab ]{20,40}")
+    assert proposed > 0 and cut > 0  # the unconstrained request's proposals only; every constrained one cut
+    spec = llm.engine.scheduler.spec_stats
+    assert spec.num_draft_tokens == proposed
 
 
 def test_cli_refuses_a_bad_config(model, capsys):
