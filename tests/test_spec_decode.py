@@ -2,7 +2,8 @@
 without speculation, batched, across block boundaries, chunked prefill, preemption and
 prefix-cache hits; seeded sampling gives the very tokens of the run without it (penalties,
 min_tokens, logprobs and stop strings included); unseeded sampling keeps the target distribution
-(a chi-square test against transformers' exact probabilities); bad configs are clear errors.
+(a chi-square test against transformers' exact probabilities); bad configs are clear errors;
+requests under a grammar are speculated with a mask per verified position (`structured_run`).
 
 Random tiny models rarely repeat themselves, so besides the real ngram proposer the verification
 is driven by a proposer that knows transformers' continuation and corrupts some of it: every
