@@ -322,13 +322,17 @@ def test_embed_task_refuses_speculation(model):
         make_llm(model, task="embed")
 
 
-def test_structured_output_requests_are_speculated_under_the_grammar(model, plain):
+@pytest.mark.parametrize("backend", ["llguidance", pytest.param("xgrammar", marks=pytest.mark.xgrammar)])
+def test_structured_output_requests_are_speculated_under_the_grammar(model, plain, backend):
     """ngram proposals (k = 3) of a request under a regex: the grammar's mask after each proposal
     masks its verify row, proposals the grammar refuses are cut before verification, and the
     tokens equal the run without speculation, batched with an unconstrained request; seeded
-    sampling too."""
+    sampling too. Both grammar engines (xgrammar: the triton leg has it)."""
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar", reason="the xgrammar extra is not installed (the triton leg has it)")
+        plain = make_llm(model, speculative_config=None, structured_outputs_backend=backend)
     spec = NGRAM | {"num_speculative_tokens": 3}
-    llm = make_llm(model, speculative_config=spec)
+    llm = make_llm(model, speculative_config=spec, structured_outputs_backend=backend)
     ps = prompts(llm, lengths=(5, 13))
     proposed, accepted, cut = structured_run(llm, plain, ps, "[ab ]{20,40}")
     assert proposed > 0 and accepted > 0 and cut > 0, (proposed, accepted, cut)
