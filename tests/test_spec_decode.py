@@ -343,6 +343,8 @@ def test_structured_output_requests_are_speculated_under_the_grammar(model, plai
 def test_a_matcher_without_rollback_is_not_speculated(model, plain):
     """A grammar backend whose matchers cannot roll back (a plugin's): its requests are never
     speculated, and still give the tokens of the run without speculation."""
+    from portside import StructuredOutputsParams
+
     llm = make_llm(model, speculative_config=NGRAM | {"num_speculative_tokens": 3})
     backend = llm.engine.structured.backend
     compile_ = backend.compile
@@ -362,9 +364,11 @@ def test_a_matcher_without_rollback_is_not_speculated(model, plain):
 
     backend.compile = lambda params: Grammar(compile_(params))
     proposed, accepted, cut = structured_run(llm, plain, prompts(llm, lengths=(5,)), "[ab ]{20,40}")
-    assert proposed > 0 and cut > 0  # the unconstrained request's proposals only; every constrained one cut
-    spec = llm.engine.scheduler.spec_stats
-    assert spec.num_draft_tokens == proposed
+    assert proposed > 0 and cut > 0  # the unconstrained request's proposals; every constrained one cut
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex="[ab ]{20,40}"))
+    (alone,) = llm.generate([{"prompt_token_ids": prompts(llm)[0]}], params, use_tqdm=False)
+    assert alone.spec_decode_stats is None or alone.spec_decode_stats.num_draft_tokens == 0
+    assert llm.engine.stats().spec_decode.num_draft_tokens_cut_by_grammar > cut
 
 
 def test_cli_refuses_a_bad_config(model, capsys):
