@@ -20,6 +20,7 @@ from portside.kv_transfer import disk_format
 from portside.kv_transfer.config import resolve_kv_transfer_config
 from portside.testing.engine_parity import random_prompts
 from portside.testing.hf_oracle import hf_greedy
+from portside.testing.kv_replay import check_books, replay
 
 MAX_TOKENS = 6
 PROMPTS = random_prompts(5, [44] * 6)
@@ -32,25 +33,10 @@ def _llm(path: Path, **kwargs) -> LLM:
 
 
 def _replay(llm: LLM, rounds: int = 2) -> tuple[list[list[int]], list[int]]:
-    """Each prompt alone, round-robin: (token ids, cached tokens) per request."""
-    tokens, cached = [], []
-    for _ in range(rounds):
-        for p in PROMPTS:
-            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-            tokens.append(list(out.outputs[0].token_ids))
-            cached.append(out.num_cached_tokens)
-    return tokens, cached
+    return replay(llm, PROMPTS, GREEDY, rounds)
 
 
-def _check_books(llm: LLM) -> dict[str, float]:
-    sched = llm.engine.scheduler
-    assert llm.engine.stats().num_used_blocks == 0
-    sched.check_integrity()
-    assert not sched.kv.external_holds
-    connector = sched.kv_loads.connector
-    if connector is not None:
-        connector.check_integrity()
-    return llm.engine.stats().kv_transfer
+_check_books = check_books
 
 
 @pytest.fixture(scope="module")

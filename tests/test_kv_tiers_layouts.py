@@ -18,6 +18,7 @@ import pytest
 from portside import LLM, SamplingParams
 from portside.testing.engine_parity import random_prompts
 from portside.testing.hf_oracle import hf_greedy
+from portside.testing.kv_replay import check_books, replay
 
 MAX_TOKENS = 6
 PROMPTS = random_prompts(5, [44] * 6)  # 11 blocks of 4 each; the 24-block device cache keeps about two
@@ -31,24 +32,10 @@ def _llm(path: Path, **kwargs) -> LLM:
 
 
 def _replay(llm: LLM, rounds: int = 2, prompts: list[list[int]] = PROMPTS) -> tuple[list[list[int]], list[int]]:
-    """Each prompt alone, round-robin: (token ids, cached tokens) per request."""
-    tokens, cached = [], []
-    for _ in range(rounds):
-        for p in prompts:
-            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-            tokens.append(list(out.outputs[0].token_ids))
-            cached.append(out.num_cached_tokens)
-    return tokens, cached
+    return replay(llm, prompts, GREEDY, rounds)
 
 
-def _books(llm: LLM) -> dict[str, float]:
-    sched = llm.engine.scheduler
-    assert llm.engine.stats().num_used_blocks == 0
-    sched.check_integrity()
-    assert not sched.kv.external_holds
-    if sched.kv_loads.connector is not None:
-        sched.kv_loads.connector.check_integrity()
-    return llm.engine.stats().kv_transfer
+_books = check_books
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])

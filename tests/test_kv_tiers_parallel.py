@@ -23,6 +23,7 @@ from portside.kv_transfer.config import KVTransferConfig
 from portside.kv_transfer.ranks import KVOutputAggregator
 from portside.kv_transfer.tiers import TiersScheduler
 from portside.testing.engine_parity import random_prompts
+from portside.testing.kv_replay import check_books, replay
 
 MAX_TOKENS = 6
 PROMPTS = random_prompts(5, [44] * 6)
@@ -83,24 +84,13 @@ def _llm(path: Path, **kwargs) -> LLM:
 
 
 def _replay(llm: LLM, rounds: int = 2) -> tuple[list[list[int]], list[int]]:
-    """Each prompt alone, round-robin: (token ids, cached tokens) per request."""
-    tokens, cached = [], []
-    for _ in range(rounds):
-        for p in PROMPTS:
-            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-            tokens.append(list(out.outputs[0].token_ids))
-            cached.append(out.num_cached_tokens)
-    return tokens, cached
+    return replay(llm, PROMPTS, GREEDY, rounds)
 
 
 def _check_books(llm: LLM) -> dict[str, float]:
-    sched = llm.engine.scheduler
-    assert llm.engine.stats().num_used_blocks == 0
-    sched.check_integrity()
-    assert not sched.kv.external_holds
-    sched.kv_loads.connector.check_integrity()
+    stats = check_books(llm)
     assert llm.engine.executor._kv_outputs.num_partial == 0  # every rank reported every load
-    return llm.engine.stats().kv_transfer
+    return stats
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 from portside import LLM, SamplingParams
 from portside.testing.engine_parity import random_prompts
 from portside.testing.hf_oracle import hf_greedy
+from portside.testing.kv_replay import check_books, replay
 from portside.testing.tiny import make_tiny_model
 
 WINDOW = 8
@@ -36,22 +37,10 @@ def _llm(path: Path, **kwargs) -> LLM:
 
 
 def _replay(llm: LLM) -> tuple[list[list[int]], list[int]]:
-    tokens, cached = [], []
-    for _ in range(2):
-        for p in PROMPTS:
-            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-            tokens.append(list(out.outputs[0].token_ids))
-            cached.append(out.num_cached_tokens)
-    return tokens, cached
+    return replay(llm, PROMPTS, GREEDY)
 
 
-def _check_books(llm: LLM) -> dict[str, float]:
-    sched = llm.engine.scheduler
-    assert llm.engine.stats().num_used_blocks == 0
-    sched.check_integrity()
-    assert not sched.kv.external_holds
-    sched.kv_loads.connector.check_integrity()
-    return llm.engine.stats().kv_transfer
+_check_books = check_books
 
 
 def test_window_model_host_tier_loads_evicted_prefixes_with_identical_tokens(mistral):
