@@ -34,6 +34,34 @@ _EMBED = "embed_tokens.weight"  # a copy of the target's
 _HEAD = "shared_head.head.weight"
 
 
+
+def load_parts(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+               parts: list[tuple[str, Any, torch.Tensor]], target: Any, loaded: set[tuple[str, object]]) -> None:
+    """Load a checkpoint tensor's `parts` ((parameter, shard, tensor), as the target's
+    `checkpoint_tensors` splits a layer's tensors) into an MTP head's `params`, recording them in
+    `loaded`; a part with no place, or that does not fit, names the tensor."""
+    for pname, shard, part in parts:
+        if pname not in params:
+            raise ValueError(f"MTP tensor {name!r} has no place in {target.config.architecture}'s MTP layer")
+        param = params[pname]
+        try:
+            with torch.no_grad():
+                getattr(param, "weight_loader", default_weight_loader)(param, part.to(param.dtype), shard)
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise ValueError(f"the checkpoint's MTP tensor {name!r} {tuple(tensor.shape)} does not fit "
+                             f"{target.config.architecture}'s MTP layer (hidden {target.config.hidden_size}): "
+                             f"{e}") from None
+        loaded.add((pname, shard))
+
+
+def check_complete(head: nn.Module, loaded: set[tuple[str, object]], prefix: str) -> None:
+    """Every required parameter (shard) of `head` was loaded (the LM head may come from the target)."""
+    expected = {(n, s) for n, p in head.named_parameters() for s in (getattr(p, "shard_ids", None) or [None])
+                if not getattr(p, "optional", False) and not n.startswith("lm_head.")}
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint's MTP layer {prefix}* is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
 class MTPHead(nn.Module):
     """The target's first MTP layer (see the module doc), with `EagleHead`'s surface."""
 
@@ -73,23 +101,8 @@ class MTPHead(nn.Module):
             else:  # the decoder layer's tensors, named and fused as the target's own layers are
                 parts = [(t.replace("model.layers.0.", "layer.", 1), s, p)
                          for t, s, p in target.checkpoint_tensors("model.layers.0." + rest, tensor)]
-            for pname, shard, part in parts:
-                if pname not in params:
-                    raise ValueError(f"MTP tensor {name!r} has no place in {target.config.architecture}'s MTP layer")
-                param = params[pname]
-                try:
-                    with torch.no_grad():
-                        getattr(param, "weight_loader", default_weight_loader)(param, part.to(param.dtype), shard)
-                except (ValueError, RuntimeError, IndexError) as e:
-                    raise ValueError(f"the checkpoint's MTP tensor {name!r} {tuple(tensor.shape)} does not fit "
-                                     f"{target.config.architecture}'s MTP layer (hidden {target.config.hidden_size}): "
-                                     f"{e}") from None
-                loaded.add((pname, shard))
-        expected = {(n, s) for n, p in self.named_parameters() for s in (getattr(p, "shard_ids", None) or [None])
-                    if not getattr(p, "optional", False) and not n.startswith("lm_head.")}
-        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint's MTP layer {prefix}* is missing {len(missing)} tensors, e.g. {missing[:4]}")
+            load_parts(params, name, tensor, parts, target, loaded)
+        check_complete(self, loaded, prefix)
 
     def _load_head(self, target: Any, tensor: torch.Tensor) -> None:
         """``shared_head.head``: kept only where it is not the target's LM head (this rank's rows)."""

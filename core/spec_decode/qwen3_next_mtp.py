@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from portside.contract import ForwardContext, KVCacheSpec
-from portside.model.layers import GemmaRMSNorm, ReplicatedLinear, default_weight_loader
+from portside.model.layers import GemmaRMSNorm, ReplicatedLinear
 from portside.model.qwen3_next import Qwen3NextDecoderLayer
+from portside.spec_decode.mtp import check_complete, load_parts
 
 __all__ = ["Qwen3NextMTPHead"]
 
@@ -69,21 +70,8 @@ class Qwen3NextMTPHead(nn.Module):
                 continue  # a later MTP layer (chain drafting reuses the first)
             else:
                 raise ValueError(f"MTP tensor {name!r} has no place in {target.config.architecture}'s MTP layer")
-            for pname, shard, part in parts:
-                if pname not in params:
-                    raise ValueError(f"MTP tensor {name!r} has no place in {target.config.architecture}'s MTP layer")
-                param = params[pname]
-                try:
-                    with torch.no_grad():
-                        getattr(param, "weight_loader", default_weight_loader)(param, part.to(param.dtype), shard)
-                except (ValueError, RuntimeError, IndexError) as e:
-                    raise ValueError(f"MTP tensor {name!r} {tuple(tensor.shape)}: {e}") from None
-                loaded.add((pname, shard))
-        expected = {(n, s) for n, p in self.named_parameters() for s in (getattr(p, "shard_ids", None) or [None])
-                    if not getattr(p, "optional", False)}
-        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint's MTP layer mtp.* is missing {len(missing)} tensors, e.g. {missing[:4]}")
+            load_parts(params, name, tensor, parts, target, loaded)
+        check_complete(self, loaded, _PREFIX)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return dataclasses.replace(self._target[0].kv_cache_spec(), num_layers=1)
