@@ -90,7 +90,7 @@ SOURCES = (
     CSRC / "gguf_dot_k.cpp",
     CSRC / "int4_dot.cpp",
 )
-INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "amx_tiles.h",
+INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "row_tile.h", CSRC / "amx_tiles.h",
             CSRC / "recurrent.h", CSRC / "gguf_dot.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 

@@ -92,7 +92,11 @@ def test_rows_step_matches_the_model(model, context, rows, threads):
             some = fused.logits(hidden[[rows - 1, 0]])  # the rows a runner samples, in its order
     finally:
         torch.set_num_threads(previous)
-    assert_close(hidden, expected_hidden, context="hidden")
+    # Hidden states at unit scale too: after the final norm they reach ~3, and the AVX-512 tile
+    # (16-float accumulators) sums in another order than the model's GEMM: one of 320 values was
+    # 1.33e-5 (absolute) from the model's in a Qwen2 case, 3.4e-6 of max|hidden|
+    assert_close(hidden / expected_hidden.abs().max(), expected_hidden / expected_hidden.abs().max(),
+                 context="hidden / max|hidden|")
     # Logits at unit scale: they reach ~8 here, and each is a dot product over the hidden size of
     # states that differ by summation order, so the table's absolute 1e-5 applies to logits / max|logits|
     # (both paths are ~1e-5 from a float64 forward of the model, in absolute terms).

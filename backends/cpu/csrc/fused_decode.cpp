@@ -41,9 +41,6 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>  // paged_attention.c's 8-bit loads, outside the namespace below
 #endif
-#if defined(__FMA__)
-#include <immintrin.h>  // the multi-row step's FMAs (fma8)
-#endif
 #include <omp.h>
 
 #include <ATen/Parallel.h>
@@ -59,6 +56,7 @@
 #include "decode_plan.h"
 #include "gguf_dot.h"
 #include "row_dot.h"
+#include "row_tile.h"
 
 namespace {
 namespace paged {  // the kernels' pieces, internal to this file (decode_attention.cpp has its own)
@@ -351,106 +349,7 @@ inline void embed_row(float*, const QMat*, int64_t) {
 
 constexpr int64_t kMaxRows = 16;  // attention.MAX_FUSED_ROWS on the Python side
 
-typedef float v8f __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// acc + x * w as one FMA. Spelled out: under -std=c++20 (ISO mode) GCC does not contract a
-// multiply and an add into an FMA, which would halve this kernel's arithmetic rate.
-inline v8f fma8(v8f x, v8f w, v8f acc) {
-#if defined(__FMA__)
-  return (v8f)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
-#else
-  return acc + x * w;
-#endif
-}
-
-inline float hsum8(v8f v) {
-  const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
-  return a + b;
-}
-
-// ya[m * ys] = x_m . wa and yb[m * ys] = x_m . wb for MR input rows x_m = x + m * xs, K columns.
-// 2 * MR accumulators + the 2 weight vectors: 14 of AVX2's 16 registers at MR = 6; the inputs
-// are read from L1 (FMA memory operands). Two weight rows, not one: with one, MR <= 3 would
-// leave too few independent accumulators to cover the FMA latency.
-// Eight weights as fp32: fp32 as they are, bf16 widened (the high half of each fp32).
-inline v8f loadw8(const float* p) { return load8(p); }
-inline v8f loadw8(const uint16_t* p) {
-#if defined(__AVX2__)
-  return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-#else
-  v8f r;
-  for (int i = 0; i < 8; ++i) r[i] = bf16_value(p[i]);
-  return r;
-#endif
-}
-inline float wvalue(float w) { return w; }
-inline float wvalue(uint16_t w) { return bf16_value(w); }
-
-template <int MR, class W>
-inline void tile2(const float* x, int64_t xs, const W* wa, const W* wb, int64_t K, float* ya, float* yb,
-                  int64_t ys) {
-  v8f a[MR], b[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) a[m] = b[m] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const v8f va = loadw8(wa + k), vb = loadw8(wb + k);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const v8f xm = load8(x + m * xs + k);
-      a[m] = fma8(xm, va, a[m]);
-      b[m] = fma8(xm, vb, b[m]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    float sa = hsum8(a[m]), sb = hsum8(b[m]);
-    for (int64_t j = k; j < K; ++j) {  // K not a multiple of 8 (tiny test models)
-      sa += x[m * xs + j] * wvalue(wa[j]);
-      sb += x[m * xs + j] * wvalue(wb[j]);
-    }
-    ya[m * ys] = sa;
-    yb[m * ys] = sb;
-  }
-}
-
-// `tile2` for all M input rows (x [M, K] dense): groups of at most 6 rows, balanced (5 -> 5,
-// 8 -> 4 + 4, 16 -> 5 + 5 + 6); the groups after the first read the two weight rows from L1.
-template <class W>
-inline void dots2(const float* x, int64_t M, const W* wa, const W* wb, int64_t K, float* ya, float* yb,
-                  int64_t ys) {
-  const int64_t groups = (M + 5) / 6;
-  for (int64_t g = 0, m0 = 0; g < groups; ++g) {
-    const int64_t mr = (M - m0) / (groups - g);
-    const float* xg = x + m0 * K;
-    float *ag = ya + m0 * ys, *bg = yb + m0 * ys;
-    switch (mr) {
-      case 1: tile2<1>(xg, K, wa, wb, K, ag, bg, ys); break;
-      case 2: tile2<2>(xg, K, wa, wb, K, ag, bg, ys); break;
-      case 3: tile2<3>(xg, K, wa, wb, K, ag, bg, ys); break;
-      case 4: tile2<4>(xg, K, wa, wb, K, ag, bg, ys); break;
-      case 5: tile2<5>(xg, K, wa, wb, K, ag, bg, ys); break;
-      default: tile2<6>(xg, K, wa, wb, K, ag, bg, ys); break;
-    }
-    m0 += mr;
-  }
-}
-
-// y[m * N + r] = x_m . w_r for the M rows of x [M, K] and rows r in [r0, r1) of w [N, K]: rows in
-// adjacent pairs (one stream); an odd last row is paired with itself (computed twice).
-template <class W>
-inline void rows_m(const float* x, int64_t M, const W* w, int64_t K, int64_t N, float* y, int64_t r0,
-                   int64_t r1) {
-  int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) dots2(x, M, w + r * K, w + (r + 1) * K, K, y + r, y + r + 1, N);
-  if (r < r1) dots2(x, M, w + r * K, w + r * K, K, y + r, y + r, N);
-}
+using portside_tile::rows_m;  // the register tiles (row_tile.h)
 
 at::Tensor checked(const at::Tensor& t, std::vector<int64_t> shape, const char* what,
                    at::ScalarType dtype = at::kFloat) {
@@ -843,7 +742,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     const int64_t scratch = NH * (SPLIT_TOKENS + 2 * D) + (cache16 ? (1 + Q8_CHUNK) * KVH * D : 0);
     if ((int)mine.size() < threads) mine.resize(threads);
     for (auto& w : mine)
-      if ((int64_t)w.size() < M * (H + 2 * QS) + scratch + 2 * kMaxRows) w.resize(M * (H + 2 * QS) + scratch + 2 * kMaxRows);
+      if ((int64_t)w.size() < M * (H + 2 * QS) + scratch + 4 * kMaxRows) w.resize(M * (H + 2 * QS) + scratch + 4 * kMaxRows);
     const int64_t matrices = 4 * L;
     if ((int64_t)counters.size() < (matrices + 1) * threads) counters = std::vector<Counter>((matrices + 1) * threads);
     for (int64_t i = 0; i < matrices * threads; ++i) counters[i].next.store(0, std::memory_order_relaxed);
@@ -861,7 +760,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
       int64_t last = (int64_t)__rdtsc();
 #endif
       // this thread's: normed inputs [M, H] | roped queries [M, QS] | attention rows [M, QS] |
-      // attention scratch | gate and up of one channel [2, kMaxRows]
+      // attention scratch | gate and up of two channels [4, kMaxRows]
       float *x = mine[t].data(), *q = x + M * H, *merged = q + M * QS, *work = merged + M * QS,
             *gu = work + scratch;
       for (const LayerT<W>& w : layers) {
@@ -937,10 +836,24 @@ struct LlamaDecoder : torch::CustomClassHolder {
         // post-attention norms, then this thread's channels of gate and up (side by side) and SiLU
         for (int64_t m = 0; m < M; ++m) rms_norm(h_all + m * H, w.post_norm, x + m * H, H, eps);
         rows_shared(c + 2 * n, I, t, n, [&](int64_t c0, int64_t c1) {
-          for (int64_t ch = c0; ch < c1; ++ch) {
-            dots2(x, M, w.gate_up + ch * H, w.gate_up + (I + ch) * H, H, gu, gu + kMaxRows, 1);
-            const float bg = w.gate_up_b ? w.gate_up_b[ch] : 0.f, bu = w.gate_up_b ? w.gate_up_b[I + ch] : 0.f;
-            for (int64_t m = 0; m < M; ++m) act_all[m * I + ch] = silu(gu[m] + bg) * (gu[kMaxRows + m] + bu);
+          for (int64_t ch = c0; ch < c1; ch += 2) {  // two channels: gate ch, ch + 1, then up ch, ch + 1
+            const int64_t pair = std::min<int64_t>(2, c1 - ch);
+            const W* g = w.gate_up + ch * H;
+            const W* u = w.gate_up + (I + ch) * H;
+            if (pair == 2) {
+              const W* ws[4] = {g, g + H, u, u + H};
+              float* ys[4] = {gu, gu + kMaxRows, gu + 2 * kMaxRows, gu + 3 * kMaxRows};
+              portside_tile::dots<4>(x, M, ws, H, ys, 1, ch + 4 <= c1 ? 2 * H : 0);
+            } else {
+              const W* ws[2] = {g, u};
+              float* ys[2] = {gu, gu + 2 * kMaxRows};
+              portside_tile::dots<2>(x, M, ws, H, ys, 1, 0);
+            }
+            for (int64_t p = 0; p < pair; ++p) {
+              const float bg = w.gate_up_b ? w.gate_up_b[ch + p] : 0.f, bu = w.gate_up_b ? w.gate_up_b[I + ch + p] : 0.f;
+              const float *gp = gu + p * kMaxRows, *up = gu + (2 + p) * kMaxRows;
+              for (int64_t m = 0; m < M; ++m) act_all[m * I + ch + p] = silu(gp[m] + bg) * (up[m] + bu);
+            }
           }
         });
         MARK(17);
