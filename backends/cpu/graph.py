@@ -354,6 +354,9 @@ class EagerGraphRunner(_FusedDecodeSteps, _CoreEagerGraphRunner):
         self._amx = amx_linears(self.config)
         super()._on_native()
 
+    def eager_mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
+        return self._mode(rows)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self._fused_step(input_ids, positions, ctx)
         if hidden is not None:

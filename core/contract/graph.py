@@ -5,6 +5,7 @@ that compile only the dense parts), and `EagerGraphRunner`, the fallback every p
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -129,6 +130,13 @@ class GraphRunner(ABC):
         `__call__` returned), called at most once per step. Default: `compute_logits` of those
         rows; a runner that already computed them in the step's graph returns those."""
         return self.compute_logits(hidden[indices])
+
+    def eager_mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
+        """The context in which a module that runs op by op beside the model (a speculative
+        head's forward of `rows` rows, an EAGLE-3 target step) gets the faster kernels this
+        runner's own op-by-op steps use (the cpu backend's: its one-row and prepacked linears).
+        Default: none (torch's kernels)."""
+        return contextlib.nullcontext()
 
 
 class EagerGraphRunner(GraphRunner):

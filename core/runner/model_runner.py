@@ -183,9 +183,8 @@ class ModelRunner(RunnerWeights):
         elif self.lora is not None:  # a step's adapters are data the platforms' captured graphs and fused steps do not take
             logger.info("LoRA: the model runs eagerly (no graph capture or fused decode steps)")
             self.graph_runner = EagerGraphRunner(self.model, config)
-        aux = getattr(getattr(self, "draft", None), "aux_runner", None)
-        if aux is not None:  # an EAGLE-3 head's target, rebuilt after a weight update: its aux hidden states again
-            self.graph_runner = aux
+        if isinstance(draft := getattr(self, "draft", None), EagleProposer):  # rebuilt after a weight update
+            self.graph_runner = draft.use_runner(self.graph_runner)
         # vision-language models: steps with image rows run in a runner that passes the step's
         # `ForwardContext.inputs_embeds` on (graph runners that capture the embedding embed token
         # ids themselves); with 3-D rotary positions (mrope) every step does
@@ -222,8 +221,8 @@ class ModelRunner(RunnerWeights):
                                  "is not supported")
             self.draft = EagleProposer(config, self.platform, self.model, self.device, self.attn_backend,
                                        self.block_size, self.requests)
-            if self.draft.aux_runner is not None:  # EAGLE-3: the target's aux hidden states, op by op
-                self.graph_runner = self.draft.aux_runner
+            # the head in the runner's eager kernels; EAGLE-3: the target's aux hidden states, op by op
+            self.graph_runner = self.draft.use_runner(self.graph_runner)
         elif config.speculative is not None:
             self.ngram = NgramProposer(config.speculative)
         self.backoff = ProposalBackoff()

@@ -21,13 +21,14 @@ change a token (every proposal is verified).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from portside.contract import EagerGraphRunner, ForwardContext, KVCacheSpec, Platform
+from portside.contract import EagerGraphRunner, ForwardContext, GraphRunner, KVCacheSpec, Platform
 from portside.model.decoder import TP, DecoderForCausalLM
 from portside.model.eagle import EagleHead, EagleHeadConfig
 from portside.model.qwen3_next import Qwen3NextForCausalLM
@@ -48,7 +49,9 @@ logger = logging.getLogger(__name__)
 
 class AuxGraphRunner(EagerGraphRunner):
     """The target op by op, keeping the auxiliary hidden states an EAGLE-3 head reads
-    (`DecoderForCausalLM.forward_with_aux`) of the last step in `aux` [T, 3 * hidden]."""
+    (`DecoderForCausalLM.forward_with_aux`) of the last step in `aux` [T, 3 * hidden]; in the
+    platform's runner's `eager_mode` (`inner`), whose LM head it uses (it captures nothing: a
+    captured graph of the target would not return the aux states)."""
 
     name = "eager+aux"
 
@@ -56,10 +59,18 @@ class AuxGraphRunner(EagerGraphRunner):
         super().__init__(model, config)
         self.layers = layers
         self.aux: torch.Tensor | None = None
+        self.inner: GraphRunner = EagerGraphRunner(model, config)
+
+    def eager_mode(self, rows: int) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.eager_mode(rows)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden, self.aux = self.model_fn.forward_with_aux(input_ids, positions, ctx, self.layers)  # type: ignore[attr-defined]
+        with self.inner.eager_mode(input_ids.shape[0]):
+            hidden, self.aux = self.model_fn.forward_with_aux(input_ids, positions, ctx, self.layers)  # type: ignore[attr-defined]
         return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
 
 
 @dataclass
@@ -87,6 +98,7 @@ class EagleProposer:
         self.max_model_len = config.model.max_model_len
         self.requests = requests  # the runner's: a request's current state (a preempted one comes back anew)
         self.aux_runner: AuxGraphRunner | None = None
+        self.runner: GraphRunner = EagerGraphRunner(target, config)  # the platform's (`use_runner`)
         self.head: EagleHead | MTPHead | Qwen3NextMTPHead
         if spec.method == "mtp":  # the target's own MTP layer
             if config.model.quantization is not None:
@@ -112,6 +124,15 @@ class EagleProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.rows: dict[str, _Rows] = {}
         logger.info("speculative decoding: %s, %s, %d tokens a step", spec.method, where, self.k)
+
+    def use_runner(self, runner: GraphRunner) -> GraphRunner:
+        """Take the platform's graph runner of the target (the head runs in its `eager_mode`);
+        the runner the target's steps go through: EAGLE-3's `aux_runner` around it, else it."""
+        self.runner = runner
+        if self.aux_runner is None:
+            return runner
+        self.aux_runner.inner = runner
+        return self.aux_runner
 
     # ---- KV cache (the target's block ids, the head's own one-layer tensors) ----------------
 
@@ -170,12 +191,13 @@ class EagleProposer:
         proposals: dict[str, list[int]] = {}
         with self.platform.inference_mode():
             if self.aux_runner is not None:
-                rows = [(s, p, t, self.head.combine(h)) for s, p, t, h in rows]
+                with self.runner.eager_mode(sum(len(t) for _, _, t, _ in rows)):
+                    rows = [(s, p, t, self.head.combine(h)) for s, p, t, h in rows]
             out, nxt = self._forward(rows)
             chain = [(row[0], o, h) for row, o, h, d in zip(rows, out, nxt, draw) if d]
             if not chain:
                 return {}
-            tokens = self.head.draft_tokens(torch.stack([o for _, o, _ in chain])).tolist()
+            tokens = self._draft_tokens([o for _, o, _ in chain])
             for (state, _, _), t in zip(chain, tokens):
                 proposals[state.req_id] = [t]
             for step in range(1, self.k):
@@ -184,11 +206,15 @@ class EagleProposer:
                     break
                 steps = [(s, s.num_tokens - 2 + step, [proposals[s.req_id][-1]], h[None]) for s, _, h in chain]
                 out, nxt = self._forward(steps)
-                tokens = self.head.draft_tokens(torch.stack(out)).tolist()
+                tokens = self._draft_tokens(out)
                 chain = [(s, o, h) for (s, _, _), o, h in zip(chain, out, nxt)]
                 for (state, _, _), t in zip(chain, tokens):
                     proposals[state.req_id].append(t)
         return proposals
+
+    def _draft_tokens(self, out: list[torch.Tensor]) -> list[int]:
+        with self.runner.eager_mode(len(out)):
+            return self.head.draft_tokens(torch.stack(out)).tolist()
 
     def _room(self, state: CachedRequestState) -> int:
         return proposal_room(state, self.k, self.max_model_len, self.block_size)
@@ -199,7 +225,8 @@ class EagleProposer:
         its last position's (hidden for the logits, residual stream for the next chained row)."""
         packed = pack_rows(rows, self.block_size, self.device, self.attn_backend, self.kv_caches)
         hidden = torch.cat([rows[i][3] for i in packed.order]).to(self.head.dtype)
-        out, nxt = self.head(packed.ids, packed.positions, hidden, packed.ctx)
+        with self.runner.eager_mode(packed.ids.shape[0]):
+            out, nxt = self.head(packed.ids, packed.positions, hidden, packed.ctx)
         last: list[int] = [0] * len(rows)
         for j, i in enumerate(packed.order):
             last[i] = packed.last_index(j)
