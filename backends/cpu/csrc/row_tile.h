@@ -8,10 +8,17 @@
 // groups after the first read the weight rows again from L1.
 //
 // AVX-512 (Zen 4/5, Ice Lake+): 16 floats a vector, tiles of 4 weight rows x up to 6 inputs (24
-// accumulators, 4 weight vectors and one input vector in 32 registers), each weight stream
-// prefetched kAhead bytes ahead. Measured on a Zen 5 (2 threads, a 12-layer 1024-wide fp32 model,
-// 200-token context, `step_rows` + LM head against the batch-1 `step`): the AVX2 tile below gave
-// 2 rows 1.65x, 4 rows 2.19x, 6 rows 3.01x, 8 rows 3.71x; see `docs/design.md` for this one.
+// accumulators, 4 weight vectors and one input vector in 32 registers), the next tile's 4 weight
+// rows prefetched as this one is read. Each weight and input vector is loaded once into a register
+// (an empty asm pins it there): GCC otherwise folded the loads into the FMAs, 28 512-bit loads for
+// 24 FMAs, and L1's 512-bit loads, not the FMAs, set the pace (in L2, 4 x 6 tile: 53 -> 114 G
+// multiply-adds/s on one Zen 5 core; its FMA peak is ~133). Measured on a Zen 5 (2 threads, a
+// 12-layer 1024-wide fp32 model, 200-token context, `step_rows` against the batch-1 `step` in one
+// process): with the AVX2 tile below 2 rows 1.65x, 4 rows 2.19x, 6 rows 3.01x, 8 rows 3.71x; with
+// this one 1.22x, 1.34x, 1.39x, 1.59x (memory in its slower state, the batch-1 step 11.4 ms), and
+// in the faster state (7.8 ms; that run without the prefetch) 1.55x, 1.85x, 2.08x, 2.54x: one core streams its rows at ~21 GB/s
+// with a 6-row tile against ~31 GB/s for one row, the tile's arithmetic not hidden behind the
+// stream (software prefetch 1-3 tiles ahead, to L1 or L2, and padded input rows changed nothing).
 // Elsewhere (AVX2 + FMA): 8 floats a vector, tiles of 2 weight rows x up to 6 inputs (14 of the
 // 16 registers); NR = 4 is two NR = 2 tiles. Without FMA, GCC's vector extension.
 
@@ -56,10 +63,12 @@ inline void tile(const float* x, int64_t xs, const W* const* w, int64_t K, float
     for (int j = 0; j < NR; ++j) {
       if (next) _mm_prefetch((const char*)(w[j] + next + k), _MM_HINT_T0);
       wv[j] = loadw16(w[j] + k);
+      __asm__("" : "+v"(wv[j]));  // in a register: GCC would fold the load into each FMA (MR loads)
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const __m512 xm = _mm512_loadu_ps(x + m * xs + k);
+      __m512 xm = _mm512_loadu_ps(x + m * xs + k);
+      __asm__("" : "+v"(xm));  // likewise: one load for NR FMAs
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[j][m] = _mm512_fmadd_ps(xm, wv[j], acc[j][m]);
     }
