@@ -30,6 +30,7 @@ import torch
 from test_spec_decode import TEXT, assert_all_blocks_free, assert_chi_square_fits, structured_run
 
 from portside import LLM, SamplingParams
+from portside.backends.cpu.eager_linears import EagerLinears
 from portside.spec_decode.config import SpeculativeConfig
 from portside.spec_decode.eagle import EagleProposer
 from portside.testing.eagle import make_eagle_head
@@ -168,17 +169,30 @@ def test_greedy_equals_transformers_and_proposals_equal_the_reference(target, he
     """Batched greedy runs with a 16-token budget (prompts prefilled in chunks, the head catching
     up in the same steps); each proposal is checked against the reference head."""
     seen: list[tuple[list[int], list[int]]] = []
+    head_weights: set[int] = set()
     propose = EagleProposer.propose
 
     def spy(self, states):
+        head_weights.update(id(p) for p in self.head.parameters())
         out = propose(self, states)
         seen.extend((s.prompt_token_ids + s.output_token_ids, out[s.req_id]) for s in states if s.req_id in out)
         return out
 
+    # the head's linears run in the cpu runner's eager kernels (`GraphRunner.eager_mode`), not torch's
+    in_mode: set[int] = set()
+    mode_call = EagerLinears.__torch_function__
+
+    def counting(mode, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            in_mode.add(id(args[1] if len(args) > 1 else (kwargs or {})["weight"]))
+        return mode_call(mode, func, types, args, kwargs)
+
     monkeypatch.setattr(EagleProposer, "propose", spy)
+    monkeypatch.setattr(EagerLinears, "__torch_function__", counting)
     llm = make_llm(target, heads[name], max_num_batched_tokens=16)
     for p, got in zip(ps, greedy(llm, ps, N)):
         assert got == want[tuple(p)], f"prompt of {len(p)} tokens"
+    assert head_weights & in_mode, "no linear of the head ran in the runner's eager mode"
     s = llm.engine.stats().spec_decode
     assert s.num_drafts > 0, s
     if name == "eagle-distilled":  # accepted and rejected at every depth
