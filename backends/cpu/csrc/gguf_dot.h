@@ -112,8 +112,10 @@ struct Ctx {
 // Decode (one token row): software prefetch of the bytes [off, off + len) of each of the NR rows
 // `PREFETCH_ROWS` calls ahead (the rows the thread reads next; a prefetch past the end is dropped).
 // The weight stream is the cost of a decode step; the hardware prefetcher alone leaves bandwidth
-// unused on the EPYC VMs measured (as quant_gemm.cpp's kernels found).
-constexpr int64_t PREFETCH_ROWS = 2;
+// unused on the EPYC VMs measured (as quant_gemm.cpp's kernels found). 4 passes ahead, not 2: on
+// the Zen 5 (one thread, W 5632 x 2048, `ci/bench/gguf_act_kernels.py --rows 1`, runs alternated)
+// Q6_K 345 -> 262 us, Q4_0 236 -> 210-248, Q8_0 (one row a pass) 353-377 -> 299-313; 8 no better.
+constexpr int64_t PREFETCH_ROWS = 4;
 template <int NR, int R>
 inline void prefetch(const Ctx& c, int64_t n, int64_t off, int64_t len) {
   if constexpr (R == 1) {
@@ -127,7 +129,8 @@ inline void prefetch(const Ctx& c, int64_t n, int64_t off, int64_t len) {
 // Weight rows per pass of a decode kernel: its DECODE_ROWS (4: the VNNI Q4_0, Q4_K/Q5_K and Q6_K
 // kernels, whose decoding of the weights, not the memory, bounds them at 2: 4 independent
 // accumulator chains and the activation loads shared 4 ways run them 1.1-1.4x faster on Zen 5),
-// else 2 (Q8_0 at 4 is slower: more streams than the prefetcher keeps up with).
+// 1 (the VNNI Q8_0 kernel: one stream, read at ~40 GB/s on the Zen 5 where two side by side read
+// ~27: 300 against 450-490 us in the bench above), else 2.
 template <class Kern>
 constexpr int decode_rows() {
   if constexpr (requires { Kern::DECODE_ROWS; }) return Kern::DECODE_ROWS;
@@ -147,6 +150,8 @@ constexpr int prefill_rows() {
 template <class Kern, class C>
 void rows_range(const C& c, int64_t n0, int64_t n1) {
   int64_t n = n0;
+  if constexpr (decode_rows<Kern>() == 1)
+    for (; n < n1; ++n) Kern::template rows<1, 1>(c, n, 0);
   if constexpr (decode_rows<Kern>() == 4)
     for (; n + 4 <= n1; n += 4) Kern::template rows<4, 1>(c, n, 0);
   for (; n + 2 <= n1; n += 2) Kern::template rows<2, 1>(c, n, 0);

@@ -143,7 +143,7 @@ inline __m512i q4_scale_index() {
 
 template <bool Q4>
 struct VnniQ8Q4 {
-  static constexpr int DECODE_ROWS = Q4 ? 4 : 2, PREFILL_ROWS = Q4 ? 2 : 4;  // (gguf_dot.h's decode_rows, prefill_rows)
+  static constexpr int DECODE_ROWS = Q4 ? 4 : 1, PREFILL_ROWS = Q4 ? 2 : 4;  // (gguf_dot.h's decode_rows, prefill_rows)
   template <int NR, int R>
   static void rows(const Ctx& c, int64_t n, int64_t t) {
     constexpr int64_t BB = Q4 ? 18 : 34;
