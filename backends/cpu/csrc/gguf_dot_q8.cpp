@@ -174,9 +174,10 @@ struct VnniQ8Q4 {
         }
         for (int r = 0; r < R; ++r)
           for (int p = 0; p < 2; ++p) {
-            const __m512i xv = _mm512_loadu_si512(c.xq + (t + r) * c.K + (b + 2 * p) * 32);
+            __m512i xv = _mm512_loadu_si512(c.xq + (t + r) * c.K + (b + 2 * p) * 32);
             const __m512i bias = _mm512_loadu_si512(c.lb + (t + r) * K4 + (b + 2 * p) * 8);
-            const __m512 dx = _mm512_loadu_ps(c.xdl + (t + r) * K4 + (b + 2 * p) * 8);
+            __m512 dx = _mm512_loadu_ps(c.xdl + (t + r) * K4 + (b + 2 * p) * 8);
+            __asm__("" : "+v"(xv), "+v"(dx));  // as below
             for (int i = 0; i < NR; ++i) {
               const __m512i s = _mm512_dpbusd_epi32(bias, wv[p][i], xv);
               acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[p][i], dx), _mm512_cvtepi32_ps(s), acc[i][r]);
@@ -203,9 +204,10 @@ struct VnniQ8Q4 {
         dw[i] = two_scales(blk, blk + BB);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_loadu_si512(c.xq + (t + r) * c.K + b * 32);
+        __m512i xv = _mm512_loadu_si512(c.xq + (t + r) * c.K + b * 32);
         const __m512i bias = _mm512_loadu_si512(c.lb + (t + r) * K4 + b * 8);
-        const __m512 dx = _mm512_loadu_ps(c.xdl + (t + r) * K4 + b * 8);
+        __m512 dx = _mm512_loadu_ps(c.xdl + (t + r) * K4 + b * 8);
+        __asm__("" : "+v"(xv), "+v"(dx));  // loaded once for the NR rows (GCC spilled xv, reloaded dx per row)
         for (int i = 0; i < NR; ++i) {
           const __m512i s = _mm512_dpbusd_epi32(bias, wv[i], xv);
           acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(s), acc[i][r]);
