@@ -38,7 +38,9 @@
 //     pair's -32 offset added first (`Ctx::ps`); IQ4_XS with vpdpbusd on its values + 128 and the
 //     bias preloaded as Q8_0's.
 //   (with AVX-512 VBMI, Q4_0 takes four blocks per pass: vpermb spreads their code bytes, vpermw
-//   their scales; Q4_K/Q5_K's 6-bit scales and minimums are unpacked in a register.)
+//   their scales; Q4_K/Q5_K's 6-bit scales and minimums are unpacked in a register; 16 or more
+//   token rows of Q4_0 run the Q8_0 kernel over each chunk's rows widened to Q8_0 blocks,
+//   gguf_dot_q8.cpp's `drive_q4_0_as_q8_0`.)
 // Decode rows prefetch the weight rows they read next (`prefetch` in gguf_dot.h).
 // Rows: one token row (decode) streams the packed weight rows once, 2 or 4 side by side (the
 // kernel's DECODE_ROWS), output rows split across threads (at::parallel_for); several token rows:

@@ -173,6 +173,20 @@ inline void tokens(const C& c, int64_t n, int64_t t, int64_t R) {
 // 70 KB, in L2 while every token row passes over them.
 constexpr int64_t CHUNK_ROWS = 32;
 
+// Weight rows [r0, r1) (a chunk in L2) against every token row: 4 token rows by `prefill_rows`
+// weight rows per pass.
+template <class Kern, class C>
+void chunk_rows(const C& c, int64_t r0, int64_t r1) {
+  for (int64_t t = 0; t < c.T; t += 4) {
+    const int64_t R = std::min<int64_t>(4, c.T - t);
+    int64_t n = r0;
+    if constexpr (prefill_rows<Kern>() == 4)
+      for (; n + 4 <= r1; n += 4) tokens<Kern, 4>(c, n, t, R);
+    for (; n + 2 <= r1; n += 2) tokens<Kern, 2>(c, n, t, R);
+    if (n < r1) tokens<Kern, 1>(c, n, t, R);
+  }
+}
+
 // Runs Kern::rows<NR, R>(c, n, t) (NR weight rows from n, R token rows from t, writing y) over
 // the whole output, split across threads by weight rows; or, with n1 >= 0 (one token row only),
 // over the weight rows [n0, n1) on the calling thread (csrc/fused_decode.cpp's quantized step,
@@ -188,17 +202,7 @@ void drive(const C& c, int64_t n0 = 0, int64_t n1 = -1) {
   // from L2) against every token row, 4 token rows by `prefill_rows` weight rows per pass (the 4 rows'
   // activations stay in L1 while the chunk's rows go by; each decoded weight block serves 4 tokens).
   at::parallel_for(0, c.N, CHUNK_ROWS, [&](int64_t a0, int64_t a1) {
-    for (int64_t r0 = a0; r0 < a1; r0 += CHUNK_ROWS) {
-      const int64_t r1 = std::min(a1, r0 + CHUNK_ROWS);
-      for (int64_t t = 0; t < c.T; t += 4) {
-        const int64_t R = std::min<int64_t>(4, c.T - t);
-        int64_t n = r0;
-        if constexpr (prefill_rows<Kern>() == 4)
-          for (; n + 4 <= r1; n += 4) tokens<Kern, 4>(c, n, t, R);
-        for (; n + 2 <= r1; n += 2) tokens<Kern, 2>(c, n, t, R);
-        if (n < r1) tokens<Kern, 1>(c, n, t, R);
-      }
-    }
+    for (int64_t r0 = a0; r0 < a1; r0 += CHUNK_ROWS) chunk_rows<Kern>(c, r0, std::min(a1, r0 + CHUNK_ROWS));
   });
 }
 
