@@ -88,3 +88,16 @@ def test_a_negative_decode_time_is_no_figure(qg):
     section["runs"]["Q4_0"]["1"]["gguf-q4_0"]["decode_ms_per_token"] = -8.1  # best of 1 token > best of 1 + D
     rows = {r["peer"]: r for r in qg.summarize(section)}
     assert "no valid decode time" in rows["gguf-q4_0"]["note"] and "targets_met" not in rows["gguf-q4_0"]
+
+
+def test_rounds_keep_each_peers_best_figures(qg):
+    """`--rounds`: a peer's faster decode is kept with the bandwidth measured around it, the higher
+    prefill rates whichever round gave them, and a failed round gives way to a valid one."""
+    slow = _run(12.0, 300.0, 30.0, [1, 2])
+    fast = _run(9.0, 250.0, 40.0, [1, 3])
+    best = qg._best(slow, fast)
+    assert (best["decode_ms_per_token"], best["decode_read_bandwidth_gbs"], best["tokens"]) == (9.0, 40.0, [1, 3])
+    assert (best["prefill_tok_s"], best["prefill_batch_tok_s"], best["rounds"]) == (300.0, 600.0, 2)
+    assert qg._best({"error": "RuntimeError: boom"}, slow) is slow
+    assert qg._best(slow, {"error": "RuntimeError: boom"}) is slow
+    assert qg._best(slow, _run(-3.0, 900.0, 10.0, [])) is slow  # no valid decode time: not a figure

@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gguf-peers", default=",".join(GGUF_PEERS), help=f"gguf suite: of {', '.join(GGUF_PEERS)}")
     ap.add_argument("--batch", type=int, default=4, help="gguf suite: prompts of the batched prefill")
     ap.add_argument("--repeats", type=int, default=3, help="gguf suite: best of this many timings")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="gguf suite: measure the peers in turn this many times, each keeping its best (interleaved)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="gguf suite: no llama.cpp (files by make_tiny_gguf)")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"kernels suite: comma-separated, of {', '.join(PEERS)}")
     ap.add_argument("--skip-row-paths", action="store_true")
@@ -421,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["gguf_vs_llama_cpp"] = gguf_vs_llama_cpp(
             path, work, make_prompts(400, max(args.batch, 1), args.prompt_len), formats=args.formats.split(","),
             thread_counts=counts, peers=args.gguf_peers.split(","), decode_tokens=args.decode_tokens,
-            batch=args.batch, repeats=args.repeats, llama_cpp=not args.no_llama_cpp)
+            batch=args.batch, repeats=args.repeats, llama_cpp=not args.no_llama_cpp,
+            rounds=args.rounds)
         _summary(result)
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
