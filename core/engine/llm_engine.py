@@ -165,7 +165,7 @@ class LLMEngine(EngineRL):
             max_encoder_tokens=config.multimodal.max_encoder_tokens_per_step,
             num_state_slots=self.num_state_slots,
             kv_connector=make_scheduler_connector(config, self.block_size, lambda: self.executor.collective_rpc(
-                "kv_transfer_info"), self.sliding_window, self.num_state_slots),
+                "kv_transfer_info"), self.num_state_slots),
         )
 
     def _log_ready(self) -> None:

@@ -34,14 +34,13 @@ def connector_class(name: str, half: str) -> Any:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_scheduler_connector(config: Any, block_size: int, info: Callable[[], Any], sliding_window: int | None = None,
-                             num_state_slots: int = 0) -> Any:
+def make_scheduler_connector(config: Any, block_size: int, info: Callable[[], Any], num_state_slots: int = 0) -> Any:
     """The scheduler half of `config.kv_transfer`'s connector (`config`: the `EngineConfig`), or
     None without one. `info()` asks the workers for their `KVTransferInfo` (block bytes,
     fingerprint): one, or a list of every rank's, by rank (combined: `KVTransferInfo.combine`).
     Refuses what the connectors cannot keep yet, naming it.
 
-    A sliding-window model (`sliding_window`) is kept like any other: its prefix cache enters every
+    A sliding-window model is kept like any other (it needs no parameter here): its prefix cache enters every
     full block in the cache, those that fell out of the window included (they are cached before
     they are freed, and a freed block's KV stays intact until the pool hands it out again, when
     `on_evict` saves it), a hit is a chain of cached blocks from the first, and a table's null
