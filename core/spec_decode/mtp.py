@@ -34,7 +34,6 @@ _EMBED = "embed_tokens.weight"  # a copy of the target's
 _HEAD = "shared_head.head.weight"
 
 
-
 def load_parts(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
                parts: list[tuple[str, Any, torch.Tensor]], target: Any, loaded: set[tuple[str, object]]) -> None:
     """Load a checkpoint tensor's `parts` ((parameter, shard, tensor), as the target's
@@ -61,6 +60,7 @@ def check_complete(head: nn.Module, loaded: set[tuple[str, object]], prefix: str
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise ValueError(f"the checkpoint's MTP layer {prefix}* is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
 
 class MTPHead(nn.Module):
     """The target's first MTP layer (see the module doc), with `EagleHead`'s surface."""

@@ -29,8 +29,8 @@
 // norm weights, biases and rotary table are copied to fp32 once). The KV cache is the model's
 // bf16 cache: the new K/V rows are rounded to bf16 as torch rounds, and attention reads them with
 // paged_attention.c's bf16 path (fp32 softmax and sums). The step returns fp32 hidden states and
-// logits, as for an fp32 model; `step_rows` likewise (its tile widens 8 weights of each of its
-// two rows per load, `loadw8`). No `vdpbf16ps` (AVX-512-BF16) path: it would round the
+// logits, as for an fp32 model; `step_rows` likewise (row_tile.h's tiles widen each weight
+// vector once for all the tile's inputs). No `vdpbf16ps` (AVX-512-BF16) path: it would round the
 // activations to bf16, and on the Sapphire Rapids VM the widening already streams near a plain
 // sum's rate (row_dot.h).
 
@@ -335,9 +335,9 @@ inline void embed_row(float*, const QMat*, int64_t) {
 // fork/join per matrix, prefill-style attention through Python). A row at a time through a
 // GEMV-like kernel reads every weight M times (from cache after the first, but with two loads
 // per FMA it is load-bound). Here, as in `step`, the whole model is one OpenMP region, and each
-// weight row is loaded once into registers for all M inputs: the tile below keeps 2 weight rows
-// x MR inputs of accumulators in registers, so one 8-float load of weights feeds MR FMAs and the
-// step stays close to the weight stream's time while M is small.
+// weight row is loaded once into registers for all M inputs: the register tiles of row_tile.h
+// (AVX2: 2 weight rows x MR inputs of 8-float accumulators; AVX-512: 4 x MR of 16) make one load
+// of weights feed MR FMAs, and the step stays near the weight stream's time while M is small.
 //
 // Measured on the shared dev VM (Zen 3, AVX2, default model, 200-token context, best of 8 rounds
 // side by side in one process), a step including its LM head against the batch-1 `step`:

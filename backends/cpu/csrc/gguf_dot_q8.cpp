@@ -179,7 +179,7 @@ struct VnniQ8Q4 {
             __m512i xv = _mm512_loadu_si512(c.xq + (t + r) * c.K + (b + 2 * p) * 32);
             const __m512i bias = _mm512_loadu_si512(c.lb + (t + r) * K4 + (b + 2 * p) * 8);
             __m512 dx = _mm512_loadu_ps(c.xdl + (t + r) * K4 + (b + 2 * p) * 8);
-            __asm__("" : "+v"(xv), "+v"(dx));  // as below
+            __asm__("" : "+v"(xv), "+v"(dx));  // in registers for the NR rows (as in the two-block loop)
             for (int i = 0; i < NR; ++i) {
               const __m512i s = _mm512_dpbusd_epi32(bias, wv[p][i], xv);
               acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[p][i], dx), _mm512_cvtepi32_ps(s), acc[i][r]);

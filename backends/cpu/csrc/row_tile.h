@@ -2,7 +2,8 @@
 // each weight loaded once for all M inputs: the fused step's multi-row path (fused_decode.cpp,
 // `step_rows` and `logits`: a speculative verification, a short prefill chunk). Header-only.
 //
-// `dots<NR>(x, M, w[NR], K, y[NR], ys)`: y[j][m * ys] = x_m . w[j] for the M rows x_m = x + m * K.
+// `dots<NR>(x, M, w[NR], K, y[NR], ys, next)`: y[j][m * ys] = x_m . w[j] for the M rows
+// x_m = x + m * K (`next`: where the next tile's rows are, w[j] + next, to prefetch; 0: none).
 // The inputs are cut into balanced groups of at most kGroup rows; each group is one register tile
 // of NR weight rows x its rows of accumulators, so one load of weights feeds that many FMAs; the
 // groups after the first read the weight rows again from L1.
@@ -16,9 +17,10 @@
 // 12-layer 1024-wide fp32 model, 200-token context, `step_rows` against the batch-1 `step` in one
 // process): with the AVX2 tile below 2 rows 1.65x, 4 rows 2.19x, 6 rows 3.01x, 8 rows 3.71x; with
 // this one 1.22x, 1.34x, 1.39x, 1.59x (memory in its slower state, the batch-1 step 11.4 ms), and
-// in the faster state (7.8 ms; that run without the prefetch) 1.55x, 1.85x, 2.08x, 2.54x: one core streams its rows at ~21 GB/s
-// with a 6-row tile against ~31 GB/s for one row, the tile's arithmetic not hidden behind the
-// stream (software prefetch 1-3 tiles ahead, to L1 or L2, and padded input rows changed nothing).
+// in the faster state (7.8 ms; that run without the prefetch) 1.55x, 1.85x, 2.08x, 2.54x: one
+// core streams its rows at ~21 GB/s with a 6-row tile against ~31 GB/s for one row, the tile's
+// arithmetic not hidden behind the stream (software prefetch 1-3 tiles ahead, to L1 or L2, and
+// padded input rows changed nothing).
 // Elsewhere (AVX2 + FMA): 8 floats a vector, tiles of 2 weight rows x up to 6 inputs (14 of the
 // 16 registers); NR = 4 is two NR = 2 tiles. Without FMA, GCC's vector extension.
 
@@ -30,14 +32,11 @@
 #include <immintrin.h>
 #endif
 
+#include "row_dot.h"
+
 namespace portside_tile {
 
-inline float bf16_value(uint16_t b) {
-  const uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using portside_rows::bf16_value;
 inline float wvalue(float w) { return w; }
 inline float wvalue(uint16_t w) { return bf16_value(w); }
 
