@@ -88,6 +88,7 @@ SOURCES = (
     CSRC / "gguf_dot.cpp",
     CSRC / "gguf_dot_q8.cpp",
     CSRC / "gguf_dot_k.cpp",
+    CSRC / "gguf_tile.cpp",
     CSRC / "int4_dot.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "row_tile.h", CSRC / "amx_tiles.h",

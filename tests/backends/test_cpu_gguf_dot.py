@@ -12,7 +12,9 @@ Shapes are random-ish: N odd (the decode kernel's leftover rows after passes of 
 over a chunk of 32 rows (the several-token path), K not a multiple of 256 where the format allows
 it (Q8_0 and Q4_0 have blocks of 32; GGUF rows are whole blocks), an odd number of 32-blocks (the
 VNNI kernel's single last block; Q4_0's 4-block pass, then a pair), T = 1 (decode), 3, 5..9 (token
-rows 4 at a time and a remainder), 17 and 40; fp32 and bf16 activations, with a bias.
+rows 4 at a time and a remainder), 16, 17 and 40 (on AVX-512 VNNI, from 16 token rows: the tiles of
+16 interleaved weight rows, `csrc/gguf_tile.cpp`, 8 token rows a pass and a remainder of 1; N 5, 7,
+33 and 70 leave a partial tile); fp32 and bf16 activations, with a bias.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # (like 7 and 33) not a multiple of the 4 rows per decode pass; K 224: 7 blocks of 32 (Q4_0's
 # 4-block VNNI pass, then a pair, then one)
 SHAPES = {32: ((33, 96), (7, 800), (70, 224)), 256: ((33, 768), (5, 256), (70, 512))}
-ROWS = (1, 3, 5, 6, 7, 8, 9, 17, 40)
+ROWS = (1, 3, 5, 6, 7, 8, 9, 16, 17, 40)
 EPS = torch.finfo(torch.float32).eps
 # where each format keeps its fp16 super-scales (d, and Q4_K/Q5_K's dmin), to set them to sizes
 # giving O(1) outputs on random code bytes (all codes, the extreme ones included)
@@ -132,6 +134,27 @@ def test_decode_size_rows_and_threads():
         torch.set_num_threads(threads)
     assert torch.equal(one, many)  # each output is one thread's sum, in the same order
     assert ((one - ref).abs() <= 24 * 2 * EPS * mag).all()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_many_token_rows_over_threads(name: str):
+    """A prefill-sized call over several threads (on VNNI: the tiles, split across threads by 16
+    weight rows): the same as one thread, and as the reference."""
+    ggml_type = int(gguf.GGMLQuantizationType[name])
+    qweight = _weight(name, 77, 512, seed=7)
+    x = _x(37, 512, torch.float32, seed=6)
+    ref, mag = gguf_dot_ref.gguf_dot(x, qweight, ggml_type)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_dot.linear(x, qweight, ggml_type)
+        torch.set_num_threads(max(2, threads))
+        many = gguf_dot.linear(x, qweight, ggml_type)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    block = gguf_dot_ref.ACT_BLOCK[name]
+    assert ((one - ref).abs() <= (512 // block + 16) * 2 * EPS * mag).all()
 
 
 def test_bad_arguments_are_refused():

@@ -21,7 +21,7 @@
 //
 // Files: this one (the operators, the activations' quantization), gguf_dot.h (what the kernels
 // share: Ctx, the row driver), gguf_dot_q8.cpp (Q8_0, Q4_0), gguf_dot_k.cpp (Q4_K, Q5_K, Q6_K,
-// IQ4_XS; its header says how those differ).
+// IQ4_XS; its header says how those differ), gguf_tile.cpp (many token rows, every format, VNNI).
 //
 // Paths (`isa`: 0 the best here, 1 scalar, 2 AVX2, 3 AVX-512 VNNI; a path not compiled in or not
 // on this CPU is refused), each compiled under its own -march=native macros and checked at run
@@ -38,9 +38,10 @@
 //     pair's -32 offset added first (`Ctx::ps`); IQ4_XS with vpdpbusd on its values + 128 and the
 //     bias preloaded as Q8_0's.
 //   (with AVX-512 VBMI, Q4_0 takes four blocks per pass: vpermb spreads their code bytes, vpermw
-//   their scales; Q4_K/Q5_K's 6-bit scales and minimums are unpacked in a register; 16 or more
-//   token rows of Q4_0 run the Q8_0 kernel over each chunk's rows widened to Q8_0 blocks,
-//   gguf_dot_q8.cpp's `drive_q4_0_as_q8_0`.)
+//   their scales; Q4_K/Q5_K's 6-bit scales and minimums are unpacked in a register.)
+//   16 or more token rows of any format on this path go to gguf_tile.cpp instead: per thread,
+//   16 weight rows at a time regrouped into a tile whose int32 lanes are the rows, 8 token rows a
+//   pass (its header says why and how; the arithmetic is the same).
 // Decode rows prefetch the weight rows they read next (`prefetch` in gguf_dot.h).
 // Rows: one token row (decode) streams the packed weight rows once, 2 or 4 side by side (the
 // kernel's DECODE_ROWS), output rows split across threads (at::parallel_for); several token rows:
@@ -96,7 +97,8 @@ std::pair<int64_t, int64_t> block_shape(int64_t ggml_type) {
   return {0, 0};
 }
 
-Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type, Activations& a, bool parallel) {
+Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type, Activations& a, bool parallel,
+                         bool codes_only) {
   const int64_t block = block_shape(ggml_type).first;
   a.xq.resize(T * K);
   a.xd.resize(T * (K / block));
@@ -106,6 +108,7 @@ Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type
     for (int64_t b = 0; b < T * (K / block); ++b) quantize_block(x + b * block, block, a.xq.data() + b * block, a.xd.data() + b);
   }
   const int8_t* xq = a.xq.data();
+  if (codes_only) return Ctx{nullptr, 0, K, 0, T, xq, a.xd.data(), nullptr, nullptr, nullptr, nullptr, nullptr};
   if (block == 256) {
     a.bs.resize(T * (K / 16));
     for (int64_t i = 0; i < T * (K / 16); ++i) {
@@ -156,12 +159,14 @@ at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml
   at::Tensor out = at::empty({T, N}, xf.options());
   if (T > 0 && N > 0) {
     Activations a;
-    Ctx c = quantize_activations(xf.data_ptr<float>(), T, K, ggml_type, a, true);
+    const bool tiles = tiles_apply(isa, ggml_type, T);
+    Ctx c = quantize_activations(xf.data_ptr<float>(), T, K, ggml_type, a, true, tiles);
     c.w = static_cast<const uint8_t*>(qweight.data_ptr());
     c.rb = qweight.size(1);
     c.N = N;
     c.y = out.data_ptr<float>();
-    if (block == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0);
+    if (tiles) dot_tiles(c, ggml_type);
+    else if (block == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0);
     else dot_k(c, isa, ggml_type);
   }
   if (bias.has_value()) out.add_(bias->to(at::kFloat).reshape({1, N}));

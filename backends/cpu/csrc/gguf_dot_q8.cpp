@@ -3,8 +3,6 @@
 
 #include "gguf_dot.h"
 
-#include <vector>
-
 namespace portside_gguf {
 namespace {
 
@@ -234,42 +232,6 @@ struct VnniQ8Q4 {
   }
 };
 
-// Many token rows of Q4_0 through the Q8_0 kernel: each thread widens its chunk of CHUNK_ROWS
-// weight rows into Q8_0 blocks in a buffer of its own (codes nibble - 8 as int8, the same fp16
-// scale: the same integers and scales, so the arithmetic of Q4_0's kernel, fp32 sums aside), then
-// runs the VNNI Q8_0 kernel over them; the lanes' biases are Q8_0's (128 rather than 8 times the
-// code sums: 16 times Q4_0's). The Q4_0 kernel's nibble shuffles and its per-token address
-// arithmetic, not memory, bounded it (perf annotate): on the Zen 5, one thread, W 5632 x 2048,
-// 128 token rows, it took ~20 ms where Q8_0's kernel, over twice the bytes, took 13-15 ms.
-// The widening (a few microseconds a chunk) pays from kQ4AsQ8Tokens token rows.
-constexpr int64_t kQ4AsQ8Tokens = 16;
-
-inline void widen_q4_0(const uint8_t* in, int64_t blocks, uint8_t* out) {
-  const __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  for (int64_t b = 0; b < blocks; ++b, in += 18, out += 34) {
-    std::memcpy(out, in, 2);  // the fp16 scale
-    const __m128i q = load128(in + 2);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2), _mm_sub_epi8(_mm_and_si128(q, m4), eight));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 18), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight));
-  }
-}
-
-void drive_q4_0_as_q8_0(const Ctx& c) {
-  const int64_t B = c.K / 32, rb8 = B * 34, lanes = c.T * (c.K / 4);
-  std::vector<int32_t> lb(lanes);
-  for (int64_t l = 0; l < lanes; ++l) lb[l] = 16 * c.lb[l];
-  at::parallel_for(0, c.N, CHUNK_ROWS, [&](int64_t a0, int64_t a1) {
-    std::vector<uint8_t> buf(CHUNK_ROWS * rb8);
-    for (int64_t r0 = a0; r0 < a1; r0 += CHUNK_ROWS) {
-      const int64_t r1 = std::min(a1, r0 + CHUNK_ROWS);
-      for (int64_t n = r0; n < r1; ++n) widen_q4_0(c.w + n * c.rb, B, buf.data() + (n - r0) * rb8);
-      Ctx q = c;  // the chunk's rows as rows 0.. of the buffer, their outputs from column r0
-      q.w = buf.data(), q.rb = rb8, q.lb = lb.data(), q.y = c.y + r0;
-      chunk_rows<VnniQ8Q4<false>>(q, 0, r1 - r0);
-    }
-  });
-}
-
 #endif  // PORTSIDE_GD_VNNI
 
 }  // namespace
@@ -278,7 +240,6 @@ void dot_q8_q4(const Ctx& c, int64_t isa, bool q4, int64_t n0, int64_t n1) {
   switch (isa) {
 #ifdef PORTSIDE_GD_VNNI
     case ISA_VNNI:
-      if (q4 && n1 < 0 && c.T >= kQ4AsQ8Tokens) return drive_q4_0_as_q8_0(c);
       return q4 ? drive<VnniQ8Q4<true>>(c, n0, n1) : drive<VnniQ8Q4<false>>(c, n0, n1);
 #endif
 #ifdef PORTSIDE_GD_AVX2
