@@ -12,9 +12,9 @@ Shapes are random-ish: N odd (the decode kernel's leftover rows after passes of 
 over a chunk of 32 rows (the several-token path), K not a multiple of 256 where the format allows
 it (Q8_0 and Q4_0 have blocks of 32; GGUF rows are whole blocks), an odd number of 32-blocks (the
 VNNI kernel's single last block; Q4_0's 4-block pass, then a pair), T = 1 (decode), 3, 5..9 (token
-rows 4 at a time and a remainder), 16, 17 and 40 (on AVX-512 VNNI, from 16 token rows: the tiles of
-16 interleaved weight rows, `csrc/gguf_tile.cpp`, 8 token rows a pass and a remainder of 1; N 5, 7,
-33 and 70 leave a partial tile); fp32 and bf16 activations, with a bias.
+rows 4 at a time and a remainder), 16, 17 and 40 (on AVX-512 VNNI and AVX2, from 16 token rows: the
+tiles of 16 (8) interleaved weight rows, `csrc/gguf_tile.cpp`, 8 (4) token rows a pass and a
+remainder of 1; N 5, 7, 33 and 70 leave a partial tile); fp32 and bf16 activations, with a bias.
 """
 
 from __future__ import annotations

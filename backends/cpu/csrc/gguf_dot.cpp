@@ -165,7 +165,7 @@ at::Tensor gguf_dot(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml
     c.rb = qweight.size(1);
     c.N = N;
     c.y = out.data_ptr<float>();
-    if (tiles) dot_tiles(c, ggml_type);
+    if (tiles) dot_tiles(c, isa, ggml_type);
     else if (block == 32) dot_q8_q4(c, isa, ggml_type == GGML_Q4_0);
     else dot_k(c, isa, ggml_type);
   }

@@ -273,13 +273,14 @@ struct Activations {
 Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type, Activations& a, bool parallel,
                          bool codes_only = false);
 
-// Many token rows on AVX-512 VNNI (gguf_tile.cpp): the weights regrouped a chunk at a time into
-// tiles of 16 interleaved rows. `tiles_apply`: whether `dot_tiles` takes a call of T token rows on
-// the path `isa` (VNNI and at least TILE_TOKENS rows); dot_tiles reads only c's codes and scales
-// (xq, xd: `quantize_activations` with codes_only) and writes all of c.y, over all threads.
+// Many token rows on AVX-512 VNNI or AVX2 (gguf_tile.cpp): the weights regrouped a chunk at a
+// time into tiles of 16 (AVX2: 8) interleaved rows. `tiles_apply`: whether `dot_tiles` takes a call
+// of T token rows on the path `isa` (VNNI or AVX2, at least TILE_TOKENS rows); dot_tiles reads only
+// c's codes and scales (xq, xd: `quantize_activations` with codes_only) and writes all of c.y,
+// over all threads.
 constexpr int64_t TILE_TOKENS = 16;
 bool tiles_apply(int64_t isa, int64_t ggml_type, int64_t T);
-void dot_tiles(const Ctx& c, int64_t ggml_type);
+void dot_tiles(const Ctx& c, int64_t isa, int64_t ggml_type);
 
 // y[n] = x . W[n] for the weight rows [n0, n1) of c (one token row: c.T == 1) on the calling
 // thread, with the path `isa` (not ISA_BEST: resolve it once with best_isa()).
