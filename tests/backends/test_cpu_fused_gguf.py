@@ -75,6 +75,25 @@ def test_gguf_int8_decode_runs_fused_as_the_op_by_op_linears(case, tmp_path, mon
     assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-3
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_8bit_kv_caches_with_the_int8_kernels(kv, tmp_path):
+    """An 8-bit KV cache stays available with the GGUF int8-activation kernels: the fused step and
+    the op-by-op linears (a 39-token prompt: the prefill's linears take the tiles) give the same
+    greedy tokens over the same cache format."""
+    path = _file("Q8_0", tmp_path)
+    prompt = PROMPT * 3
+    got = []
+    for fused in ("on", "off"):
+        llm = LLM(model=str(path), device="cpu", max_model_len=128, block_size=8, kv_cache_dtype=kv,
+                  platform_options={"cpu_gguf_act": "int8", "cpu_fused_decode": fused})
+        assert (llm.engine.executor.runner.graph_runner._fused is not None) == (fused == "on")
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        got.append(list(out.token_ids))
+        llm.engine.shutdown()
+    assert got[0] == got[1] and len(got[0]) == N
+
+
 def test_fp32_activations_stay_op_by_op(tmp_path):
     path = _file("Q8_0", tmp_path)
     llm = LLM(model=str(path), device="cpu", max_model_len=64, platform_options={"cpu_gguf_act": "fp32"})
