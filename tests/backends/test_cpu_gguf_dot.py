@@ -91,7 +91,7 @@ def test_kernel_against_references(name: str, isa: str):
                 ref, mag = gguf_dot_ref.gguf_dot(x, qweight, ggml_type, bias.to(dtype))
                 tol = (k // block + 16) * 2 * EPS * (mag + bias.abs())
                 if dtype == torch.bfloat16:
-                    tol = tol + ref.float().abs() * 2**-8
+                    tol = tol + ref.float().abs() * 2**-7  # one bf16 step: two fp32 sums a few ulps apart can round either side of a tie
                 err = (out.float() - ref.float()).abs()
                 assert (err <= tol).all(), f"{what}: vs the same arithmetic, max err/tol {(err / tol).max():.2f}"
                 # (b) dequantize-then-matmul: bounded by the activations' rounding

@@ -281,6 +281,15 @@ Ctx quantize_activations(const float* x, int64_t T, int64_t K, int64_t ggml_type
 constexpr int64_t TILE_TOKENS = 16;
 bool tiles_apply(int64_t isa, int64_t ggml_type, int64_t T);
 void dot_tiles(const Ctx& c, int64_t isa, int64_t ggml_type);
+// The same tiles over int4 weights (int4_dot.cpp's layout: codes [N, K / 2], column 2i in the low
+// nibble of byte i; fp32 scales and whole zero points [N, K / gs], zeros null: 8), c's codes
+// quantized per act_block (a multiple of 32 dividing gs); tiles_apply(isa, GGML_Q4_0, T) says when.
+struct Int4Weights {
+  const uint8_t* w;
+  int64_t gs;
+  const float *s, *z;
+};
+void dot_tiles_int4(const Ctx& c, int64_t isa, const Int4Weights& q, int64_t act_block);
 
 // y[n] = x . W[n] for the weight rows [n0, n1) of c (one token row: c.T == 1) on the calling
 // thread, with the path `isa` (not ISA_BEST: resolve it once with best_isa()).

@@ -180,6 +180,43 @@ struct TIQ4_XS {
   }
 };
 
+// A tile's row source: row(n, u, s, m) decodes weight row n whole (its K codes u, two scales per
+// 32 values, one minimum per 32). GGUF: the file's blocks of format F, one after another.
+template <class F>
+struct GgufRows {
+  static constexpr int BS = F::BS;
+  static constexpr bool MIN = F::MIN;
+  const uint8_t* w;
+  int64_t rb, K;
+  void row(int64_t n, uint8_t* u, float* s, float* m) const {
+    const uint8_t* r = w + n * rb;
+    for (int64_t b = 0; b < K / F::VALUES; ++b)
+      F::block(r + b * F::BYTES, u + b * F::VALUES, s + b * F::VALUES / 16, m + b * F::VALUES / 32);
+  }
+};
+
+// int4 (int4_dot.cpp's layout: column 2i of a row in the low nibble of byte i, scales and whole
+// zero points per row and group of gs columns, gs a multiple of 32): u = q - z + 128, s the
+// group's scale.
+struct Int4Rows {
+  static constexpr int BS = 32;
+  static constexpr bool MIN = false;
+  Int4Weights q;
+  int64_t K;
+  void row(int64_t n, uint8_t* u, float* s, float*) const {
+    const int64_t G = K / q.gs;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int64_t j = 0; j < K / 32; ++j) {
+      const int64_t g = n * G + 32 * j / q.gs;
+      const __m128i b = load128(q.w + n * (K / 2) + 16 * j);
+      const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+      const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+      store32(u + 32 * j, _mm256_add_epi8(v, _mm256_set1_epi8(char(128 - (q.z ? int(q.z[g]) : 8)))));
+      s[2 * j] = s[2 * j + 1] = q.s[g];
+    }
+  }
+};
+
 #ifdef PORTSIDE_GD_VNNI
 // The codes of 16 rows' segment (row r's 32 bytes at rc + r * stride) as 8 zmm of 16 rows x 4
 // bytes (group g: bytes 4g..4g+3 of each row, row r in lane r): groups 0..3 to lo, 4..7 to hi, 64
@@ -246,15 +283,13 @@ struct Rows {
 // tile: each row decoded whole first (one sequential stream at a time: 16 rows read side by side,
 // 34 bytes of each per segment, left the hardware prefetcher behind), then the rows interleaved.
 template <class F, int ROWS>
-void fill_tile(const Ctx& c, int64_t n0, int rows, const Layout& L, const Rows& R, uint8_t* tile) {
+void fill_tile(const Ctx& c, const F& f, int64_t n0, int rows, const Layout& L, const Rows& R, uint8_t* tile) {
   const int64_t J = c.K / 32, ws = L.wstride(), gb = L.group_bytes();
   for (int r = 0; r < ROWS; ++r) {
     uint8_t* u = R.codes + r * c.K;
     float *s = R.s + r * 2 * J, *m = R.m + r * J;
     if (r < rows) {
-      const uint8_t* row = c.w + (n0 + r) * c.rb;
-      for (int64_t b = 0; b < c.K / F::VALUES; ++b)
-        F::block(row + b * F::BYTES, u + b * F::VALUES, s + b * F::VALUES / 16, m + b * F::VALUES / 32);
+      f.row(n0 + r, u, s, m);
     } else {
       std::memset(u, 128, c.K);
       std::fill(s, s + 2 * J, 0.f);
@@ -380,7 +415,7 @@ uint8_t* aligned(std::vector<uint8_t>& buf, int64_t bytes) {
 }
 
 template <class F, int ROWS>
-void run(const Ctx& c, int64_t act_block) {
+void run(const Ctx& c, const F& f, int64_t act_block) {
   const Layout L{F::BS, F::MIN, c.K / F::BS, ROWS};
   std::vector<uint8_t> xbuf;
   uint8_t* xp = aligned(xbuf, (c.T + PASS_TOKENS - 1) / PASS_TOKENS * L.blocks * L.xstride());
@@ -396,7 +431,7 @@ void run(const Ctx& c, int64_t act_block) {
     for (int64_t i = a0; i < a1; ++i) {
       const int64_t n0 = i * ROWS;
       const int rows = int(std::min<int64_t>(ROWS, c.N - n0));
-      fill_tile<F, ROWS>(c, n0, rows, L, R, tile);
+      fill_tile<F, ROWS>(c, f, n0, rows, L, R, tile);
       for (int64_t t = 0; t < c.T; t += PASS_TOKENS) {
         const uint8_t* xt = xp + t / PASS_TOKENS * xgroup;
         float* y = c.y + t * c.N + n0;
@@ -416,12 +451,12 @@ void run(const Ctx& c, int64_t act_block) {
 template <int ROWS>
 void dispatch(const Ctx& c, int64_t ggml_type) {
   switch (ggml_type) {
-    case GGML_Q8_0: return run<TQ8_0, ROWS>(c, 32);
-    case GGML_Q4_0: return run<TQ4_0, ROWS>(c, 32);
-    case GGML_Q4_K: return run<TQ45_K<false>, ROWS>(c, 256);
-    case GGML_Q5_K: return run<TQ45_K<true>, ROWS>(c, 256);
-    case GGML_Q6_K: return run<TQ6_K, ROWS>(c, 256);
-    case GGML_IQ4_XS: return run<TIQ4_XS, ROWS>(c, 256);
+    case GGML_Q8_0: return run<GgufRows<TQ8_0>, ROWS>(c, {c.w, c.rb, c.K}, 32);
+    case GGML_Q4_0: return run<GgufRows<TQ4_0>, ROWS>(c, {c.w, c.rb, c.K}, 32);
+    case GGML_Q4_K: return run<GgufRows<TQ45_K<false>>, ROWS>(c, {c.w, c.rb, c.K}, 256);
+    case GGML_Q5_K: return run<GgufRows<TQ45_K<true>>, ROWS>(c, {c.w, c.rb, c.K}, 256);
+    case GGML_Q6_K: return run<GgufRows<TQ6_K>, ROWS>(c, {c.w, c.rb, c.K}, 256);
+    case GGML_IQ4_XS: return run<GgufRows<TIQ4_XS>, ROWS>(c, {c.w, c.rb, c.K}, 256);
   }
 }
 
@@ -438,10 +473,18 @@ void dot_tiles(const Ctx& c, int64_t isa, int64_t ggml_type) {
   dispatch<8>(c, ggml_type);
 }
 
+void dot_tiles_int4(const Ctx& c, int64_t isa, const Int4Weights& q, int64_t act_block) {
+#ifdef PORTSIDE_GD_VNNI
+  if (isa == ISA_VNNI) return run<Int4Rows, 16>(c, {q, c.K}, act_block);
+#endif
+  run<Int4Rows, 8>(c, {q, c.K}, act_block);
+}
+
 #else
 
 bool tiles_apply(int64_t, int64_t, int64_t) { return false; }
 void dot_tiles(const Ctx&, int64_t, int64_t) {}
+void dot_tiles_int4(const Ctx&, int64_t, const Int4Weights&, int64_t) {}
 
 #endif  // PORTSIDE_GD_AVX2
 
