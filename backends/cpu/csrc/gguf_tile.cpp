@@ -98,7 +98,7 @@ void pack_activations(const Ctx& c, int64_t act_block, const Layout& L, uint8_t*
   });
 }
 
-// ---- the weights: one 32-value segment of one row as 32 unsigned codes -------------------------
+// ---- the weights: a file block as unsigned codes (u = code + 128) and fp32 scales ----------------
 
 inline __m256i nib_lo(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
 inline __m256i nib_hi(__m256i q) { return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F)); }
