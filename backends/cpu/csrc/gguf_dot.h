@@ -290,6 +290,14 @@ struct Int4Weights {
   const float *s, *z;
 };
 void dot_tiles_int4(const Ctx& c, int64_t isa, const Int4Weights& q, int64_t act_block);
+// And over symmetric int8 weights (quant_gemm.cpp's W8A8: codes [N, K] uint8 = w + 128, fp32 scales
+// [N, K / gs], gs a multiple of 32), c's codes quantized per act_block (K: one scale per token row).
+struct Int8Weights {
+  const uint8_t* w;
+  int64_t gs;
+  const float* s;
+};
+void dot_tiles_int8(const Ctx& c, int64_t isa, const Int8Weights& q, int64_t act_block);
 
 // y[n] = x . W[n] for the weight rows [n0, n1) of c (one token row: c.T == 1) on the calling
 // thread, with the path `isa` (not ISA_BEST: resolve it once with best_isa()).

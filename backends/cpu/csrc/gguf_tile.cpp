@@ -217,6 +217,19 @@ struct Int4Rows {
   }
 };
 
+// Symmetric int8 (W8A8's canonical codes, w + 128: already u), the group's scale per 32 columns.
+struct Int8Rows {
+  static constexpr int BS = 32;
+  static constexpr bool MIN = false;
+  Int8Weights q;
+  int64_t K;
+  void row(int64_t n, uint8_t* u, float* s, float*) const {
+    const int64_t G = K / q.gs;
+    std::memcpy(u, q.w + n * K, K);
+    for (int64_t j = 0; j < K / 32; ++j) s[2 * j] = s[2 * j + 1] = q.s[n * G + 32 * j / q.gs];
+  }
+};
+
 #ifdef PORTSIDE_GD_VNNI
 // The codes of 16 rows' segment (row r's 32 bytes at rc + r * stride) as 8 zmm of 16 rows x 4
 // bytes (group g: bytes 4g..4g+3 of each row, row r in lane r): groups 0..3 to lo, 4..7 to hi, 64
@@ -480,11 +493,19 @@ void dot_tiles_int4(const Ctx& c, int64_t isa, const Int4Weights& q, int64_t act
   run<Int4Rows, 8>(c, {q, c.K}, act_block);
 }
 
+void dot_tiles_int8(const Ctx& c, int64_t isa, const Int8Weights& q, int64_t act_block) {
+#ifdef PORTSIDE_GD_VNNI
+  if (isa == ISA_VNNI) return run<Int8Rows, 16>(c, {q, c.K}, act_block);
+#endif
+  run<Int8Rows, 8>(c, {q, c.K}, act_block);
+}
+
 #else
 
 bool tiles_apply(int64_t, int64_t, int64_t) { return false; }
 void dot_tiles(const Ctx&, int64_t, int64_t) {}
 void dot_tiles_int4(const Ctx&, int64_t, const Int4Weights&, int64_t) {}
+void dot_tiles_int8(const Ctx&, int64_t, const Int8Weights&, int64_t) {}
 
 #endif  // PORTSIDE_GD_AVX2
 

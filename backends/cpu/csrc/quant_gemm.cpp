@@ -64,6 +64,7 @@
 #define PORTSIDE_QUANT_AMX 1
 #include "amx_tiles.h"
 #endif
+#include "gguf_dot.h"  // gguf_tile.cpp's tiles, for many token rows of symmetric W8A8
 
 namespace {
 
@@ -811,6 +812,11 @@ inline void w8a8_rows(const W8A8& p, int64_t n, int64_t t) {
 
 #endif  // PORTSIDE_QUANT_AVX2
 
+// From this many token rows symmetric W8A8 takes gguf_tile.cpp's tiles: on the Zen 5 (1 thread,
+// 5632 x 2048, `ci/bench/int4_act_kernels.py`) the row kernel took 1.3 / 3.0 / 4.1 / 12.9 ms at 16 /
+// 24 / 32 / 128 rows, the tiles 1.95 / 2.2 / 2.4 / 5.3.
+constexpr int64_t kW8A8TileTokens = 24;
+
 at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& input_scale,
                              const std::optional<at::Tensor>& bias, int64_t group_size) {
@@ -849,6 +855,15 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, con
     done = true;
   }
 #endif
+  if (!done && T >= kW8A8TileTokens && portside_gguf::tiles_apply(portside_gguf::best_isa(), portside_gguf::GGML_Q8_0, T) &&
+      (!zeros.has_value() || zeros->eq(128.0).all().item<bool>())) {
+    // many token rows, symmetric (zero points 128 or none): the tiles of interleaved rows
+    // (gguf_tile.cpp), the same integers per group
+    const portside_gguf::Ctx c{nullptr, 0, K, N, T, xq.data(), xs.data(), nullptr, nullptr, nullptr, nullptr,
+                               out.data_ptr<float>()};
+    portside_gguf::dot_tiles_int8(c, portside_gguf::best_isa(), {p.w, gs, p.ws}, K);
+    done = true;
+  }
   if (!done && T == 1) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       int64_t n = n0;
