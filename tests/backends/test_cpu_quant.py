@@ -124,7 +124,8 @@ def test_trivial_g_idx_is_not_permuted():
 @pytest.mark.parametrize("n", [37, 48])
 def test_w8a8(group, zeros, n):
     """N = 48 (whole 16-row tiles, K and groups in 64s): where the CPU has AMX-INT8, 17 and 64 rows
-    run on the tiles; elsewhere (and N = 37) the AVX2 or AVX512-VNNI kernel."""
+    run on the tiles; elsewhere (and N = 37) the AVX2 or AVX512-VNNI kernel, but 64 rows of a
+    symmetric weight (no zeros) on the int8-activation GGUF kernels' tiles (`csrc/gguf_tile.cpp`)."""
     _check(_int_weight(n, 256, 8, group, zeros, act="int8"), "w8a8", bias=True, tol=TOL_W8A8)
 
 
