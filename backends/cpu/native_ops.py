@@ -92,7 +92,7 @@ SOURCES = (
     CSRC / "int4_dot.cpp",
 )
 INCLUDED = (CSRC / "paged_attention.c", CSRC / "decode_plan.h", CSRC / "row_dot.h", CSRC / "row_tile.h", CSRC / "amx_tiles.h",
-            CSRC / "recurrent.h", CSRC / "gguf_dot.h")
+            CSRC / "recurrent.h", CSRC / "gguf_dot.h", CSRC / "gguf_tile_rows.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++20", "-w")
 
 
