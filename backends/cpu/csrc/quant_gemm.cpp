@@ -87,6 +87,15 @@ constexpr int64_t PATH_TILES = 1 << 12;  // the tiled GEMM whatever the row coun
 constexpr int64_t PATH_DENSE = 1 << 13;  // the whole matrix dequantized, then one multi-threaded GEMM
 constexpr int64_t PATH_MASK = PATH_TILES | PATH_DENSE;
 
+// Software prefetch of the codes `prefetch_rows()` rows after the last row a kernel is reading
+// (0: none; option for the benchmark: quant_set_prefetch, registered whatever the build). Measured
+// in docs/cpu.md.
+std::atomic<int64_t> g_prefetch_rows{2};
+
+inline int64_t prefetch_rows() { return g_prefetch_rows.load(std::memory_order_relaxed); }
+
+int64_t quant_set_prefetch(int64_t rows) { return g_prefetch_rows.exchange(rows); }
+
 #ifdef PORTSIDE_QUANT_AVX2
 
 inline float hsum(__m256 v) {
@@ -382,14 +391,6 @@ struct FmtQ6_K {
 
 // y[r * ldy + n + i] = W[n + i] . x_r for NR weight rows and R token rows (x_r = x + r * K);
 // xc [R][K / 32]: each token's column sums per 32 (formats with b only).
-// Software prefetch of the codes `prefetch_rows()` rows after the last row a kernel is reading
-// (0: none; option for the benchmark: quant_set_prefetch). Measured in docs/cpu.md.
-std::atomic<int64_t> g_prefetch_rows{2};
-
-inline int64_t prefetch_rows() { return g_prefetch_rows.load(std::memory_order_relaxed); }
-
-int64_t quant_set_prefetch(int64_t rows) { return g_prefetch_rows.exchange(rows); }
-
 template <class F, int NR, int R>
 inline void dot_rows(const F& f, int64_t n, const float* x, int64_t K, const float* xc, float* y, int64_t ldy) {
   const int64_t rb = f.row_bytes(), pf = prefetch_rows();
