@@ -239,8 +239,7 @@ struct VnniQ8Q4 {
 void dot_q8_q4(const Ctx& c, int64_t isa, bool q4, int64_t n0, int64_t n1) {
   switch (isa) {
 #ifdef PORTSIDE_GD_VNNI
-    case ISA_VNNI:
-      return q4 ? drive<VnniQ8Q4<true>>(c, n0, n1) : drive<VnniQ8Q4<false>>(c, n0, n1);
+    case ISA_VNNI: return q4 ? drive<VnniQ8Q4<true>>(c, n0, n1) : drive<VnniQ8Q4<false>>(c, n0, n1);
 #endif
 #ifdef PORTSIDE_GD_AVX2
     case ISA_AVX2: return q4 ? drive<Avx2Q8Q4<true>>(c, n0, n1) : drive<Avx2Q8Q4<false>>(c, n0, n1);

@@ -206,17 +206,13 @@ at::Tensor int4_dot(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     std::vector<int8_t> xq(T * K);
     std::vector<float> xd(T * nb);
     quantize_blocks(xf.data_ptr<float>(), T, K, ab, xq.data(), xd.data());
-    if (portside_gguf::tiles_apply(isa, portside_gguf::GGML_Q4_0, T)) {  // many token rows: gguf_tile.cpp's tiles
-      portside_gguf::Ctx g{nullptr, 0, K, N, T, xq.data(), xd.data(), nullptr, nullptr, nullptr, nullptr, out.data_ptr<float>()};
-      portside_gguf::dot_tiles_int4(g, isa, {qweight.data_ptr<uint8_t>(), group_size, scales.data_ptr<float>(),
-                                             zeros.has_value() ? zeros->data_ptr<float>() : nullptr}, ab);
-      if (bias.has_value()) out.add_(bias->to(at::kFloat).reshape({1, N}));
-      return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-    }
     Ctx c{qweight.data_ptr<uint8_t>(), K / 2, K, N, T, group_size, ab, G, scales.data_ptr<float>(),
           zeros.has_value() ? zeros->data_ptr<float>() : nullptr, xq.data(), 0, 0, 0, xd.data(), nullptr,
           nullptr, nullptr, out.data_ptr<float>()};
-    if (isa == ISA_SCALAR) {
+    if (portside_gguf::tiles_apply(isa, portside_gguf::GGML_Q4_0, T)) {  // many token rows: gguf_tile.cpp's tiles
+      const portside_gguf::Ctx g{nullptr, 0, K, N, T, xq.data(), xd.data(), nullptr, nullptr, nullptr, nullptr, c.y};
+      portside_gguf::dot_tiles_int4(g, isa, {c.w, group_size, c.s, c.z}, ab);
+    } else if (isa == ISA_SCALAR) {
       drive<Scalar>(c);
     } else {
       // [even | odd] per 64 columns (zeros past K); per unit and lane the codes' sums and the
